@@ -1,0 +1,143 @@
+//! guest-init: PID 1 of every husk guest.
+//!
+//! It mounts the pseudo file systems, sets the hostname, prints one
+//! machine-readable readiness line on the console, reaps orphans, and shuts
+//! the machine down cleanly when asked. PID 1 must never exit: the kernel
+//! panics if it does, so every error here is reported and survived.
+//!
+//! Readiness line (one write, so it is never interleaved):
+//! `husk-guest-init: ready uptime_ms=<guest CLOCK_BOOTTIME ms> hostname=<name>`
+//!
+//! Shutdown: SIGUSR2 or SIGUSR1 (busybox `poweroff`/`halt`) and SIGTERM or
+//! SIGINT (busybox `reboot`, Ctrl-Alt-Del) all end the VM the same way: a
+//! microVM has nothing to reboot into, so guest-init syncs, stops every
+//! process and asks the kernel to reboot, which with `reboot=k` pulses the
+//! i8042 reset line and the VMM exits 0. (A plain power-off would only halt
+//! the CPUs: there is no ACPI to turn the machine off.)
+//!
+//! Arguments after `--` on the kernel command line are run once the guest is
+//! ready, with the console as stdio; guest-init prints
+//! `husk-guest-init: exit status=<n>` (or `signal=<n>`) and shuts down.
+
+mod sys;
+
+use std::ffi::CString;
+use std::io::Write;
+
+const HOSTNAME_PARAM: &str = "husk.hostname=";
+const DEFAULT_HOSTNAME: &str = "husk";
+
+fn main() {
+    if std::process::id() != 1 {
+        eprintln!("guest-init: must run as PID 1 of a husk guest");
+        std::process::exit(1);
+    }
+    sys::block_signals();
+    mount_all();
+    sys::ensure_console();
+    let hostname = hostname_from_cmdline();
+    if let Err(e) = sys::set_hostname(&hostname) {
+        log(&format!("cannot set hostname: {e}"));
+    }
+    say(&format!(
+        "ready uptime_ms={} hostname={hostname}",
+        sys::uptime_ms()
+    ));
+
+    let command: Vec<String> = std::env::args().skip(1).collect();
+    let mut child = None;
+    if !command.is_empty() {
+        match sys::spawn(&command) {
+            Ok(pid) => child = Some(pid),
+            Err(e) => {
+                say(&format!("exit error=\"cannot run {}: {e}\"", command[0]));
+                shutdown();
+            }
+        }
+    }
+    loop {
+        match sys::wait_signal() {
+            libc::SIGCHLD => {
+                for (pid, status) in sys::reap_all() {
+                    if Some(pid) == child {
+                        say(&format!("exit {status}"));
+                        shutdown();
+                    }
+                }
+            }
+            libc::SIGUSR1 | libc::SIGUSR2 | libc::SIGTERM | libc::SIGINT => shutdown(),
+            _ => {}
+        }
+    }
+}
+
+/// Mounts what every guest program expects. Failures are logged, not fatal.
+fn mount_all() {
+    let mounts: [(&str, &str, &str, libc::c_ulong, &str); 5] = [
+        ("proc", "/proc", "proc", sys::NOSUID_NODEV_NOEXEC, ""),
+        ("sysfs", "/sys", "sysfs", sys::NOSUID_NODEV_NOEXEC, ""),
+        ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755"),
+        (
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=1777",
+        ),
+        (
+            "tmpfs",
+            "/run",
+            "tmpfs",
+            libc::MS_NOSUID | libc::MS_NODEV,
+            "mode=0755",
+        ),
+    ];
+    for (source, target, fstype, flags, data) in mounts {
+        if let Err(e) = sys::mount(source, target, fstype, flags, data) {
+            log(&format!("cannot mount {fstype} on {target}: {e}"));
+        }
+    }
+}
+
+fn hostname_from_cmdline() -> String {
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    cmdline
+        .split_whitespace()
+        .find_map(|p| p.strip_prefix(HOSTNAME_PARAM))
+        .filter(|h| !h.is_empty() && h.len() <= 64)
+        .unwrap_or(DEFAULT_HOSTNAME)
+        .to_owned()
+}
+
+/// Syncs, stops every other process and resets the machine. Never returns.
+fn shutdown() -> ! {
+    say("shutdown");
+    sys::sync();
+    sys::kill_all(libc::SIGTERM);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    sys::kill_all(libc::SIGKILL);
+    sys::sync();
+    let err = sys::reboot();
+    // Still here: the kernel refused. Keep PID 1 alive rather than panic.
+    log(&format!("reboot failed: {err}"));
+    loop {
+        sys::wait_signal();
+    }
+}
+
+/// A protocol line on the console.
+fn say(message: &str) {
+    let line = format!("husk-guest-init: {message}\n");
+    let _ = std::io::stdout().write_all(line.as_bytes());
+}
+
+/// A diagnostic on the console.
+fn log(message: &str) {
+    let line = format!("husk-guest-init: warning: {message}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+/// A C string for a path that came from our own constants or the command line.
+fn cstring(s: &str) -> std::io::Result<CString> {
+    CString::new(s).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+}

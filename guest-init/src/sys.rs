@@ -1,0 +1,193 @@
+//! The few system calls guest-init makes, each wrapped once.
+
+use std::ffi::CString;
+use std::io;
+
+use crate::cstring;
+
+pub const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+const HANDLED: [libc::c_int; 5] = [
+    libc::SIGCHLD,
+    libc::SIGTERM,
+    libc::SIGINT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+];
+
+fn check(rc: libc::c_int) -> io::Result<()> {
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn handled_set() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t and the signal numbers are valid.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        for s in HANDLED {
+            libc::sigaddset(&mut set, s);
+        }
+    }
+    set
+}
+
+/// Blocks the signals PID 1 handles, so they queue for `wait_signal`.
+pub fn block_signals() {
+    let set = handled_set();
+    // SAFETY: `set` is initialised; the old mask is not needed.
+    unsafe { libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+}
+
+/// Waits for one of the handled signals and returns its number.
+pub fn wait_signal() -> libc::c_int {
+    let set = handled_set();
+    loop {
+        // SAFETY: `set` is initialised; the siginfo is not needed.
+        let sig = unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) };
+        if sig > 0 {
+            return sig;
+        }
+    }
+}
+
+/// Mounts `source` on `target`, creating the directory if needed.
+pub fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> io::Result<()> {
+    match std::fs::create_dir(target) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let (source, target, fstype, data) = (
+        cstring(source)?,
+        cstring(target)?,
+        cstring(fstype)?,
+        cstring(data)?,
+    );
+    // SAFETY: all pointers are NUL-terminated strings that outlive the call.
+    check(unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    })
+}
+
+/// Makes sure fds 0, 1 and 2 are the console, in case the kernel could not
+/// open it before starting init.
+pub fn ensure_console() {
+    // SAFETY: F_GETFD on any fd number is harmless.
+    if unsafe { libc::fcntl(1, libc::F_GETFD) } >= 0 {
+        return;
+    }
+    let Ok(path) = cstring("/dev/console") else {
+        return;
+    };
+    // SAFETY: `path` is NUL-terminated.
+    let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_NOCTTY) };
+    if fd >= 0 {
+        for target in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors.
+            unsafe { libc::dup2(fd, target) };
+        }
+    }
+}
+
+pub fn set_hostname(name: &str) -> io::Result<()> {
+    // SAFETY: the pointer and length describe `name`'s bytes.
+    check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) })
+}
+
+/// Milliseconds since the guest kernel booted.
+pub fn uptime_ms() -> u64 {
+    // SAFETY: timespec is plain data.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `ts` is a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// Starts `argv` as a child in its own session with the console as stdio and
+/// default signal handling. Returns its pid.
+pub fn spawn(argv: &[String]) -> io::Result<libc::pid_t> {
+    let args: Vec<CString> = argv.iter().map(|a| cstring(a)).collect::<io::Result<_>>()?;
+    let mut ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    let env = [
+        c"PATH=/bin:/sbin:/usr/bin:/usr/sbin".as_ptr(),
+        c"HOME=/root".as_ptr(),
+        std::ptr::null(),
+    ];
+    let empty = {
+        // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid sigset_t.
+        unsafe { libc::sigemptyset(&mut set) };
+        set
+    };
+    // SAFETY: fork in a single-threaded process; the child only calls
+    // async-signal-safe functions before execve or _exit.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: child side: restore the signal mask, start a session,
+        // exec; `ptrs` and `env` are NULL-terminated arrays of C strings.
+        unsafe {
+            libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            libc::setsid();
+            libc::execve(ptrs[0], ptrs.as_ptr(), env.as_ptr());
+            libc::_exit(127);
+        }
+    }
+    Ok(pid)
+}
+
+/// Reaps every exited child; returns (pid, "status=<n>" or "signal=<n>").
+pub fn reap_all() -> Vec<(libc::pid_t, String)> {
+    let mut reaped = Vec::new();
+    loop {
+        let mut status = 0;
+        // SAFETY: `status` is a valid int to fill.
+        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        if pid <= 0 {
+            return reaped;
+        }
+        let how = if libc::WIFSIGNALED(status) {
+            format!("signal={}", libc::WTERMSIG(status))
+        } else {
+            format!("status={}", libc::WEXITSTATUS(status))
+        };
+        reaped.push((pid, how));
+    }
+}
+
+pub fn sync() {
+    // SAFETY: sync has no preconditions.
+    unsafe { libc::sync() };
+}
+
+/// Sends `sig` to every process but PID 1.
+pub fn kill_all(sig: libc::c_int) {
+    // SAFETY: kill(-1) signals every process we may signal, except init itself.
+    unsafe { libc::kill(-1, sig) };
+}
+
+/// Asks the kernel to restart; returns only on failure.
+pub fn reboot() -> io::Error {
+    // SAFETY: reboot with a valid command; on success it does not return.
+    unsafe { libc::reboot(libc::RB_AUTOBOOT) };
+    io::Error::last_os_error()
+}

@@ -1,0 +1,144 @@
+//! husk-vmm: boots one microVM and exits when it ends.
+//!
+//! Exit status: 0 when the guest shut down (or SIGTERM/SIGINT stopped it),
+//! 1 when the guest failed (kernel panic, triple fault, KVM error),
+//! 2 when the VM could not be built (bad input, no KVM).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use husk_vmm::builder::build_vm;
+use husk_vmm::config::{SerialOutput, VmConfig};
+use husk_vmm::timeline::Timeline;
+use husk_vmm::vstate::memory::MemoryConfig;
+use husk_vmm::Outcome;
+
+#[derive(Debug, Parser)]
+#[command(name = "husk-vmm", version, about = "Boot one husk microVM")]
+struct Args {
+    /// Guest kernel: an uncompressed vmlinux ELF (fastest) or a bzImage.
+    #[arg(long)]
+    kernel: PathBuf,
+    /// initramfs (newc cpio) to unpack as the root file system.
+    #[arg(long)]
+    initramfs: Option<PathBuf>,
+    /// Extra kernel parameters, appended to the base command line.
+    #[arg(long)]
+    cmdline: Option<String>,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 128)]
+    mem_mib: u32,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Serial console destination: `stdout`, `null`, or a file path.
+    #[arg(long, default_value = "stdout")]
+    serial: String,
+    /// Back guest memory with 2 MiB huge pages.
+    #[arg(long)]
+    hugepages: bool,
+    /// Do not touch guest memory up front (faster start, slower guest).
+    #[arg(long)]
+    no_prefault: bool,
+    /// The KVM device.
+    #[arg(long, default_value = "/dev/kvm")]
+    kvm_device: PathBuf,
+    /// Sandbox id, shown on every log line.
+    #[arg(long)]
+    id: Option<String>,
+    /// Write the boot timeline as JSON to this file when the VM ends.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+}
+
+impl Args {
+    fn into_config(self) -> (VmConfig, Option<PathBuf>) {
+        let serial = match self.serial.as_str() {
+            "stdout" => SerialOutput::Stdout,
+            "null" => SerialOutput::Null,
+            path => SerialOutput::File(path.into()),
+        };
+        let config = VmConfig {
+            id: self
+                .id
+                .unwrap_or_else(|| format!("vm-{}", std::process::id())),
+            kernel: self.kernel,
+            initramfs: self.initramfs,
+            extra_cmdline: self.cmdline,
+            memory: MemoryConfig {
+                size_mib: self.mem_mib,
+                prefault: !self.no_prefault,
+                hugepages: self.hugepages,
+            },
+            vcpus: self.vcpus,
+            serial,
+            kvm_device: self.kvm_device,
+        };
+        (config, self.timeline)
+    }
+}
+
+fn main() -> ExitCode {
+    let timeline = Arc::new(Timeline::new());
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HUSK_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let (config, timeline_path) = Args::parse().into_config();
+    let span = tracing::info_span!("vm", id = %config.id);
+    let _entered = span.enter();
+
+    let mut vmm = match build_vm(&config, timeline.clone()) {
+        Ok(vmm) => vmm,
+        Err(e) => {
+            tracing::error!("cannot start the VM: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = match vmm.run() {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            tracing::error!("the VM failed: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match &outcome {
+        Outcome::GuestShutdown | Outcome::Signal(_) => tracing::info!("{outcome}"),
+        _ => tracing::error!("{outcome}"),
+    }
+    let report = timeline_json(&vmm, &outcome);
+    tracing::info!("timeline {report}");
+    if let Some(path) = timeline_path {
+        if let Err(e) = std::fs::write(&path, format!("{report}\n")) {
+            tracing::error!("cannot write the timeline to {}: {e}", path.display());
+        }
+    }
+    ExitCode::from(outcome.exit_code() as u8)
+}
+
+fn timeline_json(vmm: &husk_vmm::Vmm, outcome: &Outcome) -> serde_json::Value {
+    let phases: serde_json::Map<String, serde_json::Value> = vmm
+        .timeline()
+        .report()
+        .into_iter()
+        .map(|(name, us)| (name.to_owned(), us.into()))
+        .collect();
+    let resident = vmm.resident_memory().unwrap_or_default();
+    serde_json::json!({
+        "id": vmm.id(),
+        "phases_us": phases,
+        "guest_uptime_ms": vmm.guest_uptime_ms(),
+        "vmm_rss_kib": resident.vmm_kib,
+        "guest_rss_kib": resident.guest_kib,
+        "outcome": outcome.to_string(),
+        "exit_code": outcome.exit_code(),
+    })
+}

@@ -1,0 +1,130 @@
+//! The one place a VM's parts are wired together.
+
+use std::sync::{Arc, Mutex};
+
+use linux_loader::loader::load_cmdline;
+use vm_memory::GuestAddress;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::x86_64::boot::{self, BootError, ZeroPage};
+use crate::arch::x86_64::layout::{CMDLINE_START, I8042_DATA_PORT, SERIAL_IRQ, SERIAL_PORT};
+use crate::arch::x86_64::mptable::{self, MptableError};
+use crate::config::{ConfigError, VmConfig};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::i8042::I8042;
+use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
+use crate::timeline::{Phase, Timeline};
+use crate::vstate::kvm::{self, KvmError};
+use crate::vstate::memory::{self, MemoryError};
+use crate::vstate::vcpu::{Vcpu, VcpuError};
+use crate::vstate::vm::{Vm, VmError};
+use crate::Vmm;
+
+/// Errors building a VM. Each wraps the failing part's own error.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Kvm(#[from] KvmError),
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    #[error("cannot write the kernel command line: {0}")]
+    Cmdline(linux_loader::loader::Error),
+    #[error(transparent)]
+    Mptable(#[from] MptableError),
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+    #[error("cannot register the serial interrupt: {0}")]
+    Irqfd(kvm_ioctls::Error),
+    #[error("cannot place a device: {0}")]
+    Bus(#[from] BusError),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+}
+
+/// Builds a VM ready to boot `config.kernel`, marking host phases on `timeline`.
+pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
+    config.validate()?;
+    let mut kernel = config.open_kernel()?;
+    let mut initramfs = config.open_initramfs()?;
+    let cmdline = config.kernel_cmdline(kvm::is_pvm_host())?;
+    let console_out = config.open_serial()?;
+
+    let kvm = kvm::open_kvm(&config.kvm_device)?;
+    kvm::check_vcpu_count(&kvm, config.vcpus)?;
+    let vm = Vm::new(&kvm)?;
+    timeline.mark(Phase::VmCreated);
+
+    let mem = memory::create_guest_memory(&config.memory)?;
+    vm.register_memory(&kvm, &mem)?;
+    timeline.mark(Phase::MemoryReady);
+
+    let regions = memory::ram_regions(u64::from(config.memory.size_mib) << 20);
+    let low_end = regions[0].1;
+    let loaded = boot::load_kernel(&mem, &mut kernel, low_end)?;
+    let initramfs = initramfs
+        .as_mut()
+        .map(|f| boot::load_initramfs(&mem, f, loaded.end, low_end))
+        .transpose()?;
+    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline).map_err(BuildError::Cmdline)?;
+    let cmdline_len = cmdline
+        .as_cstring()
+        .map_err(|e| BuildError::Config(ConfigError::CmdlineInvalid(e)))?
+        .as_bytes()
+        .len();
+    let e820 = boot::e820_map(&regions);
+    let zero_page = boot::build_zero_page(&ZeroPage {
+        kernel: &loaded,
+        cmdline_len,
+        initramfs,
+        e820: &e820,
+    });
+    boot::write_zero_page(&mem, &zero_page)?;
+    boot::write_boot_tables(&mem)?;
+    mptable::setup_mptable(&mem, config.vcpus)?;
+    timeline.mark(Phase::KernelLoaded);
+
+    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    vm.fd()
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(BuildError::Irqfd)?;
+    let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
+    let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
+    let mut pio = Bus::new();
+    pio.insert(
+        u64::from(SERIAL_PORT),
+        8,
+        Arc::new(Mutex::new(SerialDevice::new(serial_irq, console))),
+    )?;
+    let i8042_evt = reset_evt.try_clone().map_err(BuildError::EventFd)?;
+    pio.insert(
+        u64::from(I8042_DATA_PORT),
+        5,
+        Arc::new(Mutex::new(I8042::new(i8042_evt))),
+    )?;
+    let buses = (Arc::new(pio), Arc::new(Bus::new()));
+
+    let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
+    for index in 0..config.vcpus {
+        let vcpu = Vcpu::new(&kvm, &vm, (index, config.vcpus), buses.clone())?;
+        vcpu.configure_boot(loaded.entry.0)?;
+        vcpus.push(vcpu);
+    }
+    timeline.mark(Phase::VcpusReady);
+
+    Ok(Vmm {
+        id: config.id.clone(),
+        vm,
+        mem,
+        vcpus,
+        reset_evt,
+        facts,
+        timeline,
+    })
+}

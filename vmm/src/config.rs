@@ -1,0 +1,238 @@
+//! What one VM is made of, validated before anything touches KVM.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::PathBuf;
+
+use linux_loader::cmdline::Cmdline;
+
+use crate::arch::x86_64::layout::CMDLINE_MAX_SIZE;
+use crate::vstate::memory::MemoryConfig;
+
+/// Kernel parameters every husk guest gets: console on COM1, reset through
+/// the i8042 on reboot (the VMM's "guest is done" signal), reboot at once on
+/// panic (the VMM sees the panic line and exits non-zero), a quiet console
+/// (each byte is a VM exit) and no IO-APIC timer check (a busy-wait).
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet no_timer_check";
+
+/// Extra parameters on a PVM host, where the guest kernel runs through KVM's
+/// instruction emulator: turn off CPU features the emulator cannot execute.
+/// See shared/platform.md and kernel-config/README.md.
+pub const PVM_CMDLINE: &str = "clearcpuid=popcnt,cx16,xsave,avx,avx2,avx512f,bmi1,bmi2,erms,fsrm,smap,smep,ibt,fsgsbase,rdrand,rdseed,movbe,pku,umip mitigations=off nopcid";
+
+/// Largest vCPU count the MP table and 8-bit APIC ids allow.
+pub const MAX_VCPUS: u8 = 254;
+/// Smallest guest memory accepted: the boot structures and 1 MiB of legacy
+/// space must fit. Whether the kernel fits is checked when it is loaded.
+pub const MIN_MEM_MIB: u32 = 4;
+/// Largest guest memory accepted (1 TiB).
+pub const MAX_MEM_MIB: u32 = 1 << 20;
+
+/// Where the guest's serial console goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SerialOutput {
+    Stdout,
+    File(PathBuf),
+    Null,
+}
+
+/// A VM's configuration.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// Sandbox id, on every log line.
+    pub id: String,
+    /// vmlinux ELF or bzImage.
+    pub kernel: PathBuf,
+    pub initramfs: Option<PathBuf>,
+    /// Appended to the base command line; later parameters win.
+    pub extra_cmdline: Option<String>,
+    pub memory: MemoryConfig,
+    pub vcpus: u8,
+    pub serial: SerialOutput,
+    pub kvm_device: PathBuf,
+}
+
+/// Invalid configurations. The messages say what is accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("the VM needs at least 1 vCPU")]
+    ZeroVcpus,
+    #[error("{0} vCPUs requested, at most {MAX_VCPUS} are supported")]
+    TooManyVcpus(u8),
+    #[error("{0} MiB of guest memory requested, at least {MIN_MEM_MIB} MiB are needed")]
+    MemoryTooSmall(u32),
+    #[error("{0} MiB of guest memory requested, at most {MAX_MEM_MIB} MiB are supported")]
+    MemoryTooLarge(u32),
+    #[error("the kernel command line would be {len} bytes, the limit is {} (COMMAND_LINE_SIZE); shorten --cmdline", CMDLINE_MAX_SIZE - 1)]
+    CmdlineTooLong { len: usize },
+    #[error("invalid kernel command line: {0}")]
+    CmdlineInvalid(linux_loader::cmdline::Error),
+    #[error("cannot open the kernel {0}: {1}")]
+    Kernel(PathBuf, #[source] std::io::Error),
+    #[error("cannot open the initramfs {0}: {1}")]
+    Initramfs(PathBuf, #[source] std::io::Error),
+    #[error("cannot open the serial output file {0}: {1}")]
+    SerialFile(PathBuf, #[source] std::io::Error),
+}
+
+impl VmConfig {
+    /// Checks the numbers; files are checked when they are opened.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        match self.vcpus {
+            0 => return Err(ConfigError::ZeroVcpus),
+            n if n > MAX_VCPUS => return Err(ConfigError::TooManyVcpus(n)),
+            _ => {}
+        }
+        match self.memory.size_mib {
+            n if n < MIN_MEM_MIB => Err(ConfigError::MemoryTooSmall(n)),
+            n if n > MAX_MEM_MIB => Err(ConfigError::MemoryTooLarge(n)),
+            _ => Ok(()),
+        }
+    }
+
+    /// The full kernel command line; `pvm` adds the PVM host flags.
+    pub fn kernel_cmdline(&self, pvm: bool) -> Result<Cmdline, ConfigError> {
+        let mut parts = vec![BASE_CMDLINE];
+        if pvm {
+            parts.push(PVM_CMDLINE);
+        }
+        if let Some(extra) = self.extra_cmdline.as_deref().map(str::trim) {
+            if !extra.is_empty() {
+                parts.push(extra);
+            }
+        }
+        let text = parts.join(" ");
+        if text.len() >= CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong { len: text.len() });
+        }
+        let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(ConfigError::CmdlineInvalid)?;
+        cmdline
+            .insert_str(&text)
+            .map_err(ConfigError::CmdlineInvalid)?;
+        Ok(cmdline)
+    }
+
+    /// Opens the kernel image.
+    pub fn open_kernel(&self) -> Result<File, ConfigError> {
+        File::open(&self.kernel).map_err(|e| ConfigError::Kernel(self.kernel.clone(), e))
+    }
+
+    /// Opens the initramfs, if there is one.
+    pub fn open_initramfs(&self) -> Result<Option<File>, ConfigError> {
+        self.initramfs
+            .as_ref()
+            .map(|p| File::open(p).map_err(|e| ConfigError::Initramfs(p.clone(), e)))
+            .transpose()
+    }
+
+    /// Opens the serial console's destination.
+    pub fn open_serial(&self) -> Result<Box<dyn Write + Send>, ConfigError> {
+        Ok(match &self.serial {
+            SerialOutput::Stdout => Box::new(std::io::stdout()),
+            SerialOutput::Null => Box::new(std::io::sink()),
+            SerialOutput::File(path) => Box::new(
+                OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| ConfigError::SerialFile(path.clone(), e))?,
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> VmConfig {
+        VmConfig {
+            id: "t".into(),
+            kernel: "/k".into(),
+            initramfs: None,
+            extra_cmdline: None,
+            memory: MemoryConfig {
+                size_mib: 128,
+                prefault: true,
+                hugepages: false,
+            },
+            vcpus: 1,
+            serial: SerialOutput::Null,
+            kvm_device: "/dev/kvm".into(),
+        }
+    }
+
+    #[test]
+    fn zero_vcpus_is_refused() {
+        let c = VmConfig {
+            vcpus: 0,
+            ..config()
+        };
+
+        assert!(matches!(c.validate(), Err(ConfigError::ZeroVcpus)));
+    }
+
+    #[test]
+    fn too_many_vcpus_is_refused() {
+        let c = VmConfig {
+            vcpus: 255,
+            ..config()
+        };
+
+        assert!(matches!(c.validate(), Err(ConfigError::TooManyVcpus(255))));
+    }
+
+    #[test]
+    fn tiny_memory_is_refused() {
+        let c = VmConfig {
+            memory: MemoryConfig {
+                size_mib: 1,
+                ..config().memory
+            },
+            ..config()
+        };
+
+        assert!(matches!(c.validate(), Err(ConfigError::MemoryTooSmall(1))));
+    }
+
+    #[test]
+    fn pvm_flags_only_on_pvm_hosts() {
+        let c = VmConfig {
+            extra_cmdline: Some("loglevel=8".into()),
+            ..config()
+        };
+
+        let plain = c
+            .kernel_cmdline(false)
+            .expect("cmdline")
+            .as_cstring()
+            .expect("cstr");
+        let pvm = c
+            .kernel_cmdline(true)
+            .expect("cmdline")
+            .as_cstring()
+            .expect("cstr");
+
+        assert_eq!(
+            plain.to_str().expect("utf8"),
+            format!("{BASE_CMDLINE} loglevel=8")
+        );
+        assert_eq!(
+            pvm.to_str().expect("utf8"),
+            format!("{BASE_CMDLINE} {PVM_CMDLINE} loglevel=8")
+        );
+    }
+
+    #[test]
+    fn overlong_cmdline_is_refused() {
+        let c = VmConfig {
+            extra_cmdline: Some("x".repeat(3000)),
+            ..config()
+        };
+
+        assert!(matches!(
+            c.kernel_cmdline(false),
+            Err(ConfigError::CmdlineTooLong { .. })
+        ));
+    }
+}

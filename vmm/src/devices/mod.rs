@@ -1,0 +1,5 @@
+//! Emulated devices and the buses vCPU exits are dispatched on.
+
+pub mod bus;
+pub mod i8042;
+pub mod serial;

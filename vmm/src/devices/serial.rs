@@ -1,0 +1,190 @@
+//! The 8250 UART at COM1 (vm-superio), interrupting through an irqfd, with
+//! its output written to stdout or a file and watched line by line for the
+//! two things the VMM must know: guest-init's readiness line and a kernel
+//! panic.
+
+use std::io::{self, Write};
+use std::sync::{Arc, Mutex};
+
+use vm_superio::serial::NoEvents;
+use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::bus::BusDevice;
+use crate::timeline::{Phase, Timeline};
+
+/// The readiness line guest-init prints, followed by ` key=value` fields.
+pub const READY_PREFIX: &str = "husk-guest-init: ready";
+/// How every Linux panic message starts.
+const PANIC_PREFIX: &str = "Kernel panic - not syncing";
+/// Longest line kept for matching; the rest of a longer line is still output.
+const MAX_LINE: usize = 512;
+
+/// Raises the serial interrupt by writing to an eventfd registered as an irqfd.
+#[derive(Debug)]
+pub struct EventFdTrigger(pub EventFd);
+
+impl Trigger for EventFdTrigger {
+    type E = io::Error;
+
+    fn trigger(&self) -> io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// What the console has told the VMM about the guest.
+#[derive(Debug, Default)]
+pub struct ConsoleFacts {
+    /// The first line of a kernel panic, if one was printed.
+    pub panic: Option<String>,
+    /// guest-init's own uptime when it became ready, in milliseconds.
+    pub guest_uptime_ms: Option<u64>,
+}
+
+/// Serial output sink that also scans complete lines.
+pub struct ConsoleWriter {
+    out: Box<dyn Write + Send>,
+    line: Vec<u8>,
+    facts: Arc<Mutex<ConsoleFacts>>,
+    timeline: Arc<Timeline>,
+}
+
+impl std::fmt::Debug for ConsoleWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsoleWriter").finish_non_exhaustive()
+    }
+}
+
+impl ConsoleWriter {
+    pub fn new(
+        out: Box<dyn Write + Send>,
+        facts: Arc<Mutex<ConsoleFacts>>,
+        timeline: Arc<Timeline>,
+    ) -> Self {
+        ConsoleWriter {
+            out,
+            line: Vec::with_capacity(MAX_LINE),
+            facts,
+            timeline,
+        }
+    }
+
+    fn scan_line(&mut self) {
+        let line = String::from_utf8_lossy(&self.line);
+        let line = line.trim_end_matches('\r');
+        if let Some(fields) = line.strip_prefix(READY_PREFIX) {
+            self.timeline.mark(Phase::GuestReady);
+            let uptime = fields
+                .split_whitespace()
+                .find_map(|f| f.strip_prefix("uptime_ms="))
+                .and_then(|v| v.parse().ok());
+            lock(&self.facts).guest_uptime_ms = uptime;
+        } else if let Some(at) = line.find(PANIC_PREFIX) {
+            let mut facts = lock(&self.facts);
+            if facts.panic.is_none() {
+                facts.panic = Some(line[at..].to_owned());
+            }
+        }
+        self.line.clear();
+    }
+}
+
+impl Write for ConsoleWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        for &b in buf {
+            if b == b'\n' {
+                self.scan_line();
+            } else if self.line.len() < MAX_LINE {
+                self.line.push(b);
+            }
+        }
+        // Console output is best effort: a closed stdout must not stop the guest.
+        let _ = self.out.write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.flush()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// COM1 on the port-I/O bus.
+#[derive(Debug)]
+pub struct SerialDevice {
+    serial: Serial<EventFdTrigger, NoEvents, ConsoleWriter>,
+}
+
+impl SerialDevice {
+    pub fn new(irq: EventFd, out: ConsoleWriter) -> Self {
+        SerialDevice {
+            serial: Serial::new(EventFdTrigger(irq), out),
+        }
+    }
+}
+
+impl BusDevice for SerialDevice {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let (Ok(offset), [byte]) = (u8::try_from(offset), data) {
+            *byte = self.serial.read(offset);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if let (Ok(offset), [byte]) = (u8::try_from(offset), data) {
+            if let Err(e) = self.serial.write(offset, *byte) {
+                tracing::warn!("serial write failed: {e:?}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writer() -> (ConsoleWriter, Arc<Mutex<ConsoleFacts>>, Arc<Timeline>) {
+        let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
+        let timeline = Arc::new(Timeline::new());
+        let w = ConsoleWriter::new(Box::new(io::sink()), facts.clone(), timeline.clone());
+        (w, facts, timeline)
+    }
+
+    #[test]
+    fn readiness_line_marks_the_timeline() {
+        let (mut w, facts, timeline) = writer();
+
+        w.write_all(b"noise\r\nhusk-guest-init: ready uptime_ms=1234 pid=1\r\n")
+            .expect("write");
+
+        assert_eq!(lock(&facts).guest_uptime_ms, Some(1234));
+        assert!(timeline.elapsed_us(Phase::GuestReady).is_some());
+    }
+
+    #[test]
+    fn panic_line_is_recorded_once() {
+        let (mut w, facts, _) = writer();
+
+        w.write_all(b"[ 1.0] Kernel panic - not syncing: Attempted to kill init!\n")
+            .expect("write");
+        w.write_all(b"Kernel panic - not syncing: second\n")
+            .expect("write");
+
+        assert_eq!(
+            lock(&facts).panic.as_deref(),
+            Some("Kernel panic - not syncing: Attempted to kill init!")
+        );
+    }
+
+    #[test]
+    fn long_lines_do_not_grow_the_buffer() {
+        let (mut w, _, _) = writer();
+
+        w.write_all(&vec![b'x'; 100_000]).expect("write");
+
+        assert_eq!(w.line.len(), MAX_LINE);
+    }
+}

@@ -1,0 +1,265 @@
+//! husk-vmm: one KVM microVM per process.
+//!
+//! [`builder::build_vm`] turns a [`config::VmConfig`] into a [`Vmm`] ready to
+//! boot; [`Vmm::run`] starts the vCPUs and serves events until the guest
+//! powers off, fails, or the process is told to stop.
+
+pub mod arch;
+pub mod builder;
+pub mod config;
+pub mod devices;
+pub mod resident;
+pub mod timeline;
+pub mod vstate;
+
+use std::fmt;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+
+use devices::serial::ConsoleFacts;
+use resident::ResidentMemory;
+use timeline::{Phase, Timeline};
+use vstate::vcpu::{StopReporter, Vcpu, VcpuError, VcpuStop};
+use vstate::vm::Vm;
+
+/// How a VM ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The guest reset or powered off through the i8042 (guest-init's clean
+    /// shutdown path with `reboot=k`).
+    GuestShutdown,
+    /// The guest kernel panicked; the first panic line.
+    GuestPanic(String),
+    /// A vCPU stopped for a reason that is a guest or KVM failure.
+    VcpuStopped { index: u8, stop: VcpuStop },
+    /// The VMM received SIGTERM or SIGINT and stopped the VM.
+    Signal(i32),
+}
+
+impl Outcome {
+    /// The process exit status: 0 for a clean end, 1 for a guest failure.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Outcome::GuestShutdown | Outcome::Signal(_) => 0,
+            Outcome::GuestPanic(_) | Outcome::VcpuStopped { .. } => 1,
+        }
+    }
+}
+
+impl fmt::Display for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Outcome::GuestShutdown => write!(f, "the guest shut down"),
+            Outcome::GuestPanic(line) => write!(f, "the guest kernel panicked: {line}"),
+            Outcome::VcpuStopped { index, stop } => write!(f, "vCPU {index} stopped: {stop}"),
+            Outcome::Signal(sig) => write!(f, "stopped by signal {sig}"),
+        }
+    }
+}
+
+/// Errors while running a built VM.
+#[derive(Debug, thiserror::Error)]
+pub enum VmmError {
+    #[error("cannot set up the event loop: {0}")]
+    EventLoop(String),
+    #[error("cannot set up signal handling: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+}
+
+/// A built VM: its memory, vCPUs and the events that end it.
+#[derive(Debug)]
+pub struct Vmm {
+    pub(crate) id: String,
+    // Kept alive for as long as KVM may touch the memory it registered.
+    #[allow(dead_code)]
+    pub(crate) vm: Vm,
+    pub(crate) mem: GuestMemoryMmap,
+    pub(crate) vcpus: Vec<Vcpu>,
+    pub(crate) reset_evt: EventFd,
+    pub(crate) facts: Arc<Mutex<ConsoleFacts>>,
+    pub(crate) timeline: Arc<Timeline>,
+}
+
+impl Vmm {
+    /// The sandbox id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The boot timeline.
+    pub fn timeline(&self) -> &Arc<Timeline> {
+        &self.timeline
+    }
+
+    /// guest-init's uptime at readiness, as it reported it on the console.
+    pub fn guest_uptime_ms(&self) -> Option<u64> {
+        lock(&self.facts).guest_uptime_ms
+    }
+
+    /// Resident memory of this process, guest RAM and VMM apart.
+    pub fn resident_memory(&self) -> std::io::Result<ResidentMemory> {
+        let guest: Vec<_> = self
+            .mem
+            .iter()
+            .map(|r| {
+                let start = r.as_ptr() as usize;
+                start..start + r.len() as usize
+            })
+            .collect();
+        resident::measure(&guest)
+    }
+
+    /// Boots the guest and serves events until it ends. SIGTERM and SIGINT
+    /// stop the VM; they are blocked in every thread and read from a signalfd.
+    pub fn run(&mut self) -> Result<Outcome, VmmError> {
+        let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
+        let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
+        let (tx, rx) = mpsc::channel();
+        for vcpu in self.vcpus.drain(..) {
+            let reporter = StopReporter {
+                tx: tx.clone(),
+                evt: stop_evt.try_clone().map_err(VmmError::EventFd)?,
+            };
+            // vCPU threads are never joined: they sit in KVM_RUN until the
+            // process exits, which tears the VM down with them.
+            vcpu.start(reporter, self.timeline.clone())?;
+        }
+
+        let watcher = Arc::new(Mutex::new(ExitWatcher {
+            signals,
+            stop_evt,
+            stops: rx,
+            reset_evt: self.reset_evt.try_clone().map_err(VmmError::EventFd)?,
+            facts: self.facts.clone(),
+            outcome: None,
+        }));
+        let mut events: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
+            EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+        events.add_subscriber(watcher.clone());
+        loop {
+            events
+                .run()
+                .map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+            if let Some(outcome) = lock(&watcher).outcome.take() {
+                if matches!(outcome, Outcome::GuestShutdown | Outcome::GuestPanic(_)) {
+                    self.timeline.mark(Phase::GuestExit);
+                }
+                return Ok(outcome);
+            }
+        }
+    }
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Decides how the VM ends from the events that can end it.
+struct ExitWatcher {
+    signals: SignalFd,
+    stop_evt: EventFd,
+    stops: Receiver<(u8, VcpuStop)>,
+    reset_evt: EventFd,
+    facts: Arc<Mutex<ConsoleFacts>>,
+    outcome: Option<Outcome>,
+}
+
+impl MutEventSubscriber for ExitWatcher {
+    fn init(&mut self, ops: &mut EventOps) {
+        for fd in [
+            self.signals.as_raw_fd(),
+            self.stop_evt.as_raw_fd(),
+            self.reset_evt.as_raw_fd(),
+        ] {
+            if let Err(e) = ops.add(Events::new_raw(fd, EventSet::IN)) {
+                tracing::error!("cannot watch fd {fd}: {e:?}");
+            }
+        }
+    }
+
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        let fd = events.fd();
+        if fd == self.reset_evt.as_raw_fd() {
+            let _ = self.reset_evt.read();
+            // With panic=-1 a panicking kernel resets at once; the console
+            // tells a panic from a requested shutdown.
+            self.outcome = Some(match lock(&self.facts).panic.clone() {
+                Some(line) => Outcome::GuestPanic(line),
+                None => Outcome::GuestShutdown,
+            });
+        } else if fd == self.stop_evt.as_raw_fd() {
+            let _ = self.stop_evt.read();
+            if let Ok((index, stop)) = self.stops.try_recv() {
+                self.outcome = Some(Outcome::VcpuStopped { index, stop });
+            }
+        } else if fd == self.signals.as_raw_fd() {
+            if let Some(sig) = self.signals.read() {
+                self.outcome = Some(Outcome::Signal(sig));
+            }
+        }
+    }
+}
+
+/// A signalfd for a set of signals, which are blocked for the calling thread
+/// and every thread it spawns afterwards.
+struct SignalFd {
+    fd: OwnedFd,
+}
+
+impl SignalFd {
+    fn new(signals: &[i32]) -> std::io::Result<Self> {
+        // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is a valid sigset_t and the signal numbers are valid.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            for &s in signals {
+                libc::sigaddset(&mut set, s);
+            }
+        }
+        // SAFETY: `set` is initialised; the old mask is not needed.
+        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+        if rc != 0 {
+            return Err(std::io::Error::from_raw_os_error(rc));
+        }
+        // SAFETY: `set` is initialised; -1 asks for a new descriptor.
+        let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: signalfd returned a new descriptor that nothing else owns.
+        Ok(SignalFd {
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+        })
+    }
+
+    fn read(&self) -> Option<i32> {
+        // SAFETY: signalfd_siginfo is plain data.
+        let mut info: libc::signalfd_siginfo = unsafe { std::mem::zeroed() };
+        let len = std::mem::size_of::<libc::signalfd_siginfo>();
+        // SAFETY: `info` is a writable buffer of `len` bytes.
+        let n = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                (&mut info as *mut libc::signalfd_siginfo).cast(),
+                len,
+            )
+        };
+        (n as usize == len).then_some(info.ssi_signo as i32)
+    }
+}
+
+impl AsRawFd for SignalFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}

@@ -1,0 +1,113 @@
+//! The boot timeline: when each host phase ended, relative to the VMM's
+//! `main`, so host work can be told apart from (slow, emulated) guest work.
+
+use std::sync::OnceLock;
+use std::time::Instant;
+
+/// Phases in the order they happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// KVM opened and checked, VM and irqchip created.
+    VmCreated,
+    /// Guest memory allocated (and prefaulted) and registered.
+    MemoryReady,
+    /// Kernel, initramfs, command line, zero page and MP table in memory.
+    KernelLoaded,
+    /// Devices attached and all vCPUs created and configured.
+    VcpusReady,
+    /// vCPU 0 is about to enter KVM_RUN for the first time.
+    FirstKvmRun,
+    /// guest-init printed its readiness line.
+    GuestReady,
+    /// The guest asked to be reset or powered off.
+    GuestExit,
+}
+
+impl Phase {
+    /// Every phase, in order.
+    pub const ALL: [Phase; 7] = [
+        Phase::VmCreated,
+        Phase::MemoryReady,
+        Phase::KernelLoaded,
+        Phase::VcpusReady,
+        Phase::FirstKvmRun,
+        Phase::GuestReady,
+        Phase::GuestExit,
+    ];
+
+    /// The name used in the JSON report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::VmCreated => "vm_created",
+            Phase::MemoryReady => "memory_ready",
+            Phase::KernelLoaded => "kernel_loaded",
+            Phase::VcpusReady => "vcpus_ready",
+            Phase::FirstKvmRun => "first_kvm_run",
+            Phase::GuestReady => "guest_ready",
+            Phase::GuestExit => "guest_exit",
+        }
+    }
+}
+
+/// Timestamps of each phase; each is recorded once, from any thread.
+#[derive(Debug)]
+pub struct Timeline {
+    start: Instant,
+    marks: [OnceLock<Instant>; 7],
+}
+
+impl Default for Timeline {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Timeline {
+    /// A timeline starting now.
+    pub fn new() -> Self {
+        Timeline {
+            start: Instant::now(),
+            marks: Default::default(),
+        }
+    }
+
+    /// Records the end of `phase`; later calls for the same phase are ignored.
+    pub fn mark(&self, phase: Phase) {
+        let _ = self.marks[phase as usize].set(Instant::now());
+    }
+
+    /// Microseconds from the start to the end of `phase`, if it happened.
+    pub fn elapsed_us(&self, phase: Phase) -> Option<u64> {
+        self.marks[phase as usize]
+            .get()
+            .map(|t| t.duration_since(self.start).as_micros() as u64)
+    }
+
+    /// The phases that happened, as (name, microseconds since start).
+    pub fn report(&self) -> Vec<(&'static str, u64)> {
+        Phase::ALL
+            .iter()
+            .filter_map(|p| self.elapsed_us(*p).map(|us| (p.name(), us)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn marks_once_and_reports_in_order() {
+        let t = Timeline::new();
+
+        t.mark(Phase::MemoryReady);
+        let first = t.elapsed_us(Phase::MemoryReady);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        t.mark(Phase::MemoryReady);
+        t.mark(Phase::VmCreated);
+
+        assert_eq!(t.elapsed_us(Phase::MemoryReady), first);
+        let names: Vec<_> = t.report().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, vec!["vm_created", "memory_ready"]);
+    }
+}

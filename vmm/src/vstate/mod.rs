@@ -1,0 +1,6 @@
+//! KVM state: the hypervisor handle, the VM, its memory and its vCPUs.
+
+pub mod kvm;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;
