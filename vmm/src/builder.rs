@@ -50,11 +50,11 @@ pub enum BuildError {
 /// Builds a VM ready to boot `config.kernel`, marking host phases on `timeline`.
 pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
     config.validate()?;
+    let pvm = kvm::is_pvm_host();
+    let cmdline = config.kernel_cmdline(pvm)?;
     let mut kernel = config.open_kernel()?;
     let mut initramfs = config.open_initramfs()?;
-    let cmdline = config.kernel_cmdline(kvm::is_pvm_host())?;
     let console_out = config.open_serial()?;
-
     let kvm = kvm::open_kvm(&config.kvm_device)?;
     kvm::check_vcpu_count(&kvm, config.vcpus)?;
     let vm = Vm::new(&kvm)?;
@@ -112,7 +112,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
 
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let vcpu = Vcpu::new(&kvm, &vm, (index, config.vcpus), buses.clone())?;
+        let vcpu = Vcpu::new(&kvm, &vm, (index, config.vcpus, pvm), buses.clone())?;
         vcpu.configure_boot(loaded.entry.0)?;
         vcpus.push(vcpu);
     }

@@ -91,11 +91,12 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
-    /// Creates vCPU `index` of `count` with its CPUID.
+    /// Creates vCPU `index` of `count` with its CPUID (`pvm`: see
+    /// [`cpuid::patch_cpuid`]).
     pub fn new(
         kvm: &Kvm,
         vm: &Vm,
-        (index, count): (u8, u8),
+        (index, count, pvm): (u8, u8, bool),
         (pio, mmio): (Arc<Bus>, Arc<Bus>),
     ) -> Result<Self, VcpuError> {
         let fd = vm
@@ -105,7 +106,7 @@ impl Vcpu {
         let mut cpuid = kvm
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(VcpuError::SupportedCpuid)?;
-        cpuid::patch_cpuid(&mut cpuid, index, count);
+        cpuid::patch_cpuid(&mut cpuid, index, count, pvm);
         fd.set_cpuid2(&cpuid).map_err(VcpuError::SetCpuid)?;
         Ok(Vcpu {
             index,

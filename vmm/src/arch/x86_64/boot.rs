@@ -177,6 +177,9 @@ pub fn load_initramfs(
         });
     }
     let addr = GuestAddress(start);
+    initramfs
+        .seek(SeekFrom::Start(0))
+        .map_err(BootError::ReadInitramfs)?;
     mem.read_exact_volatile_from(addr, initramfs, size as usize)
         .map_err(|e| match e {
             vm_memory::GuestMemoryError::IOError(io) => BootError::ReadInitramfs(io),
@@ -484,6 +487,7 @@ mod tests {
             .expect("tempfile")
             .into_file();
         std::io::Write::write_all(&mut &file, bytes).expect("write");
+        (&file).seek(SeekFrom::Start(0)).expect("rewind");
         file
     }
 }

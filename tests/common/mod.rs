@@ -1,0 +1,162 @@
+//! Shared by the integration tests and benchmarks: the real guest artifacts
+//! (kernel from kernel-config/, initramfs with guest-init) and a runner for
+//! the husk-vmm binary.
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Generous bound for one guest boot on an emulating (PVM) host, where a
+/// boot takes 30 to 90 seconds; on hardware KVM it takes well under one.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(900);
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("vmm/ has a parent")
+        .to_path_buf()
+}
+
+/// Runs a build script that prints its artifact's path last, unless `var`
+/// already names the artifact.
+fn artifact(var: &str, script: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(var) {
+        return PathBuf::from(path);
+    }
+    let out = Command::new(repo_root().join(script))
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+    assert!(out.status.success(), "{script} failed: {}", out.status);
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 path");
+    PathBuf::from(stdout.lines().last().expect("script printed a path"))
+}
+
+/// The guest kernel (vmlinux), built by kernel-config/build.sh or `$HUSK_KERNEL`.
+pub fn kernel() -> &'static Path {
+    static KERNEL: OnceLock<PathBuf> = OnceLock::new();
+    KERNEL.get_or_init(|| artifact("HUSK_KERNEL", "kernel-config/build.sh"))
+}
+
+/// The guest initramfs, built by guest-init/build-rootfs.sh or `$HUSK_INITRAMFS`.
+pub fn initramfs() -> &'static Path {
+    static INITRAMFS: OnceLock<PathBuf> = OnceLock::new();
+    INITRAMFS.get_or_init(|| artifact("HUSK_INITRAMFS", "guest-init/build-rootfs.sh"))
+}
+
+pub fn vmm_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_husk-vmm")
+}
+
+/// What one husk-vmm process did.
+#[derive(Debug)]
+pub struct VmmRun {
+    pub status: ExitStatus,
+    /// The guest's serial console.
+    pub serial: String,
+    /// The VMM's own log.
+    pub stderr: String,
+    pub wall: Duration,
+}
+
+impl VmmRun {
+    /// The console and the log, for assertion messages.
+    pub fn dump(&self) -> String {
+        format!(
+            "status: {}\n--- serial ---\n{}\n--- stderr ---\n{}",
+            self.status, self.serial, self.stderr
+        )
+    }
+}
+
+/// A husk-vmm command line with the real kernel and initramfs.
+pub fn guest_command(extra: &[&str]) -> Command {
+    let mut cmd = Command::new(vmm_binary());
+    cmd.arg("--kernel")
+        .arg(kernel())
+        .arg("--initramfs")
+        .arg(initramfs())
+        .args(extra);
+    cmd
+}
+
+/// Spawns `cmd` with captured output.
+pub fn spawn(mut cmd: Command) -> Child {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn husk-vmm")
+}
+
+/// Waits for `child` to exit, killing it after `timeout` (the test then fails
+/// with whatever the guest printed).
+pub fn wait(mut child: Child, timeout: Duration) -> VmmRun {
+    let start = Instant::now();
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let status = child.wait().expect("wait after kill");
+            let run = VmmRun {
+                status,
+                serial: out_reader.join().unwrap_or_default(),
+                stderr: err_reader.join().unwrap_or_default(),
+                wall: start.elapsed(),
+            };
+            panic!("husk-vmm did not exit within {timeout:?}\n{}", run.dump());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    VmmRun {
+        status,
+        serial: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+        wall: start.elapsed(),
+    }
+}
+
+/// Runs husk-vmm to completion.
+pub fn run(cmd: Command, timeout: Duration) -> VmmRun {
+    wait(spawn(cmd), timeout)
+}
+
+/// A copy of husk-vmm that an unprivileged user can execute (the build
+/// directory may sit below a directory only root can enter). Keep the
+/// returned directory alive while the copy is used.
+pub fn vmm_binary_for_anyone() -> (vmm_sys_util::tempdir::TempDir, PathBuf) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix("/tmp/husk-test-")
+        .expect("tempdir");
+    std::fs::set_permissions(dir.as_path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod dir");
+    let copy = dir.as_path().join("husk-vmm");
+    std::fs::copy(vmm_binary(), &copy).expect("copy husk-vmm");
+    std::fs::set_permissions(&copy, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    (dir, copy)
+}
+
+/// `argv` run as the unprivileged user nobody (65534).
+pub fn as_nobody(program: &Path) -> Command {
+    let mut cmd = Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(program);
+    cmd
+}
