@@ -19,7 +19,11 @@ fn vmm(args: &[&str]) -> Command {
 
 fn assert_refused(run: &VmmRun, message: &str) {
     assert_eq!(run.status.code(), Some(2), "{}", run.dump());
-    assert!(run.stderr.contains(message), "expected {message:?}\n{}", run.dump());
+    assert!(
+        run.stderr.contains(message),
+        "expected {message:?}\n{}",
+        run.dump()
+    );
     assert!(!run.stderr.contains("panicked"), "{}", run.dump());
 }
 
@@ -96,7 +100,13 @@ fn memory_below_the_minimum() {
 #[test]
 fn initramfs_too_large_for_memory() {
     let big = temp_file(&vec![0u8; 24 << 20]);
-    let mut cmd = vmm(&["--mem-mib", "32", "--initramfs", big.as_path().to_str().expect("utf-8"), "--kernel"]);
+    let mut cmd = vmm(&[
+        "--mem-mib",
+        "32",
+        "--initramfs",
+        big.as_path().to_str().expect("utf-8"),
+        "--kernel",
+    ]);
     cmd.arg(kernel());
 
     let run = run(cmd, QUICK);

@@ -28,14 +28,33 @@ fn guest_init_reports_ready_runs_a_command_and_powers_off() {
         .unwrap_or_else(|| panic!("no readiness line\n{}", run.dump()));
     assert!(ready.contains(" hostname=sandbox-1"), "{ready}");
     assert!(ready.contains(" uptime_ms="), "{ready}");
-    assert!(run.serial.contains("\nhello-from-the-guest"), "{}", run.dump());
-    assert!(run.serial.contains("husk-guest-init: exit status=0"), "{}", run.dump());
+    assert!(
+        run.serial.contains("\nhello-from-the-guest"),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        run.serial.contains("husk-guest-init: exit status=0"),
+        "{}",
+        run.dump()
+    );
     assert!(run.stderr.contains("the guest shut down"), "{}", run.dump());
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(timeline.as_path()).expect("timeline file"))
             .expect("timeline JSON");
-    for phase in ["vm_created", "memory_ready", "kernel_loaded", "vcpus_ready", "first_kvm_run", "guest_ready", "guest_exit"] {
-        assert!(report["phases_us"][phase].is_u64(), "missing {phase}: {report}");
+    for phase in [
+        "vm_created",
+        "memory_ready",
+        "kernel_loaded",
+        "vcpus_ready",
+        "first_kvm_run",
+        "guest_ready",
+        "guest_exit",
+    ] {
+        assert!(
+            report["phases_us"][phase].is_u64(),
+            "missing {phase}: {report}"
+        );
     }
 }
 
@@ -54,7 +73,11 @@ fn two_vcpus_come_up_and_busybox_poweroff_ends_the_vm() {
 
     assert_eq!(run.status.code(), Some(0), "{}", run.dump());
     assert!(run.serial.contains("cpus=2"), "{}", run.dump());
-    assert!(run.serial.contains("husk-guest-init: shutdown"), "{}", run.dump());
+    assert!(
+        run.serial.contains("husk-guest-init: shutdown"),
+        "{}",
+        run.dump()
+    );
 }
 
 #[test]
@@ -65,8 +88,16 @@ fn guest_kernel_panic_ends_the_vmm_with_an_error() {
     let run = run(cmd, BOOT_TIMEOUT);
 
     assert_eq!(run.status.code(), Some(1), "{}", run.dump());
-    assert!(run.stderr.contains("the guest kernel panicked"), "{}", run.dump());
-    assert!(run.stderr.contains("Attempted to kill init"), "{}", run.dump());
+    assert!(
+        run.stderr.contains("the guest kernel panicked"),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        run.stderr.contains("Attempted to kill init"),
+        "{}",
+        run.dump()
+    );
 }
 
 #[test]
@@ -75,7 +106,8 @@ fn triple_fault_ends_the_vmm_with_an_error() {
     // #UD escalates to a triple fault.
     let kernel = write_temp(&tiny_elf(&[0x0f, 0x0b]));
     let mut cmd = std::process::Command::new(vmm_binary());
-    cmd.args(["--mem-mib", "16", "--kernel"]).arg(kernel.as_path());
+    cmd.args(["--mem-mib", "16", "--kernel"])
+        .arg(kernel.as_path());
 
     let run = run(cmd, Duration::from_secs(120));
 
@@ -93,7 +125,11 @@ fn sigterm_stops_a_booting_vm_cleanly() {
     let run = wait(child, Duration::from_secs(30));
 
     assert_eq!(run.status.code(), Some(0), "{}", run.dump());
-    assert!(run.stderr.contains("stopped by signal 15"), "{}", run.dump());
+    assert!(
+        run.stderr.contains("stopped by signal 15"),
+        "{}",
+        run.dump()
+    );
 }
 
 /// A minimal x86_64 ELF executable loading `code` at 1 MiB and entering there.

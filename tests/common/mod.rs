@@ -143,8 +143,7 @@ pub fn run(cmd: Command, timeout: Duration) -> VmmRun {
 /// returned directory alive while the copy is used.
 pub fn vmm_binary_for_anyone() -> (vmm_sys_util::tempdir::TempDir, PathBuf) {
     use std::os::unix::fs::PermissionsExt;
-    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix("/tmp/husk-test-")
-        .expect("tempdir");
+    let dir = vmm_sys_util::tempdir::TempDir::new_with_prefix("/tmp/husk-test-").expect("tempdir");
     std::fs::set_permissions(dir.as_path(), std::fs::Permissions::from_mode(0o755))
         .expect("chmod dir");
     let copy = dir.as_path().join("husk-vmm");

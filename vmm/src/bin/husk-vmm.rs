@@ -25,8 +25,9 @@ struct Args {
     /// initramfs (newc cpio) to unpack as the root file system.
     #[arg(long)]
     initramfs: Option<PathBuf>,
-    /// Extra kernel parameters, appended to the base command line.
-    #[arg(long)]
+    /// Extra kernel parameters, appended to the base command line. Anything
+    /// after ` -- ` is passed to guest-init, which runs it once ready.
+    #[arg(long, allow_hyphen_values = true)]
     cmdline: Option<String>,
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 128)]
@@ -115,13 +116,46 @@ fn main() -> ExitCode {
         _ => tracing::error!("{outcome}"),
     }
     let report = timeline_json(&vmm, &outcome);
-    tracing::info!("timeline {report}");
+    eprint!("{}", timeline_table(&report));
     if let Some(path) = timeline_path {
         if let Err(e) = std::fs::write(&path, format!("{report}\n")) {
             tracing::error!("cannot write the timeline to {}: {e}", path.display());
         }
     }
     ExitCode::from(outcome.exit_code() as u8)
+}
+
+/// The report as a table for people: host phases, then guest phases.
+fn timeline_table(report: &serde_json::Value) -> String {
+    let phases = &report["phases_us"];
+    let mut out = String::from("boot timeline (ms since husk-vmm started)\n");
+    let mut previous = 0u64;
+    for (side, name) in [
+        ("host", "vm_created"),
+        ("host", "memory_ready"),
+        ("host", "kernel_loaded"),
+        ("host", "vcpus_ready"),
+        ("host", "first_kvm_run"),
+        ("guest", "guest_ready"),
+        ("guest", "guest_exit"),
+    ] {
+        if let Some(us) = phases[name].as_u64() {
+            out += &format!(
+                "  {side:<5} {name:<14} {:>10.1}  (+{:.1})\n",
+                us as f64 / 1000.0,
+                us.saturating_sub(previous) as f64 / 1000.0
+            );
+            previous = us;
+        }
+    }
+    if let Some(uptime) = report["guest_uptime_ms"].as_u64() {
+        out += &format!("  guest-init reported guest uptime {uptime} ms at readiness\n");
+    }
+    out += &format!(
+        "  VMM resident memory excluding guest RAM: {} KiB (guest RAM resident: {} KiB)\n",
+        report["vmm_rss_kib"], report["guest_rss_kib"]
+    );
+    out
 }
 
 fn timeline_json(vmm: &husk_vmm::Vmm, outcome: &Outcome) -> serde_json::Value {

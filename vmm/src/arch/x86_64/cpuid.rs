@@ -69,7 +69,11 @@ mod tests {
 
     #[test]
     fn hides_hypercall_features_on_pvm_only() {
-        let leaf = kvm_cpuid_entry2 { function: LEAF_KVM_FEATURES, eax: 0xffff, ..Default::default() };
+        let leaf = kvm_cpuid_entry2 {
+            function: LEAF_KVM_FEATURES,
+            eax: 0xffff,
+            ..Default::default()
+        };
         let mut hw = CpuId::from_entries(&[leaf]).expect("cpuid");
         let mut pvm = CpuId::from_entries(&[leaf]).expect("cpuid");
 
