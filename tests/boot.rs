@@ -59,25 +59,30 @@ fn guest_init_reports_ready_runs_a_command_and_powers_off() {
 }
 
 #[test]
-fn two_vcpus_come_up_and_busybox_poweroff_ends_the_vm() {
+fn two_vcpus_come_up_console_goes_to_a_file_and_poweroff_ends_the_vm() {
     // busybox poweroff signals PID 1 (SIGUSR2); the trailing sleep would keep
     // the guest up if guest-init ignored it.
+    let console = vmm_sys_util::tempfile::TempFile::new().expect("tempfile");
     let cmd = guest_command(&[
         "--vcpus",
         "2",
+        "--serial",
+        console.as_path().to_str().expect("utf-8"),
         "--cmdline",
         "-- /bin/sh -c \"echo cpus=$(grep -c ^processor /proc/cpuinfo); poweroff; sleep 100000\"",
     ]);
 
     let run = run(cmd, BOOT_TIMEOUT);
 
-    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
-    assert!(run.serial.contains("cpus=2"), "{}", run.dump());
+    let serial = std::fs::read_to_string(console.as_path()).expect("console file");
+    assert_eq!(run.status.code(), Some(0), "{}\n{serial}", run.dump());
     assert!(
-        run.serial.contains("husk-guest-init: shutdown"),
-        "{}",
-        run.dump()
+        run.serial.is_empty(),
+        "console went to stdout: {}",
+        run.serial
     );
+    assert!(serial.contains("cpus=2"), "{serial}");
+    assert!(serial.contains("husk-guest-init: shutdown"), "{serial}");
 }
 
 #[test]

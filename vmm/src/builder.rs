@@ -2,17 +2,22 @@
 
 use std::sync::{Arc, Mutex};
 
+use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::load_cmdline;
-use vm_memory::GuestAddress;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::boot::{self, BootError, ZeroPage};
-use crate::arch::x86_64::layout::{CMDLINE_START, I8042_DATA_PORT, SERIAL_IRQ, SERIAL_PORT};
+use crate::arch::x86_64::layout::{
+    CMDLINE_MAX_SIZE, CMDLINE_START, I8042_DATA_PORT, SERIAL_IRQ, SERIAL_PORT,
+};
 use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::config::{ConfigError, VmConfig};
+use crate::device_manager::{DeviceManagerError, EventLoop, MmioDeviceManager};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
+use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -45,13 +50,19 @@ pub enum BuildError {
     Bus(#[from] BusError),
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    #[error(transparent)]
+    DeviceManager(#[from] DeviceManagerError),
+    #[error("cannot create the event loop: {0}")]
+    EventLoop(String),
 }
 
 /// Builds a VM ready to boot `config.kernel`, marking host phases on `timeline`.
 pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
     config.validate()?;
     let pvm = kvm::is_pvm_host();
-    let cmdline = config.kernel_cmdline(pvm)?;
+    let mut cmdline = config.kernel_cmdline(pvm)?;
     let mut kernel = config.open_kernel()?;
     let mut initramfs = config.open_initramfs()?;
     let console_out = config.open_serial()?;
@@ -71,44 +82,24 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         .as_mut()
         .map(|f| boot::load_initramfs(&mem, f, loaded.end, low_end))
         .transpose()?;
-    load_cmdline(&mem, GuestAddress(CMDLINE_START), &cmdline).map_err(BuildError::Cmdline)?;
-    let cmdline_len = cmdline
-        .as_cstring()
-        .map_err(|e| BuildError::Config(ConfigError::CmdlineInvalid(e)))?
-        .as_bytes()
-        .len();
-    let e820 = boot::e820_map(&regions);
-    let zero_page = boot::build_zero_page(&ZeroPage {
-        kernel: &loaded,
-        cmdline_len,
-        initramfs,
-        e820: &e820,
-    });
-    boot::write_zero_page(&mem, &zero_page)?;
     boot::write_boot_tables(&mem)?;
     mptable::setup_mptable(&mem, config.vcpus)?;
     timeline.mark(Phase::KernelLoaded);
 
+    let mut events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
     let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    vm.fd()
-        .register_irqfd(&serial_irq, SERIAL_IRQ)
-        .map_err(BuildError::Irqfd)?;
     let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
     let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
-    let mut pio = Bus::new();
-    pio.insert(
-        u64::from(SERIAL_PORT),
-        8,
-        Arc::new(Mutex::new(SerialDevice::new(serial_irq, console))),
-    )?;
-    let i8042_evt = reset_evt.try_clone().map_err(BuildError::EventFd)?;
-    pio.insert(
-        u64::from(I8042_DATA_PORT),
-        5,
-        Arc::new(Mutex::new(I8042::new(i8042_evt))),
-    )?;
-    let buses = (Arc::new(pio), Arc::new(Bus::new()));
+    let pio = legacy_devices(&vm, console, &reset_evt)?;
+    let mut mmio = MmioDeviceManager::new();
+    for drive in &config.drives {
+        let disk = Disk::open(&drive.path, &drive.mode)?;
+        let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+        let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
+        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, block)?;
+    }
+    write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
+    let buses = (Arc::new(pio), Arc::new(mmio.bus));
 
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
@@ -126,5 +117,59 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         reset_evt,
         facts,
         timeline,
+        events,
+        buses,
     })
+}
+
+/// The port-I/O devices: COM1 (interrupting through an irqfd on IRQ 4) and
+/// the i8042 whose reset line signals `reset_evt`.
+fn legacy_devices(vm: &Vm, console: ConsoleWriter, reset_evt: &EventFd) -> Result<Bus, BuildError> {
+    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    vm.fd()
+        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .map_err(BuildError::Irqfd)?;
+    let mut pio = Bus::new();
+    pio.insert(
+        u64::from(SERIAL_PORT),
+        8,
+        Arc::new(Mutex::new(SerialDevice::new(serial_irq, console))),
+    )?;
+    let i8042_evt = reset_evt.try_clone().map_err(BuildError::EventFd)?;
+    pio.insert(
+        u64::from(I8042_DATA_PORT),
+        5,
+        Arc::new(Mutex::new(I8042::new(i8042_evt))),
+    )?;
+    Ok(pio)
+}
+
+/// Writes the final command line (with every device on it) and the zero page.
+fn write_cmdline_and_zero_page(
+    mem: &GuestMemoryMmap,
+    cmdline: &Cmdline,
+    kernel: &boot::LoadedKernel,
+    initramfs: Option<(GuestAddress, u64)>,
+    regions: &[(u64, u64)],
+) -> Result<(), BuildError> {
+    let cmdline_len = cmdline
+        .as_cstring()
+        .map_err(|e| BuildError::Config(ConfigError::CmdlineInvalid(e)))?
+        .as_bytes()
+        .len();
+    if cmdline_len >= CMDLINE_MAX_SIZE {
+        return Err(BuildError::Config(ConfigError::CmdlineTooLong {
+            len: cmdline_len,
+        }));
+    }
+    load_cmdline(mem, GuestAddress(CMDLINE_START), cmdline).map_err(BuildError::Cmdline)?;
+    let e820 = boot::e820_map(regions);
+    let zero_page = boot::build_zero_page(&ZeroPage {
+        kernel,
+        cmdline_len,
+        initramfs,
+        e820: &e820,
+    });
+    boot::write_zero_page(mem, &zero_page)?;
+    Ok(())
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use linux_loader::cmdline::Cmdline;
 
 use crate::arch::x86_64::layout::CMDLINE_MAX_SIZE;
+use crate::devices::virtio::block::DiskMode;
 use crate::vstate::memory::MemoryConfig;
 
 /// Kernel parameters every husk guest gets: console on COM1, reset through
@@ -36,6 +37,51 @@ pub enum SerialOutput {
     Null,
 }
 
+/// A virtio-block drive. Drives appear in the guest as /dev/vda, /dev/vdb, ...
+/// in the order given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriveConfig {
+    pub path: PathBuf,
+    pub mode: DiskMode,
+    /// Serial number the guest reads (at most 20 bytes are used).
+    pub id: String,
+}
+
+impl std::str::FromStr for DriveConfig {
+    type Err = ConfigError;
+
+    /// `path=FILE[,readonly][,overlay=FILE][,id=NAME]`; a bare `FILE` works too.
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |why: &str| ConfigError::Drive(spec.to_owned(), why.to_owned());
+        let mut path = None;
+        let mut readonly = false;
+        let mut overlay = None;
+        let mut id = None;
+        for (i, part) in spec.split(',').enumerate() {
+            match part.split_once('=') {
+                Some(("path", v)) => path = Some(PathBuf::from(v)),
+                Some(("overlay", v)) => overlay = Some(PathBuf::from(v)),
+                Some(("id", v)) => id = Some(v.to_owned()),
+                None if part == "readonly" => readonly = true,
+                None if i == 0 && !part.is_empty() => path = Some(PathBuf::from(part)),
+                _ => return Err(bad(&format!("unknown option `{part}`"))),
+            }
+        }
+        let path = path.ok_or_else(|| bad("no path"))?;
+        let mode = match (readonly, overlay) {
+            (true, Some(_)) => return Err(bad("readonly and overlay exclude each other")),
+            (true, None) => DiskMode::ReadOnly,
+            (false, Some(overlay)) => DiskMode::CopyOnWrite { overlay },
+            (false, None) => DiskMode::ReadWrite,
+        };
+        let id = id.unwrap_or_else(|| {
+            path.file_name()
+                .map_or_else(|| "disk".to_owned(), |n| n.to_string_lossy().into_owned())
+        });
+        Ok(DriveConfig { path, mode, id })
+    }
+}
+
 /// A VM's configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -50,6 +96,7 @@ pub struct VmConfig {
     pub vcpus: u8,
     pub serial: SerialOutput,
     pub kvm_device: PathBuf,
+    pub drives: Vec<DriveConfig>,
 }
 
 /// Invalid configurations. The messages say what is accepted.
@@ -71,6 +118,8 @@ pub enum ConfigError {
     Kernel(PathBuf, #[source] std::io::Error),
     #[error("cannot open the initramfs {0}: {1}")]
     Initramfs(PathBuf, #[source] std::io::Error),
+    #[error("invalid drive `{0}`: {1}; expected path=FILE[,readonly][,overlay=FILE][,id=NAME]")]
+    Drive(String, String),
     #[error("cannot open the serial output file {0}: {1}")]
     SerialFile(PathBuf, #[source] std::io::Error),
 }
@@ -159,6 +208,46 @@ mod tests {
             vcpus: 1,
             serial: SerialOutput::Null,
             kvm_device: "/dev/kvm".into(),
+            drives: vec![],
+        }
+    }
+
+    #[test]
+    fn drive_specs_parse() {
+        let rw: DriveConfig = "/img/root.ext4".parse().expect("bare path");
+        let ro: DriveConfig = "path=/img/a,readonly,id=data".parse().expect("readonly");
+        let cow: DriveConfig = "path=/img/base,overlay=/run/o".parse().expect("cow");
+
+        assert_eq!(
+            rw,
+            DriveConfig {
+                path: "/img/root.ext4".into(),
+                mode: DiskMode::ReadWrite,
+                id: "root.ext4".into()
+            }
+        );
+        assert_eq!(ro.mode, DiskMode::ReadOnly);
+        assert_eq!(ro.id, "data");
+        assert_eq!(
+            cow.mode,
+            DiskMode::CopyOnWrite {
+                overlay: "/run/o".into()
+            }
+        );
+    }
+
+    #[test]
+    fn bad_drive_specs_are_refused() {
+        for spec in [
+            "",
+            "path=/a,readonly,overlay=/b",
+            "path=/a,bogus",
+            "readonly",
+        ] {
+            assert!(
+                matches!(spec.parse::<DriveConfig>(), Err(ConfigError::Drive(..))),
+                "{spec}"
+            );
         }
     }
 

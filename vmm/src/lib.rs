@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod builder;
 pub mod config;
+pub mod device_manager;
 pub mod devices;
 pub mod resident;
 pub mod timeline;
@@ -17,10 +18,11 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 
-use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
+use device_manager::EventLoop;
 use devices::serial::ConsoleFacts;
 use resident::ResidentMemory;
 use timeline::{Phase, Timeline};
@@ -75,8 +77,7 @@ pub enum VmmError {
     Vcpu(#[from] VcpuError),
 }
 
-/// A built VM: its memory, vCPUs and the events that end it.
-#[derive(Debug)]
+/// A built VM: its memory, vCPUs, devices and the events that end it.
 pub struct Vmm {
     pub(crate) id: String,
     // Kept alive for as long as KVM may touch the memory it registered.
@@ -87,6 +88,19 @@ pub struct Vmm {
     pub(crate) reset_evt: EventFd,
     pub(crate) facts: Arc<Mutex<ConsoleFacts>>,
     pub(crate) timeline: Arc<Timeline>,
+    /// Every device's event subscription; run on the VMM's main thread.
+    pub(crate) events: EventLoop,
+    // The MMIO bus owns the transports; kept here so devices live as long as the VM.
+    #[allow(dead_code)]
+    pub(crate) buses: (Arc<devices::bus::Bus>, Arc<devices::bus::Bus>),
+}
+
+impl fmt::Debug for Vmm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Vmm")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Vmm {
@@ -142,11 +156,9 @@ impl Vmm {
             facts: self.facts.clone(),
             outcome: None,
         }));
-        let mut events: EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>> =
-            EventManager::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
-        events.add_subscriber(watcher.clone());
+        self.events.add_subscriber(watcher.clone());
         loop {
-            events
+            self.events
                 .run()
                 .map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
             if let Some(outcome) = lock(&watcher).outcome.take() {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use husk_vmm::builder::build_vm;
-use husk_vmm::config::{SerialOutput, VmConfig};
+use husk_vmm::config::{DriveConfig, SerialOutput, VmConfig};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
 use husk_vmm::Outcome;
@@ -44,6 +44,12 @@ struct Args {
     /// Do not touch guest memory up front (faster start, slower guest).
     #[arg(long)]
     no_prefault: bool,
+    /// A virtio-block drive: `path=FILE[,readonly][,overlay=FILE][,id=NAME]`.
+    /// `overlay` makes the image a read-only base shared by many VMs, with
+    /// this VM's writes going to the sparse overlay file. Repeatable; drives
+    /// are /dev/vda, /dev/vdb, ... in order.
+    #[arg(long = "drive")]
+    drives: Vec<DriveConfig>,
     /// The KVM device.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -77,6 +83,7 @@ impl Args {
             vcpus: self.vcpus,
             serial,
             kvm_device: self.kvm_device,
+            drives: self.drives,
         };
         (config, self.timeline)
     }

@@ -3,3 +3,4 @@
 pub mod bus;
 pub mod i8042;
 pub mod serial;
+pub mod virtio;

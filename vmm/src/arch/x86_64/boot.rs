@@ -482,6 +482,59 @@ mod tests {
         assert!(matches!(err, BootError::InitramfsDoesNotFit { .. }));
     }
 
+    /// A bzImage with one setup sector and 512 bytes of "kernel".
+    fn fake_bzimage(version: u16, xloadflags: u16) -> Vec<u8> {
+        let mut image = vec![0u8; 1024 + 512];
+        image[0x1f1] = 1; // setup_sects
+        image[0x1fe..0x200].copy_from_slice(&0xaa55u16.to_le_bytes());
+        image[0x202..0x206].copy_from_slice(b"HdrS");
+        image[0x206..0x208].copy_from_slice(&version.to_le_bytes());
+        image[0x211] = 1; // loadflags: LOADED_HIGH
+        image[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes()); // code32_start
+        image[0x236..0x238].copy_from_slice(&xloadflags.to_le_bytes());
+        image[1024..].fill(0x90);
+        image
+    }
+
+    #[test]
+    fn bzimage_enters_at_its_64_bit_entry_point() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+            .expect("guest memory");
+        let mut file = tempfile_with(&fake_bzimage(0x020f, XLF_KERNEL_64));
+
+        let kernel = load_kernel(&mem, &mut file, 16 * MIB).expect("load");
+
+        assert_eq!(kernel.entry, GuestAddress(0x10_0200));
+        assert_eq!(kernel.end, 0x10_0200);
+        assert!(kernel.setup_header.is_some());
+        assert_eq!(
+            mem.read_obj::<u8>(GuestAddress(0x10_0000)).expect("read"),
+            0x90
+        );
+    }
+
+    #[test]
+    fn bzimage_without_64_bit_entry_is_refused() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+            .expect("guest memory");
+        let mut file = tempfile_with(&fake_bzimage(0x020f, 0));
+
+        let err = load_kernel(&mem, &mut file, 16 * MIB).expect_err("32-bit only");
+
+        assert!(matches!(err, BootError::NoLongModeEntry(0x020f)));
+    }
+
+    #[test]
+    fn garbage_is_not_a_kernel() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+            .expect("guest memory");
+        let mut file = tempfile_with(&[0x5a; 4096]);
+
+        let err = load_kernel(&mem, &mut file, 16 * MIB).expect_err("garbage");
+
+        assert!(matches!(err, BootError::NotAKernel(_)));
+    }
+
     fn tempfile_with(bytes: &[u8]) -> File {
         let file = vmm_sys_util::tempfile::TempFile::new()
             .expect("tempfile")

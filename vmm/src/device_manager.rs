@@ -1,0 +1,96 @@
+//! Placement of MMIO devices: each virtio device gets a 4 KiB window in the
+//! MMIO gap, an interrupt line (GSI 5 upwards) served by an irqfd, an
+//! ioeventfd per queue on its notify register, and a
+//! `virtio_mmio.device=` entry on the kernel command line.
+
+use std::sync::{Arc, Mutex};
+
+use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+use kvm_ioctls::{IoEventAddress, VmFd};
+use linux_loader::cmdline::Cmdline;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::virtio::mmio::{MmioTransport, MMIO_LEN};
+use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+
+/// First GSI for virtio devices: 0-4 are the PIT, keyboard, cascade and COMs.
+const FIRST_VIRTIO_IRQ: u32 = 5;
+/// Offset of the queue notify register in a virtio-mmio window.
+const NOTIFY_OFFSET: u64 = 0x50;
+
+/// The VMM's event loop, shared by every device.
+pub type EventLoop = EventManager<Arc<Mutex<dyn MutEventSubscriber + Send>>>;
+
+/// Errors attaching a device.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceManagerError {
+    #[error("no interrupt lines left for another virtio device (at most {} devices)", IRQ_MAX as u32 - FIRST_VIRTIO_IRQ + 1)]
+    NoIrq,
+    #[error("cannot create an eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
+    #[error("cannot register an irqfd or ioeventfd with KVM: {0}")]
+    Kvm(kvm_ioctls::Error),
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    #[error("the kernel command line has no room for another device: {0}")]
+    Cmdline(linux_loader::cmdline::Error),
+}
+
+/// Hands out MMIO windows and interrupt lines, in order.
+#[derive(Debug, Default)]
+pub struct MmioDeviceManager {
+    pub bus: Bus,
+    next_index: u32,
+}
+
+impl MmioDeviceManager {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Attaches a virtio device: MMIO window, irqfd, ioeventfds, event-loop
+    /// subscription and command-line entry. Returns its MMIO base.
+    pub fn attach_virtio<D>(
+        &mut self,
+        vm: &VmFd,
+        mem: &GuestMemoryMmap,
+        events: &mut EventLoop,
+        cmdline: &mut Cmdline,
+        device: Arc<Mutex<D>>,
+    ) -> Result<u64, DeviceManagerError>
+    where
+        D: VirtioDevice + MutEventSubscriber + 'static,
+    {
+        let irq = FIRST_VIRTIO_IRQ + self.next_index;
+        if irq > u32::from(IRQ_MAX) {
+            return Err(DeviceManagerError::NoIrq);
+        }
+        let base = VIRTIO_MMIO_START + u64::from(self.next_index) * MMIO_LEN;
+        let irqfd = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceManagerError::EventFd)?;
+        vm.register_irqfd(&irqfd, irq)
+            .map_err(DeviceManagerError::Kvm)?;
+        let mut queue_evts = Vec::new();
+        {
+            let dev = device.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, evt) in dev.queue_events().iter().enumerate() {
+                let notify = IoEventAddress::Mmio(base + NOTIFY_OFFSET);
+                vm.register_ioevent(evt, &notify, i as u32)
+                    .map_err(DeviceManagerError::Kvm)?;
+                queue_evts.push(evt.try_clone().map_err(DeviceManagerError::EventFd)?);
+            }
+        }
+        let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
+        let transport = MmioTransport::new(device.clone(), mem.clone(), interrupt, queue_evts);
+        self.bus
+            .insert(base, MMIO_LEN, Arc::new(Mutex::new(transport)))?;
+        events.add_subscriber(device);
+        cmdline
+            .add_virtio_mmio_device(MMIO_LEN, GuestAddress(base), irq, None)
+            .map_err(DeviceManagerError::Cmdline)?;
+        self.next_index += 1;
+        Ok(base)
+    }
+}

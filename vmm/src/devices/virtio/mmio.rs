@@ -1,0 +1,409 @@
+//! The virtio-mmio transport (virtio 1.2, section 4.2): register decoding and
+//! the device status state machine. Device logic lives in the devices.
+//!
+//! A driver that misbehaves (bad register width, queue setup at the wrong
+//! time, an invalid queue, features the device never offered) gets a warning
+//! and, where the spec says so, a failed device: never a VMM panic.
+
+use std::sync::{Arc, Mutex};
+
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{GuestAddress, GuestMemoryMmap};
+
+use super::{ActiveQueues, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
+use crate::devices::bus::BusDevice;
+
+/// "virt" in little endian.
+const MAGIC: u32 = 0x7472_6976;
+/// Version 2: the modern (non-legacy) interface.
+const VERSION: u32 = 2;
+/// Reported vendor id.
+const VENDOR: u32 = 0x4b53_5548; // "HUSK"
+/// Size of one device's MMIO window.
+pub const MMIO_LEN: u64 = 0x1000;
+
+// Register offsets, section 4.2.2.
+const REG_MAGIC: u64 = 0x000;
+const REG_VERSION: u64 = 0x004;
+const REG_DEVICE_ID: u64 = 0x008;
+const REG_VENDOR_ID: u64 = 0x00c;
+const REG_DEVICE_FEATURES: u64 = 0x010;
+const REG_DEVICE_FEATURES_SEL: u64 = 0x014;
+const REG_DRIVER_FEATURES: u64 = 0x020;
+const REG_DRIVER_FEATURES_SEL: u64 = 0x024;
+const REG_QUEUE_SEL: u64 = 0x030;
+const REG_QUEUE_NUM_MAX: u64 = 0x034;
+const REG_QUEUE_NUM: u64 = 0x038;
+const REG_QUEUE_READY: u64 = 0x044;
+const REG_QUEUE_NOTIFY: u64 = 0x050;
+const REG_INTERRUPT_STATUS: u64 = 0x060;
+const REG_INTERRUPT_ACK: u64 = 0x064;
+const REG_STATUS: u64 = 0x070;
+const REG_QUEUE_DESC_LOW: u64 = 0x080;
+const REG_QUEUE_DESC_HIGH: u64 = 0x084;
+const REG_QUEUE_DRIVER_LOW: u64 = 0x090;
+const REG_QUEUE_DRIVER_HIGH: u64 = 0x094;
+const REG_QUEUE_DEVICE_LOW: u64 = 0x0a0;
+const REG_QUEUE_DEVICE_HIGH: u64 = 0x0a4;
+const REG_CONFIG_GENERATION: u64 = 0x0fc;
+const CONFIG_SPACE: u64 = 0x100;
+
+// Device status bits, section 2.1.
+pub const STATUS_ACKNOWLEDGE: u32 = 1;
+pub const STATUS_DRIVER: u32 = 2;
+pub const STATUS_DRIVER_OK: u32 = 4;
+pub const STATUS_FEATURES_OK: u32 = 8;
+pub const STATUS_DEVICE_NEEDS_RESET: u32 = 64;
+pub const STATUS_FAILED: u32 = 128;
+
+/// One virtio device on the MMIO bus.
+pub struct MmioTransport {
+    device: Arc<Mutex<dyn VirtioDevice>>,
+    mem: GuestMemoryMmap,
+    interrupt: Arc<VirtioInterrupt>,
+    queues: Vec<Queue>,
+    /// Kicks a queue when a notify write reaches us instead of its ioeventfd.
+    queue_evts: Vec<vmm_sys_util::eventfd::EventFd>,
+    queue_select: u32,
+    device_features_select: u32,
+    driver_features_select: u32,
+    driver_features: u64,
+    status: u32,
+    config_generation: u32,
+}
+
+impl std::fmt::Debug for MmioTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmioTransport")
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MmioTransport {
+    /// A transport for `device`, whose queue `i` is notified through
+    /// `queue_evts[i]` (also registered with KVM as an ioeventfd).
+    pub fn new(
+        device: Arc<Mutex<dyn VirtioDevice>>,
+        mem: GuestMemoryMmap,
+        interrupt: Arc<VirtioInterrupt>,
+        queue_evts: Vec<vmm_sys_util::eventfd::EventFd>,
+    ) -> Self {
+        let queues = lock(&device)
+            .queue_max_sizes()
+            .iter()
+            .map(|&max| Queue::new(max).unwrap_or_else(|_| Queue::new(1).expect("size 1 is valid")))
+            .collect();
+        MmioTransport {
+            device,
+            mem,
+            interrupt,
+            queues,
+            queue_evts,
+            queue_select: 0,
+            device_features_select: 0,
+            driver_features_select: 0,
+            driver_features: 0,
+            status: 0,
+            config_generation: 0,
+        }
+    }
+
+    /// The device status register.
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    fn selected_queue(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_select as usize)
+    }
+
+    /// Queue registers are writable only between FEATURES_OK and DRIVER_OK
+    /// (4.2.3.2).
+    fn queue_setup_allowed(&self) -> bool {
+        self.status & (STATUS_FEATURES_OK | STATUS_DRIVER_OK | STATUS_FAILED) == STATUS_FEATURES_OK
+    }
+
+    fn read_register(&self, offset: u64) -> u32 {
+        let device = lock(&self.device);
+        match offset {
+            REG_MAGIC => MAGIC,
+            REG_VERSION => VERSION,
+            REG_DEVICE_ID => device.device_type(),
+            REG_VENDOR_ID => VENDOR,
+            REG_DEVICE_FEATURES => match self.device_features_select {
+                0 => device.features() as u32,
+                1 => (device.features() >> 32) as u32,
+                _ => 0,
+            },
+            REG_QUEUE_NUM_MAX => self
+                .queues
+                .get(self.queue_select as usize)
+                .map_or(0, |q| u32::from(q.max_size())),
+            REG_QUEUE_READY => self
+                .queues
+                .get(self.queue_select as usize)
+                .map_or(0, |q| u32::from(q.ready())),
+            REG_INTERRUPT_STATUS => self.interrupt.status(),
+            REG_STATUS => self.status,
+            REG_CONFIG_GENERATION => self.config_generation,
+            _ => {
+                tracing::warn!("virtio-mmio: read of unknown register {offset:#x}");
+                0
+            }
+        }
+    }
+
+    fn write_register(&mut self, offset: u64, value: u32) {
+        match offset {
+            REG_DEVICE_FEATURES_SEL => self.device_features_select = value,
+            REG_DRIVER_FEATURES_SEL => self.driver_features_select = value,
+            REG_DRIVER_FEATURES => self.write_driver_features(value),
+            REG_QUEUE_SEL => self.queue_select = value,
+            REG_QUEUE_NOTIFY => self.notify(value),
+            REG_INTERRUPT_ACK => self.interrupt.ack(value),
+            REG_STATUS => self.write_status(value),
+            REG_QUEUE_NUM
+            | REG_QUEUE_READY
+            | REG_QUEUE_DESC_LOW
+            | REG_QUEUE_DESC_HIGH
+            | REG_QUEUE_DRIVER_LOW
+            | REG_QUEUE_DRIVER_HIGH
+            | REG_QUEUE_DEVICE_LOW
+            | REG_QUEUE_DEVICE_HIGH => self.write_queue_register(offset, value),
+            _ => tracing::warn!("virtio-mmio: write of unknown register {offset:#x}"),
+        }
+    }
+
+    fn write_driver_features(&mut self, value: u32) {
+        // Features may be written after DRIVER and before FEATURES_OK (3.1.1).
+        if self.status & (STATUS_DRIVER | STATUS_FEATURES_OK) != STATUS_DRIVER {
+            tracing::warn!(
+                "virtio-mmio: driver features written in status {:#x}",
+                self.status
+            );
+            return;
+        }
+        match self.driver_features_select {
+            0 => self.driver_features = (self.driver_features & !0xffff_ffff) | u64::from(value),
+            1 => {
+                self.driver_features =
+                    (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32)
+            }
+            sel => tracing::warn!("virtio-mmio: driver features select {sel} is out of range"),
+        }
+    }
+
+    fn write_queue_register(&mut self, offset: u64, value: u32) {
+        if !self.queue_setup_allowed() {
+            tracing::warn!(
+                "virtio-mmio: queue register {offset:#x} written in status {:#x}",
+                self.status
+            );
+            return;
+        }
+        let Some(queue) = self.selected_queue() else {
+            tracing::warn!(
+                "virtio-mmio: queue register {offset:#x} written for a queue that does not exist"
+            );
+            return;
+        };
+        let result = match offset {
+            REG_QUEUE_NUM => queue
+                .try_set_size(value.try_into().unwrap_or(0))
+                .map_err(|e| format!("queue size {value}: {e:?}")),
+            REG_QUEUE_READY => {
+                queue.set_ready(value == 1);
+                Ok(())
+            }
+            REG_QUEUE_DESC_LOW => set_address(queue, Ring::Desc, Some(value), None),
+            REG_QUEUE_DESC_HIGH => set_address(queue, Ring::Desc, None, Some(value)),
+            REG_QUEUE_DRIVER_LOW => set_address(queue, Ring::Avail, Some(value), None),
+            REG_QUEUE_DRIVER_HIGH => set_address(queue, Ring::Avail, None, Some(value)),
+            REG_QUEUE_DEVICE_LOW => set_address(queue, Ring::Used, Some(value), None),
+            REG_QUEUE_DEVICE_HIGH => set_address(queue, Ring::Used, None, Some(value)),
+            _ => Ok(()),
+        };
+        if let Err(e) = result {
+            tracing::warn!("virtio-mmio: invalid {e}; failing the device");
+            self.fail();
+        }
+    }
+
+    fn notify(&mut self, queue: u32) {
+        if let Some(evt) = self.queue_evts.get(queue as usize) {
+            let _ = evt.write(1);
+        }
+    }
+
+    fn write_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        // The driver may only add bits (3.1.1), except by resetting.
+        if value & self.status != self.status {
+            tracing::warn!(
+                "virtio-mmio: status {:#x} -> {value:#x} clears bits",
+                self.status
+            );
+            return;
+        }
+        let added = value & !self.status;
+        if added & STATUS_FEATURES_OK != 0 && !self.features_acceptable() {
+            // Leave FEATURES_OK clear: the driver reads it back and gives up.
+            self.status = value & !STATUS_FEATURES_OK;
+            return;
+        }
+        if added & STATUS_DRIVER_OK != 0 {
+            self.status = value;
+            self.activate();
+            return;
+        }
+        self.status = value;
+    }
+
+    fn features_acceptable(&self) -> bool {
+        let offered = lock(&self.device).features();
+        let extra = self.driver_features & !offered;
+        if extra != 0 {
+            tracing::warn!(
+                "virtio-mmio: driver accepted features {extra:#x} that were not offered"
+            );
+            return false;
+        }
+        if self.driver_features & VIRTIO_F_VERSION_1 == 0 {
+            tracing::warn!("virtio-mmio: driver did not accept VIRTIO_F_VERSION_1 (legacy drivers are not supported)");
+            return false;
+        }
+        true
+    }
+
+    fn activate(&mut self) {
+        if self.status & STATUS_FEATURES_OK == 0 {
+            tracing::warn!("virtio-mmio: DRIVER_OK without FEATURES_OK");
+            self.fail();
+            return;
+        }
+        for (i, q) in self.queues.iter().enumerate() {
+            if !q.is_valid(&self.mem) {
+                tracing::warn!("virtio-mmio: queue {i} is not ready or not inside guest memory");
+                self.fail();
+                return;
+            }
+        }
+        let event_idx = self.driver_features
+            & (1 << virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX)
+            != 0;
+        let mut queues = Vec::with_capacity(self.queues.len());
+        for q in &self.queues {
+            // The device gets its own copy; the transport keeps the
+            // driver-visible registers.
+            match Queue::try_from(q.state()) {
+                Ok(mut queue) => {
+                    queue.set_event_idx(event_idx);
+                    queues.push(queue);
+                }
+                Err(e) => {
+                    tracing::warn!("virtio-mmio: invalid queue: {e:?}");
+                    self.fail();
+                    return;
+                }
+            }
+        }
+        let active = ActiveQueues {
+            mem: self.mem.clone(),
+            queues,
+            interrupt: self.interrupt.clone(),
+            features: self.driver_features,
+        };
+        let result = lock(&self.device).activate(active);
+        if let Err(e) = result {
+            tracing::warn!("virtio-mmio: device activation failed: {e}");
+            self.fail();
+        }
+    }
+
+    /// Marks the device as needing a reset and tells the driver (2.1.2).
+    fn fail(&mut self) {
+        self.status |= STATUS_DEVICE_NEEDS_RESET;
+        self.interrupt.trigger(super::INT_CONFIG);
+    }
+
+    fn reset(&mut self) {
+        lock(&self.device).reset();
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.status = 0;
+        self.driver_features = 0;
+        self.queue_select = 0;
+        self.device_features_select = 0;
+        self.driver_features_select = 0;
+        self.interrupt.ack(u32::MAX);
+    }
+}
+
+enum Ring {
+    Desc,
+    Avail,
+    Used,
+}
+
+fn set_address(
+    queue: &mut Queue,
+    ring: Ring,
+    low: Option<u32>,
+    high: Option<u32>,
+) -> Result<(), String> {
+    let current = match ring {
+        Ring::Desc => queue.desc_table(),
+        Ring::Avail => queue.avail_ring(),
+        Ring::Used => queue.used_ring(),
+    };
+    let low = u64::from(low.unwrap_or(current as u32));
+    let high = u64::from(high.unwrap_or((current >> 32) as u32));
+    let addr = GuestAddress((high << 32) | low);
+    let result = match ring {
+        Ring::Desc => queue.try_set_desc_table_address(addr),
+        Ring::Avail => queue.try_set_avail_ring_address(addr),
+        Ring::Used => queue.try_set_used_ring_address(addr),
+    };
+    result.map_err(|e| format!("ring address {:#x}: {e:?}", addr.0))
+}
+
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= CONFIG_SPACE {
+            lock(&self.device).read_config(offset - CONFIG_SPACE, data);
+            return;
+        }
+        // Registers are 32 bits wide and aligned (4.2.2.2).
+        if data.len() != 4 || offset % 4 != 0 {
+            tracing::warn!("virtio-mmio: {}-byte read at {offset:#x}", data.len());
+            return;
+        }
+        data.copy_from_slice(&self.read_register(offset).to_le_bytes());
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= CONFIG_SPACE {
+            lock(&self.device).write_config(offset - CONFIG_SPACE, data);
+            self.config_generation = self.config_generation.wrapping_add(1);
+            return;
+        }
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
+            tracing::warn!("virtio-mmio: {}-byte write at {offset:#x}", data.len());
+            return;
+        };
+        if offset % 4 != 0 {
+            tracing::warn!("virtio-mmio: unaligned write at {offset:#x}");
+            return;
+        }
+        self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+}
