@@ -117,6 +117,10 @@ fn shutdown() -> ! {
     std::thread::sleep(std::time::Duration::from_millis(100));
     sys::kill_all(libc::SIGKILL);
     sys::sync();
+    // Read-only before the reset: a disk root is then clean (journal flushed).
+    if let Err(e) = sys::remount_root_read_only() {
+        log(&format!("cannot remount / read-only: {e}"));
+    }
     let err = sys::reboot();
     // Still here: the kernel refused. Keep PID 1 alive rather than panic.
     log(&format!("reboot failed: {err}"));

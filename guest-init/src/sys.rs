@@ -174,6 +174,20 @@ pub fn reap_all() -> Vec<(libc::pid_t, String)> {
     }
 }
 
+pub fn remount_root_read_only() -> io::Result<()> {
+    let root = cstring("/")?;
+    // SAFETY: NUL-terminated target; source, type and data may be null for a remount.
+    check(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            root.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REMOUNT | libc::MS_RDONLY,
+            std::ptr::null(),
+        )
+    })
+}
+
 pub fn sync() {
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };

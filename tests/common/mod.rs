@@ -22,11 +22,12 @@ pub fn repo_root() -> PathBuf {
 
 /// Runs a build script that prints its artifact's path last, unless `var`
 /// already names the artifact.
-fn artifact(var: &str, script: &str) -> PathBuf {
+fn artifact(var: &str, script: &str, args: &[&str]) -> PathBuf {
     if let Some(path) = std::env::var_os(var) {
         return PathBuf::from(path);
     }
     let out = Command::new(repo_root().join(script))
+        .args(args)
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
@@ -38,13 +39,44 @@ fn artifact(var: &str, script: &str) -> PathBuf {
 /// The guest kernel (vmlinux), built by kernel-config/build.sh or `$HUSK_KERNEL`.
 pub fn kernel() -> &'static Path {
     static KERNEL: OnceLock<PathBuf> = OnceLock::new();
-    KERNEL.get_or_init(|| artifact("HUSK_KERNEL", "kernel-config/build.sh"))
+    KERNEL.get_or_init(|| artifact("HUSK_KERNEL", "kernel-config/build.sh", &[]))
 }
 
 /// The guest initramfs, built by guest-init/build-rootfs.sh or `$HUSK_INITRAMFS`.
 pub fn initramfs() -> &'static Path {
     static INITRAMFS: OnceLock<PathBuf> = OnceLock::new();
-    INITRAMFS.get_or_init(|| artifact("HUSK_INITRAMFS", "guest-init/build-rootfs.sh"))
+    INITRAMFS.get_or_init(|| {
+        artifact(
+            "HUSK_INITRAMFS",
+            "guest-init/build-rootfs.sh",
+            &["initramfs"],
+        )
+    })
+}
+
+/// The guest root file system as an ext4 image (the same tree as the
+/// initramfs), built by guest-init/build-rootfs.sh or `$HUSK_ROOTFS`.
+/// Tests copy it before booting from it read-write.
+pub fn rootfs_ext4() -> &'static Path {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| artifact("HUSK_ROOTFS", "guest-init/build-rootfs.sh", &["ext4"]))
+}
+
+/// A husk-vmm command line booting the real kernel from an ext4 root on
+/// virtio-block: `root_drive` is the first drive (/dev/vda).
+pub fn disk_guest_command(root_drive: &str, extra_drives: &[&str], cmdline: &str) -> Command {
+    let mut cmd = Command::new(vmm_binary());
+    cmd.arg("--kernel")
+        .arg(kernel())
+        .args(["--drive", root_drive]);
+    for drive in extra_drives {
+        cmd.args(["--drive", drive]);
+    }
+    cmd.args([
+        "--cmdline",
+        &format!("root=/dev/vda rw rootfstype=ext4 {cmdline}"),
+    ]);
+    cmd
 }
 
 pub fn vmm_binary() -> &'static str {
@@ -63,6 +95,14 @@ pub struct VmmRun {
 }
 
 impl VmmRun {
+    /// Whether the console printed exactly `line` (the guest's tty ends
+    /// lines with CR LF).
+    pub fn has_line(&self, line: &str) -> bool {
+        self.serial
+            .lines()
+            .any(|l| l.trim_end_matches('\r') == line)
+    }
+
     /// The console and the log, for assertion messages.
     pub fn dump(&self) -> String {
         format!(

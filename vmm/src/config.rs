@@ -139,25 +139,43 @@ impl VmConfig {
         }
     }
 
-    /// The full kernel command line; `pvm` adds the PVM host flags.
+    /// The full kernel command line; `pvm` adds the PVM host flags. What
+    /// follows ` -- ` in the extra arguments is kept as init's arguments, so
+    /// devices added later still land before it.
     pub fn kernel_cmdline(&self, pvm: bool) -> Result<Cmdline, ConfigError> {
-        let mut parts = vec![BASE_CMDLINE];
+        let extra = self.extra_cmdline.as_deref().unwrap_or("").trim();
+        let (boot_extra, init_args) = match extra.strip_prefix("--") {
+            Some(rest) if rest.is_empty() || rest.starts_with(' ') => ("", rest.trim()),
+            _ => extra
+                .split_once(" -- ")
+                .map_or((extra, ""), |(b, i)| (b.trim(), i.trim())),
+        };
+        let mut boot = vec![BASE_CMDLINE];
         if pvm {
-            parts.push(PVM_CMDLINE);
+            boot.push(PVM_CMDLINE);
         }
-        if let Some(extra) = self.extra_cmdline.as_deref().map(str::trim) {
-            if !extra.is_empty() {
-                parts.push(extra);
-            }
+        if !boot_extra.is_empty() {
+            boot.push(boot_extra);
         }
-        let text = parts.join(" ");
-        if text.len() >= CMDLINE_MAX_SIZE {
-            return Err(ConfigError::CmdlineTooLong { len: text.len() });
+        let boot = boot.join(" ");
+        let len = boot.len()
+            + if init_args.is_empty() {
+                0
+            } else {
+                init_args.len() + 4
+            };
+        if len >= CMDLINE_MAX_SIZE {
+            return Err(ConfigError::CmdlineTooLong { len });
         }
         let mut cmdline = Cmdline::new(CMDLINE_MAX_SIZE).map_err(ConfigError::CmdlineInvalid)?;
         cmdline
-            .insert_str(&text)
+            .insert_str(&boot)
             .map_err(ConfigError::CmdlineInvalid)?;
+        if !init_args.is_empty() {
+            cmdline
+                .insert_init_args(init_args)
+                .map_err(ConfigError::CmdlineInvalid)?;
+        }
         Ok(cmdline)
     }
 
@@ -309,6 +327,34 @@ mod tests {
         assert_eq!(
             pvm.to_str().expect("utf8"),
             format!("{BASE_CMDLINE} {PVM_CMDLINE} loglevel=8")
+        );
+    }
+
+    #[test]
+    fn init_arguments_stay_last() {
+        let with_boot = VmConfig {
+            extra_cmdline: Some("root=/dev/vda -- /bin/sh -c x".into()),
+            ..config()
+        };
+        let init_only = VmConfig {
+            extra_cmdline: Some("-- /bin/true".into()),
+            ..config()
+        };
+
+        let mut a = with_boot.kernel_cmdline(false).expect("cmdline");
+        a.add_virtio_mmio_device(0x1000, vm_memory::GuestAddress(0xc000_0000), 5, None)
+            .expect("device");
+        let b = init_only.kernel_cmdline(false).expect("cmdline");
+
+        assert_eq!(
+            a.as_cstring().expect("cstr").to_str().expect("utf8"),
+            format!(
+                "{BASE_CMDLINE} root=/dev/vda virtio_mmio.device=4K@0xc0000000:5 -- /bin/sh -c x"
+            )
+        );
+        assert_eq!(
+            b.as_cstring().expect("cstr").to_str().expect("utf8"),
+            format!("{BASE_CMDLINE} -- /bin/true")
         );
     }
 

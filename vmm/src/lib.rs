@@ -249,9 +249,8 @@ impl SignalFd {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: signalfd returned a new descriptor that nothing else owns.
-        Ok(SignalFd {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(SignalFd { fd })
     }
 
     fn read(&self) -> Option<i32> {

@@ -59,7 +59,9 @@ Rss:              130000 kB
 Size:               1024 kB
 Rss:                 900 kB
 ";
-        let usage = split_smaps(smaps, &[0x7f00_0000_0000..0x7f00_0800_0000]);
+        let guest: Range<usize> = 0x7f00_0000_0000..0x7f00_0800_0000;
+
+        let usage = split_smaps(smaps, std::slice::from_ref(&guest));
 
         assert_eq!(
             usage,

@@ -145,6 +145,7 @@ impl MmioTransport {
                 .get(self.queue_select as usize)
                 .map_or(0, |q| u32::from(q.ready())),
             REG_INTERRUPT_STATUS => self.interrupt.status(),
+            REG_STATUS if self.interrupt.device_failed() => self.status | STATUS_DEVICE_NEEDS_RESET,
             REG_STATUS => self.status,
             REG_CONFIG_GENERATION => self.config_generation,
             _ => {
@@ -341,6 +342,7 @@ impl MmioTransport {
         self.device_features_select = 0;
         self.driver_features_select = 0;
         self.interrupt.ack(u32::MAX);
+        self.interrupt.clear_failure();
     }
 }
 
@@ -405,5 +407,221 @@ impl BusDevice for MmioTransport {
             return;
         }
         self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::{ActivateError, ActiveQueues, INT_CONFIG};
+    use vmm_sys_util::eventfd::EventFd;
+
+    #[derive(Default)]
+    struct FakeDevice {
+        activated: Option<usize>,
+        resets: u32,
+        evts: Vec<EventFd>,
+    }
+
+    impl VirtioDevice for FakeDevice {
+        fn device_type(&self) -> u32 {
+            42
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16, 16]
+        }
+        fn features(&self) -> u64 {
+            VIRTIO_F_VERSION_1 | 1
+        }
+        fn queue_events(&self) -> &[EventFd] {
+            &self.evts
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            data.fill(offset as u8);
+        }
+        fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+        fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
+            self.activated = Some(active.queues.len());
+            Ok(())
+        }
+        fn reset(&mut self) {
+            self.activated = None;
+            self.resets += 1;
+        }
+    }
+
+    fn transport() -> (MmioTransport, Arc<Mutex<FakeDevice>>) {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory");
+        let device = Arc::new(Mutex::new(FakeDevice::default()));
+        let interrupt = Arc::new(VirtioInterrupt::new(EventFd::new(0).expect("eventfd")));
+        (
+            MmioTransport::new(device.clone(), mem, interrupt, vec![]),
+            device,
+        )
+    }
+
+    fn read(t: &mut MmioTransport, offset: u64) -> u32 {
+        let mut data = [0u8; 4];
+        t.read(offset, &mut data);
+        u32::from_le_bytes(data)
+    }
+
+    fn write(t: &mut MmioTransport, offset: u64, value: u32) {
+        t.write(offset, &value.to_le_bytes());
+    }
+
+    /// Drives the status machine up to FEATURES_OK with `features`.
+    fn negotiate(t: &mut MmioTransport, features: u64) {
+        write(t, REG_STATUS, STATUS_ACKNOWLEDGE);
+        write(t, REG_STATUS, STATUS_ACKNOWLEDGE | STATUS_DRIVER);
+        write(t, REG_DRIVER_FEATURES_SEL, 0);
+        write(t, REG_DRIVER_FEATURES, features as u32);
+        write(t, REG_DRIVER_FEATURES_SEL, 1);
+        write(t, REG_DRIVER_FEATURES, (features >> 32) as u32);
+        write(
+            t,
+            REG_STATUS,
+            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
+        );
+    }
+
+    /// Sets up queue `index` at `base` with `size` entries.
+    fn setup_queue(t: &mut MmioTransport, index: u32, base: u64, size: u32) {
+        write(t, REG_QUEUE_SEL, index);
+        write(t, REG_QUEUE_NUM, size);
+        write(t, REG_QUEUE_DESC_LOW, base as u32);
+        write(t, REG_QUEUE_DESC_HIGH, (base >> 32) as u32);
+        write(t, REG_QUEUE_DRIVER_LOW, (base + 0x1000) as u32);
+        write(t, REG_QUEUE_DRIVER_HIGH, 0);
+        write(t, REG_QUEUE_DEVICE_LOW, (base + 0x2000) as u32);
+        write(t, REG_QUEUE_DEVICE_HIGH, 0);
+        write(t, REG_QUEUE_READY, 1);
+    }
+
+    #[test]
+    fn identification_registers() {
+        let (mut t, _) = transport();
+
+        assert_eq!(read(&mut t, REG_MAGIC), MAGIC);
+        assert_eq!(read(&mut t, REG_VERSION), 2);
+        assert_eq!(read(&mut t, REG_DEVICE_ID), 42);
+        write(&mut t, REG_DEVICE_FEATURES_SEL, 1);
+        assert_eq!(read(&mut t, REG_DEVICE_FEATURES), 1);
+        write(&mut t, REG_QUEUE_SEL, 1);
+        assert_eq!(read(&mut t, REG_QUEUE_NUM_MAX), 16);
+        write(&mut t, REG_QUEUE_SEL, 7);
+        assert_eq!(read(&mut t, REG_QUEUE_NUM_MAX), 0);
+    }
+
+    #[test]
+    fn full_initialisation_activates_the_device() {
+        let (mut t, device) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        setup_queue(&mut t, 0, 0x10000, 16);
+        setup_queue(&mut t, 1, 0x20000, 8);
+
+        write(&mut t, REG_STATUS, 0xf);
+
+        assert_eq!(t.status(), 0xf);
+        assert_eq!(device.lock().expect("lock").activated, Some(2));
+    }
+
+    #[test]
+    fn features_never_offered_are_refused() {
+        let (mut t, _) = transport();
+
+        negotiate(&mut t, VIRTIO_F_VERSION_1 | (1 << 5));
+
+        assert_eq!(t.status() & STATUS_FEATURES_OK, 0);
+    }
+
+    #[test]
+    fn legacy_drivers_are_refused() {
+        let (mut t, _) = transport();
+
+        negotiate(&mut t, 1);
+
+        assert_eq!(t.status() & STATUS_FEATURES_OK, 0);
+    }
+
+    #[test]
+    fn queue_size_not_a_power_of_two_fails_the_device() {
+        let (mut t, _) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+
+        write(&mut t, REG_QUEUE_NUM, 12);
+
+        assert_ne!(t.status() & STATUS_DEVICE_NEEDS_RESET, 0);
+        assert_ne!(t.interrupt.status() & INT_CONFIG, 0);
+    }
+
+    #[test]
+    fn queue_setup_before_features_ok_is_ignored() {
+        let (mut t, _) = transport();
+
+        write(&mut t, REG_QUEUE_NUM, 8);
+        write(&mut t, REG_QUEUE_READY, 1);
+
+        assert_eq!(read(&mut t, REG_QUEUE_READY), 0);
+    }
+
+    #[test]
+    fn queue_outside_guest_memory_is_not_activated() {
+        let (mut t, device) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        setup_queue(&mut t, 0, 0x10000, 16);
+        setup_queue(&mut t, 1, 0xfff_0000, 16);
+
+        write(&mut t, REG_STATUS, 0xf);
+
+        assert_eq!(device.lock().expect("lock").activated, None);
+        assert_ne!(t.status() & STATUS_DEVICE_NEEDS_RESET, 0);
+    }
+
+    #[test]
+    fn driver_ok_with_an_unready_queue_is_not_activated() {
+        let (mut t, device) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        setup_queue(&mut t, 0, 0x10000, 16);
+
+        write(&mut t, REG_STATUS, 0xf);
+
+        assert_eq!(device.lock().expect("lock").activated, None);
+    }
+
+    #[test]
+    fn writing_zero_resets() {
+        let (mut t, device) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        setup_queue(&mut t, 0, 0x10000, 16);
+
+        write(&mut t, REG_STATUS, 0);
+
+        assert_eq!(t.status(), 0);
+        assert_eq!(read(&mut t, REG_QUEUE_READY), 0);
+        assert_eq!(device.lock().expect("lock").resets, 1);
+    }
+
+    #[test]
+    fn odd_width_and_unaligned_accesses_are_ignored() {
+        let (mut t, _) = transport();
+        let mut byte = [0xaau8; 1];
+
+        t.read(REG_MAGIC, &mut byte);
+        t.write(REG_STATUS, &[1]);
+        t.write(REG_STATUS + 1, &1u32.to_le_bytes());
+
+        assert_eq!(byte, [0xaa]);
+        assert_eq!(t.status(), 0);
+    }
+
+    #[test]
+    fn config_space_goes_to_the_device() {
+        let (mut t, _) = transport();
+        let mut data = [0u8; 2];
+
+        t.read(CONFIG_SPACE + 3, &mut data);
+
+        assert_eq!(data, [3, 3]);
     }
 }

@@ -30,6 +30,8 @@ pub const INT_CONFIG: u32 = 2;
 pub struct VirtioInterrupt {
     status: AtomicU32,
     irqfd: EventFd,
+    /// Set by the device when the driver broke it (DEVICE_NEEDS_RESET).
+    needs_reset: std::sync::atomic::AtomicBool,
 }
 
 impl VirtioInterrupt {
@@ -37,6 +39,7 @@ impl VirtioInterrupt {
         VirtioInterrupt {
             status: AtomicU32::new(0),
             irqfd,
+            needs_reset: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -46,6 +49,23 @@ impl VirtioInterrupt {
         if let Err(e) = self.irqfd.write(1) {
             tracing::error!("cannot raise a virtio interrupt: {e}");
         }
+    }
+
+    /// The device gave up on the driver: the transport reports
+    /// DEVICE_NEEDS_RESET and the driver is told by a config interrupt (2.1.2).
+    pub fn fail_device(&self) {
+        self.needs_reset.store(true, Ordering::SeqCst);
+        self.trigger(INT_CONFIG);
+    }
+
+    /// Whether the device asked for a reset.
+    pub fn device_failed(&self) -> bool {
+        self.needs_reset.load(Ordering::SeqCst)
+    }
+
+    /// Clears the device's reset request (the driver reset the device).
+    pub fn clear_failure(&self) {
+        self.needs_reset.store(false, Ordering::SeqCst);
     }
 
     /// The interrupt status register.

@@ -1,0 +1,222 @@
+//! husk-mkrootfs: lays out the guest's root file system: guest-init as
+//! `/init` (and `/sbin/init`, where the kernel looks on a disk root), a
+//! static busybox with a symlink per applet, the mount points guest-init
+//! uses and the two device nodes a console needs.
+//!
+//! usage: husk-mkrootfs <guest-init> <busybox> cpio <output.cpio>
+//!        husk-mkrootfs <guest-init> <busybox> dir <output-dir>
+//!
+//! `cpio` writes a newc initramfs: no root privileges needed, reproducible
+//! (timestamps 0, owner root). `dir` writes the same tree as a directory for
+//! `mkfs.ext4 -d`, without the device nodes (creating those needs root;
+//! guest-init/build-rootfs.sh adds them to the image with debugfs).
+
+use std::io::{self, Write};
+use std::path::Path;
+use std::process::{Command, ExitCode};
+
+const S_IFDIR: u32 = 0o040000;
+const S_IFREG: u32 = 0o100000;
+const S_IFLNK: u32 = 0o120000;
+const S_IFCHR: u32 = 0o020000;
+const DIRS: &[&str] = &[
+    "bin", "dev", "etc", "proc", "root", "run", "sbin", "sys", "tmp", "usr", "usr/bin", "usr/sbin",
+];
+
+/// Writes a newc ("070701") cpio archive.
+struct Cpio<W: Write> {
+    out: W,
+    ino: u32,
+    written: u64,
+}
+
+impl<W: Write> Cpio<W> {
+    fn new(out: W) -> Self {
+        Cpio {
+            out,
+            ino: 0,
+            written: 0,
+        }
+    }
+
+    fn entry(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> io::Result<()> {
+        self.ino += 1;
+        let nlink = if mode & S_IFDIR != 0 { 2 } else { 1 };
+        let fields = [
+            self.ino,
+            mode,
+            0, // uid
+            0, // gid
+            nlink,
+            0, // mtime
+            data.len() as u32,
+            0, // dev major
+            0, // dev minor
+            rdev.0,
+            rdev.1,
+            name.len() as u32 + 1,
+            0, // check
+        ];
+        let mut header = String::from("070701");
+        for f in fields {
+            header.push_str(&format!("{f:08x}"));
+        }
+        self.put(header.as_bytes())?;
+        self.put(name.as_bytes())?;
+        self.put(&[0])?;
+        self.pad()?;
+        self.put(data)?;
+        self.pad()
+    }
+
+    fn put(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.out.write_all(bytes)?;
+        self.written += bytes.len() as u64;
+        Ok(())
+    }
+
+    fn pad(&mut self) -> io::Result<()> {
+        let pad = (4 - self.written % 4) % 4;
+        self.put(&[0u8; 3][..pad as usize])
+    }
+
+    fn finish(mut self) -> io::Result<W> {
+        self.entry("TRAILER!!!", 0, (0, 0), &[])?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
+
+fn applets(busybox: &Path) -> io::Result<Vec<String>> {
+    let out = Command::new(busybox).arg("--list-full").output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "{} --list-full failed",
+            busybox.display()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && *l != "bin/busybox" && !l.contains(".."))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// One entry of the root file system.
+enum Node {
+    Dir,
+    File(Vec<u8>),
+    Symlink(&'static str),
+    CharDevice(u32, u32),
+}
+
+/// The tree: (path without leading slash, permission bits, node).
+fn tree(init: &Path, busybox: &Path) -> io::Result<Vec<(String, u32, Node)>> {
+    let mut entries: Vec<(String, u32, Node)> = DIRS
+        .iter()
+        .map(|d| (d.to_string(), 0o755, Node::Dir))
+        .collect();
+    entries.push(("dev/console".into(), 0o600, Node::CharDevice(5, 1)));
+    entries.push(("dev/null".into(), 0o666, Node::CharDevice(1, 3)));
+    entries.push(("init".into(), 0o755, Node::File(std::fs::read(init)?)));
+    entries.push(("sbin/init".into(), 0o777, Node::Symlink("/init")));
+    entries.push((
+        "bin/busybox".into(),
+        0o755,
+        Node::File(std::fs::read(busybox)?),
+    ));
+    let mut applets = applets(busybox)?;
+    applets.sort();
+    applets.dedup();
+    for applet in applets {
+        // guest-init is init; busybox's init and linuxrc must not shadow it.
+        let shadows = entries.iter().any(|(p, _, _)| *p == applet);
+        let in_tree = DIRS.iter().any(|d| applet.starts_with(&format!("{d}/")));
+        if in_tree && !shadows {
+            entries.push((applet, 0o777, Node::Symlink("/bin/busybox")));
+        }
+    }
+    Ok(entries)
+}
+
+fn write_cpio(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> {
+    let tmp = output.with_extension("tmp");
+    let mut cpio = Cpio::new(io::BufWriter::new(std::fs::File::create(&tmp)?));
+    for (path, perm, node) in entries {
+        match node {
+            Node::Dir => cpio.entry(path, S_IFDIR | perm, (0, 0), &[])?,
+            Node::File(bytes) => cpio.entry(path, S_IFREG | perm, (0, 0), bytes)?,
+            Node::Symlink(target) => cpio.entry(path, S_IFLNK | perm, (0, 0), target.as_bytes())?,
+            Node::CharDevice(major, minor) => {
+                cpio.entry(path, S_IFCHR | perm, (*major, *minor), &[])?
+            }
+        }
+    }
+    cpio.finish()?;
+    std::fs::rename(&tmp, output)
+}
+
+fn write_dir(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if output.exists() {
+        std::fs::remove_dir_all(output)?;
+    }
+    std::fs::create_dir_all(output)?;
+    for (path, perm, node) in entries {
+        let target = output.join(path);
+        match node {
+            Node::Dir => std::fs::create_dir_all(&target)?,
+            Node::File(bytes) => {
+                std::fs::write(&target, bytes)?;
+                std::fs::set_permissions(&target, std::fs::Permissions::from_mode(*perm))?;
+            }
+            Node::Symlink(to) => std::os::unix::fs::symlink(to, &target)?,
+            Node::CharDevice(..) => {}
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let [_, init, busybox, format, output] = args.as_slice() else {
+        eprintln!("usage: husk-mkrootfs <guest-init> <busybox> cpio|dir <output>");
+        return ExitCode::from(2);
+    };
+    let result =
+        tree(Path::new(init), Path::new(busybox)).and_then(|entries| match format.as_str() {
+            "cpio" => write_cpio(&entries, Path::new(output)),
+            "dir" => write_dir(&entries, Path::new(output)),
+            other => Err(io::Error::other(format!("unknown output format `{other}`"))),
+        });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("husk-mkrootfs: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newc_entries_are_aligned_and_terminated() {
+        let mut cpio = Cpio::new(Vec::new());
+        cpio.entry("init", S_IFREG | 0o755, (0, 0), b"abcde")
+            .expect("entry");
+
+        let bytes = cpio.finish().expect("finish");
+
+        assert_eq!(&bytes[..6], b"070701");
+        assert_eq!(&bytes[110..115], b"init\0");
+        // 110-byte header + 5-byte name padded to 116, then 5 data bytes padded to 124.
+        assert_eq!(&bytes[116..121], b"abcde");
+        assert_eq!(&bytes[124..130], b"070701");
+        assert!(bytes.windows(10).any(|w| w == b"TRAILER!!!"));
+        assert_eq!(bytes.len() % 4, 0);
+    }
+}
