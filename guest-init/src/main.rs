@@ -19,6 +19,7 @@
 //! ready, with the console as stdio; guest-init prints
 //! `husk-guest-init: exit status=<n>` (or `signal=<n>`) and shuts down.
 
+mod probe;
 mod sys;
 
 use std::ffi::CString;
@@ -27,7 +28,14 @@ use std::io::Write;
 const HOSTNAME_PARAM: &str = "husk.hostname=";
 const DEFAULT_HOSTNAME: &str = "husk";
 
-fn main() {
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    let name = args
+        .first()
+        .map(|a| a.rsplit('/').next().unwrap_or(a).to_owned());
+    if name.as_deref() == Some("husk-vsock-probe") {
+        return probe::main(&args[1..]);
+    }
     if std::process::id() != 1 {
         eprintln!("guest-init: must run as PID 1 of a husk guest");
         std::process::exit(1);
@@ -44,7 +52,7 @@ fn main() {
         sys::uptime_ms()
     ));
 
-    let command: Vec<String> = std::env::args().skip(1).collect();
+    let command: Vec<String> = args[1..].to_vec();
     let mut child = None;
     if !command.is_empty() {
         match sys::spawn(&command) {

@@ -18,6 +18,8 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
 use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
+use crate::devices::virtio::vsock::muxer::MuxerError;
+use crate::devices::virtio::vsock::VsockDevice;
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -54,6 +56,8 @@ pub enum BuildError {
     Disk(#[from] DiskError),
     #[error(transparent)]
     DeviceManager(#[from] DeviceManagerError),
+    #[error(transparent)]
+    Vsock(#[from] MuxerError),
     #[error("cannot create the event loop: {0}")]
     EventLoop(String),
 }
@@ -97,6 +101,11 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
         let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
         mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, block)?;
+    }
+    if let Some(vsock) = &config.vsock {
+        let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
+        let device = Arc::new(Mutex::new(device));
+        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, device)?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let buses = (Arc::new(pio), Arc::new(mmio.bus));

@@ -8,6 +8,7 @@ use linux_loader::cmdline::Cmdline;
 
 use crate::arch::x86_64::layout::CMDLINE_MAX_SIZE;
 use crate::devices::virtio::block::DiskMode;
+use crate::devices::virtio::vsock::device::MIN_GUEST_CID;
 use crate::vstate::memory::MemoryConfig;
 
 /// Kernel parameters every husk guest gets: console on COM1, reset through
@@ -82,6 +83,45 @@ impl std::str::FromStr for DriveConfig {
     }
 }
 
+/// The vsock device: the guest's CID and the host Unix socket it is
+/// bridged to (see `devices::virtio::vsock::muxer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VsockConfig {
+    pub cid: u64,
+    pub uds_path: PathBuf,
+}
+
+impl std::str::FromStr for VsockConfig {
+    type Err = ConfigError;
+
+    /// `cid=N,path=SOCKET`.
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |why: String| ConfigError::Vsock(spec.to_owned(), why);
+        let (mut cid, mut path) = (None, None);
+        for part in spec.split(',') {
+            match part.split_once('=') {
+                Some(("cid", v)) => {
+                    cid = Some(
+                        v.parse::<u64>()
+                            .map_err(|_| bad(format!("`{v}` is not a number")))?,
+                    )
+                }
+                Some(("path", v)) if !v.is_empty() => path = Some(PathBuf::from(v)),
+                _ => return Err(bad(format!("unknown option `{part}`"))),
+            }
+        }
+        let cid = cid.ok_or_else(|| bad("no cid".into()))?;
+        if !(MIN_GUEST_CID..u64::from(u32::MAX)).contains(&cid) {
+            return Err(bad(format!(
+                "cid {cid} is reserved; use {MIN_GUEST_CID} to {}",
+                u32::MAX - 1
+            )));
+        }
+        let uds_path = path.ok_or_else(|| bad("no path".into()))?;
+        Ok(VsockConfig { cid, uds_path })
+    }
+}
+
 /// A VM's configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -97,6 +137,7 @@ pub struct VmConfig {
     pub serial: SerialOutput,
     pub kvm_device: PathBuf,
     pub drives: Vec<DriveConfig>,
+    pub vsock: Option<VsockConfig>,
 }
 
 /// Invalid configurations. The messages say what is accepted.
@@ -120,6 +161,8 @@ pub enum ConfigError {
     Initramfs(PathBuf, #[source] std::io::Error),
     #[error("invalid drive `{0}`: {1}; expected path=FILE[,readonly][,overlay=FILE][,id=NAME]")]
     Drive(String, String),
+    #[error("invalid vsock `{0}`: {1}; expected cid=N,path=SOCKET")]
+    Vsock(String, String),
     #[error("cannot open the serial output file {0}: {1}")]
     SerialFile(PathBuf, #[source] std::io::Error),
 }
@@ -227,6 +270,33 @@ mod tests {
             serial: SerialOutput::Null,
             kvm_device: "/dev/kvm".into(),
             drives: vec![],
+            vsock: None,
+        }
+    }
+
+    #[test]
+    fn vsock_specs_parse_and_reserved_cids_are_refused() {
+        let v: VsockConfig = "cid=3,path=/run/v.sock".parse().expect("valid");
+
+        assert_eq!(
+            v,
+            VsockConfig {
+                cid: 3,
+                uds_path: "/run/v.sock".into()
+            }
+        );
+        for spec in [
+            "cid=2,path=/x",
+            "cid=4294967295,path=/x",
+            "cid=x,path=/x",
+            "cid=5",
+            "path=/x",
+            "cid=5,path=/x,z=1",
+        ] {
+            assert!(
+                matches!(spec.parse::<VsockConfig>(), Err(ConfigError::Vsock(..))),
+                "{spec}"
+            );
         }
     }
 

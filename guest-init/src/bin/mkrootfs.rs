@@ -121,6 +121,8 @@ fn tree(init: &Path, busybox: &Path) -> io::Result<Vec<(String, u32, Node)>> {
     entries.push(("dev/null".into(), 0o666, Node::CharDevice(1, 3)));
     entries.push(("init".into(), 0o755, Node::File(std::fs::read(init)?)));
     entries.push(("sbin/init".into(), 0o777, Node::Symlink("/init")));
+    // guest-init is also the vsock test tool (a multi-call binary).
+    entries.push(("bin/husk-vsock-probe".into(), 0o777, Node::Symlink("/init")));
     entries.push((
         "bin/busybox".into(),
         0o755,

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use husk_vmm::builder::build_vm;
-use husk_vmm::config::{DriveConfig, SerialOutput, VmConfig};
+use husk_vmm::config::{DriveConfig, SerialOutput, VmConfig, VsockConfig};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
 use husk_vmm::Outcome;
@@ -50,6 +50,11 @@ struct Args {
     /// are /dev/vda, /dev/vdb, ... in order.
     #[arg(long = "drive")]
     drives: Vec<DriveConfig>,
+    /// A virtio-vsock device: `cid=N,path=SOCKET`. Host programs connect to
+    /// SOCKET and write `CONNECT <port>\n`; guest connections to host port P
+    /// reach SOCKET_P.
+    #[arg(long)]
+    vsock: Option<VsockConfig>,
     /// The KVM device.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -84,6 +89,7 @@ impl Args {
             serial,
             kvm_device: self.kvm_device,
             drives: self.drives,
+            vsock: self.vsock,
         };
         (config, self.timeline)
     }

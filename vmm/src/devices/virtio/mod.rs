@@ -7,6 +7,8 @@
 
 pub mod block;
 pub mod mmio;
+pub mod queue;
+pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

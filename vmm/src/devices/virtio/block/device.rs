@@ -4,13 +4,14 @@ use std::os::fd::AsRawFd;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{QueueOwnedT, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::disk::Disk;
 use super::request::{self, ID_LEN};
 use super::SECTOR_SIZE;
+use crate::devices::virtio::queue::{pop_chain, return_chain};
 use crate::devices::virtio::{
     read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_BLOCK,
     VIRTIO_F_VERSION_1,
@@ -66,24 +67,23 @@ impl BlockDevice {
                 break true;
             }
             let mut served = 0;
-            loop {
-                let chain = match queue.iter(&mem) {
-                    Ok(mut avail) => avail.next(),
-                    Err(e) => {
-                        tracing::warn!("virtio-block: corrupt available ring: {e:?}");
-                        break;
+            let pass = loop {
+                match pop_chain(queue, &mem) {
+                    Ok(Some((head, descriptors))) => {
+                        let used = serve(&mem, &descriptors, &mut self.disk, &self.id);
+                        if let Err(e) = return_chain(queue, &mem, head, used) {
+                            break Err(e);
+                        }
+                        used_any = true;
+                        served += 1;
                     }
-                };
-                let Some(chain) = chain else { break };
-                let head = chain.head_index();
-                let descriptors: Vec<_> = chain.collect();
-                let used = serve(&mem, &descriptors, &mut self.disk, &self.id);
-                if let Err(e) = queue.add_used(&mem, head, used) {
-                    tracing::warn!("virtio-block: cannot return a buffer: {e:?}");
-                    break;
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
                 }
-                used_any = true;
-                served += 1;
+            };
+            if let Err(e) = pass {
+                tracing::warn!("virtio-block: {e}");
+                break true;
             }
             match queue.enable_notification(&mem) {
                 // More arrived while we were serving: go again, unless this

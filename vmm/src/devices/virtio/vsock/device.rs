@@ -1,0 +1,166 @@
+//! The virtio-vsock device: RX, TX and event queues, served in the event
+//! loop together with the Unix sockets of its connections.
+
+use std::path::Path;
+
+use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use virtio_queue::QueueOwnedT;
+use vmm_sys_util::eventfd::EventFd;
+
+use super::muxer::{Muxer, MuxerError};
+use super::packet;
+use crate::devices::virtio::queue::{pop_chain, return_chain, QueueBroken};
+use crate::devices::virtio::{
+    read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_VSOCK,
+    VIRTIO_F_VERSION_1,
+};
+
+const RX: usize = 0;
+const TX: usize = 1;
+const QUEUE_SIZE: u16 = 256;
+/// Guest CIDs 0-2 are reserved (hypervisor, loopback, host).
+pub const MIN_GUEST_CID: u64 = 3;
+
+/// A virtio-vsock device.
+#[derive(Debug)]
+pub struct VsockDevice {
+    muxer: Muxer,
+    queue_evts: [EventFd; 3],
+    /// Configuration space: guest_cid (le64).
+    config: [u8; 8],
+    active: Option<ActiveQueues>,
+}
+
+impl VsockDevice {
+    /// A device for guest `cid` whose host side listens on `uds_path`.
+    pub fn new(cid: u64, uds_path: &Path) -> Result<Self, MuxerError> {
+        let evt = || EventFd::new(libc::EFD_NONBLOCK);
+        let queue_evts = [evt(), evt(), evt()].map(|e| e.expect("eventfd creation"));
+        Ok(VsockDevice {
+            muxer: Muxer::new(cid, uds_path)?,
+            queue_evts,
+            config: cid.to_le_bytes(),
+            active: None,
+        })
+    }
+
+    /// Takes every packet the guest sent, then fills RX buffers with what
+    /// is waiting for the guest.
+    fn process(&mut self, ops: &mut EventOps) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mem = active.mem.clone();
+        let result = (|| -> Result<bool, QueueBroken> {
+            let mut used = false;
+            while let Some((head, descriptors)) = pop_chain(&mut active.queues[TX], &mem)? {
+                match packet::read_tx(&mem, &descriptors) {
+                    Ok((header, payload)) => self.muxer.on_guest_packet(&header, &payload, ops),
+                    Err(e) => tracing::warn!("vsock: dropping a bad packet from the guest: {e}"),
+                }
+                return_chain(&mut active.queues[TX], &mem, head, 0)?;
+                used = true;
+            }
+            while self.muxer.has_rx() {
+                let Some((head, descriptors)) = pop_chain(&mut active.queues[RX], &mem)? else {
+                    break;
+                };
+                let written = match packet::rx_capacity(&descriptors) {
+                    Ok(capacity) => match self.muxer.next_rx(capacity, ops) {
+                        Some((header, payload)) => {
+                            packet::write_rx(&mem, &descriptors, &header, &payload).unwrap_or(0)
+                        }
+                        None => {
+                            active.queues[RX].go_to_previous_position();
+                            break;
+                        }
+                    },
+                    Err(e) => {
+                        tracing::warn!("vsock: unusable RX buffer from the guest: {e}");
+                        0
+                    }
+                };
+                return_chain(&mut active.queues[RX], &mem, head, written)?;
+                used = true;
+            }
+            Ok(used)
+        })();
+        match result {
+            Ok(true) => active.interrupt.trigger(INT_VRING),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!("vsock: {e}; the device needs a reset");
+                active.interrupt.fail_device();
+                self.active = None;
+                self.muxer.reset(ops);
+            }
+        }
+    }
+}
+
+impl VirtioDevice for VsockDevice {
+    fn device_type(&self) -> u32 {
+        TYPE_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE; 3]
+    }
+
+    fn features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn queue_events(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        read_config_bytes(&self.config, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, _data: &[u8]) {
+        tracing::warn!("vsock: the driver wrote read-only config at {offset:#x}");
+    }
+
+    fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
+        if active.queues.len() != 3 {
+            return Err(ActivateError::QueueCount {
+                expected: 3,
+                found: active.queues.len(),
+            });
+        }
+        self.active = Some(active);
+        // Packets waiting for the guest are sent on the next RX kick.
+        let _ = self.queue_evts[RX].write(1);
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        self.active = None;
+    }
+}
+
+impl MutEventSubscriber for VsockDevice {
+    fn init(&mut self, ops: &mut EventOps) {
+        for (i, evt) in self.queue_evts.iter().enumerate() {
+            if let Err(e) = ops.add(Events::with_data(evt, i as u32, EventSet::IN)) {
+                tracing::error!("vsock: cannot watch queue {i}: {e:?}");
+            }
+        }
+        self.muxer.init(ops);
+    }
+
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        let token = events.data();
+        match self.queue_evts.get(token as usize) {
+            Some(evt) => {
+                let _ = evt.read();
+            }
+            None => self.muxer.on_event(token, events.event_set(), ops),
+        }
+        // Before activation, host connections wait; the guest sees them once
+        // its driver is up (`process` does nothing without queues).
+        VsockDevice::process(self, ops);
+    }
+}

@@ -1,0 +1,601 @@
+//! The host side of virtio-vsock: guest stream connections bridged to Unix
+//! sockets, with the protocol Firecracker users know.
+//!
+//! * Host to guest: a program connects to the VMM's socket at `uds_path` and
+//!   writes `CONNECT <port>\n`; once the guest accepts, it reads
+//!   `OK <host port>\n` and the stream carries the connection.
+//! * Guest to host: a guest connecting to host port P reaches the Unix
+//!   socket `<uds_path>_<P>` if a program listens there; otherwise the guest
+//!   gets a reset.
+//!
+//! Flow control is the spec's credit scheme (5.10.6.3): each side advertises
+//! its buffer (`buf_alloc`) and how much it has consumed (`fwd_cnt`), and a
+//! sender never has more than that in flight. Data from the host is read
+//! from a Unix socket only when the guest has credit for it, so a fast host
+//! program cannot make the VMM buffer without bound; data from the guest that
+//! the host program is slow to take is held up to our advertised buffer and
+//! a guest exceeding it is reset.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+use event_manager::{EventOps, EventSet, Events};
+
+use super::packet::*;
+
+/// Buffer space we advertise to the guest per connection.
+pub const CONN_BUF: u32 = 256 << 10;
+/// Longest `CONNECT <port>\n` line accepted from a host program.
+const MAX_CONNECT_LINE: usize = 32;
+/// Event token of the listener; connection tokens start above the queues'.
+pub const TOKEN_LISTENER: u32 = 3;
+const FIRST_STREAM_TOKEN: u32 = 16;
+/// Host-side ports for host-initiated connections, as Firecracker allocates.
+const LOCAL_PORT_BASE: u32 = 1 << 30;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ConnKey {
+    local_port: u32,
+    peer_port: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConnState {
+    /// A host program connected; we sent REQUEST and wait for RESPONSE.
+    LocalInit,
+    Established,
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: UnixStream,
+    token: u32,
+    state: ConnState,
+    /// Guest data the host program has not taken yet.
+    tx_buf: VecDeque<u8>,
+    /// Bytes of guest data passed to the host program (our fwd_cnt).
+    fwd_cnt: u32,
+    /// The fwd_cnt the guest last heard from us.
+    fwd_cnt_sent: u32,
+    /// Bytes of host data sent to the guest.
+    rx_cnt: u32,
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: u32,
+    /// The guest will send no more data.
+    peer_send_closed: bool,
+    /// The guest will take no more data.
+    peer_rcv_closed: bool,
+    /// Events currently watched on the stream.
+    watched: EventSet,
+    /// Queued in `rx_ready`.
+    rx_queued: bool,
+}
+
+impl Conn {
+    /// How many more bytes the guest can take from us.
+    fn peer_free(&self) -> u32 {
+        self.peer_buf_alloc
+            .saturating_sub(self.rx_cnt.wrapping_sub(self.peer_fwd_cnt))
+    }
+}
+
+#[derive(Debug)]
+struct PendingStream {
+    stream: UnixStream,
+    line: Vec<u8>,
+}
+
+/// All vsock connections of one VM.
+#[derive(Debug)]
+pub struct Muxer {
+    guest_cid: u64,
+    uds_path: PathBuf,
+    listener: UnixListener,
+    pending: HashMap<u32, PendingStream>,
+    conns: HashMap<ConnKey, Conn>,
+    tokens: HashMap<u32, ConnKey>,
+    next_token: u32,
+    next_local_port: u32,
+    /// Packets without payload for the guest (RESPONSE, RST, CREDIT_UPDATE...).
+    control: VecDeque<Header>,
+    /// Connections with host data (or an EOF) to forward to the guest.
+    rx_ready: VecDeque<ConnKey>,
+}
+
+/// Errors setting up the host side.
+#[derive(Debug, thiserror::Error)]
+pub enum MuxerError {
+    #[error("cannot listen on the vsock socket {0}: {1}")]
+    Listen(PathBuf, #[source] std::io::Error),
+}
+
+impl Muxer {
+    /// Listens on `uds_path` (replacing a stale socket file there).
+    pub fn new(guest_cid: u64, uds_path: &Path) -> Result<Self, MuxerError> {
+        let listen = |e| MuxerError::Listen(uds_path.to_owned(), e);
+        match std::fs::remove_file(uds_path) {
+            Err(e) if e.kind() != ErrorKind::NotFound => return Err(listen(e)),
+            _ => {}
+        }
+        let listener = UnixListener::bind(uds_path).map_err(listen)?;
+        listener.set_nonblocking(true).map_err(listen)?;
+        Ok(Muxer {
+            guest_cid,
+            uds_path: uds_path.to_owned(),
+            listener,
+            pending: HashMap::new(),
+            conns: HashMap::new(),
+            tokens: HashMap::new(),
+            next_token: FIRST_STREAM_TOKEN,
+            next_local_port: 0,
+            control: VecDeque::new(),
+            rx_ready: VecDeque::new(),
+        })
+    }
+
+    /// Watches the listener.
+    pub fn init(&mut self, ops: &mut EventOps) {
+        let events = Events::with_data(&self.listener, TOKEN_LISTENER, EventSet::IN);
+        if let Err(e) = ops.add(events) {
+            tracing::error!("vsock: cannot watch the listener: {e:?}");
+        }
+    }
+
+    /// Whether a packet for the guest is waiting.
+    pub fn has_rx(&self) -> bool {
+        !self.control.is_empty() || !self.rx_ready.is_empty()
+    }
+
+    /// Number of open connections (for tests and metrics).
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    fn header(&self, key: ConnKey, op: u16) -> Header {
+        let fwd_cnt = self.conns.get(&key).map_or(0, |c| c.fwd_cnt);
+        Header {
+            src_cid: HOST_CID,
+            dst_cid: self.guest_cid,
+            src_port: key.local_port,
+            dst_port: key.peer_port,
+            len: 0,
+            type_: TYPE_STREAM,
+            op,
+            flags: 0,
+            buf_alloc: CONN_BUF,
+            fwd_cnt,
+        }
+    }
+
+    fn send_control(&mut self, key: ConnKey, op: u16) {
+        let h = self.header(key, op);
+        if let Some(c) = self.conns.get_mut(&key) {
+            c.fwd_cnt_sent = c.fwd_cnt;
+        }
+        self.control.push_back(h);
+    }
+
+    /// A reset for a packet that matches no connection.
+    fn reset_reply(&mut self, h: &Header) {
+        if h.op == OP_RST {
+            return;
+        }
+        self.control.push_back(Header {
+            src_cid: HOST_CID,
+            dst_cid: self.guest_cid,
+            src_port: h.dst_port,
+            dst_port: h.src_port,
+            type_: TYPE_STREAM,
+            op: OP_RST,
+            ..Default::default()
+        });
+    }
+
+    fn watch(&mut self, key: ConnKey, want: EventSet, ops: &mut EventOps) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if conn.watched == want {
+            return;
+        }
+        let fd = conn.stream.as_raw_fd();
+        let result = match (conn.watched.is_empty(), want.is_empty()) {
+            (true, false) => ops.add(Events::with_data_raw(fd, conn.token, want)),
+            (false, true) => ops.remove(Events::with_data_raw(fd, conn.token, conn.watched)),
+            _ => ops.modify(Events::with_data_raw(fd, conn.token, want)),
+        };
+        if let Err(e) = result {
+            tracing::warn!("vsock: cannot change the events of a connection: {e:?}");
+        }
+        conn.watched = want;
+    }
+
+    /// Closes a connection and forgets it; `rst` tells the guest.
+    fn close(&mut self, key: ConnKey, rst: bool, ops: &mut EventOps) {
+        self.watch(key, EventSet::empty(), ops);
+        if rst {
+            self.send_control(key, OP_RST);
+        }
+        if let Some(conn) = self.conns.remove(&key) {
+            self.tokens.remove(&conn.token);
+        }
+        self.rx_ready.retain(|k| *k != key);
+    }
+
+    fn add_conn(
+        &mut self,
+        key: ConnKey,
+        stream: UnixStream,
+        state: ConnState,
+        peer: &Header,
+    ) -> u32 {
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1).max(FIRST_STREAM_TOKEN);
+        self.tokens.insert(token, key);
+        self.conns.insert(
+            key,
+            Conn {
+                stream,
+                token,
+                state,
+                tx_buf: VecDeque::new(),
+                fwd_cnt: 0,
+                fwd_cnt_sent: 0,
+                rx_cnt: 0,
+                peer_buf_alloc: peer.buf_alloc,
+                peer_fwd_cnt: peer.fwd_cnt,
+                peer_send_closed: false,
+                peer_rcv_closed: false,
+                watched: EventSet::empty(),
+                rx_queued: false,
+            },
+        );
+        token
+    }
+
+    /// Handles an event on the listener or a stream.
+    pub fn on_event(&mut self, token: u32, set: EventSet, ops: &mut EventOps) {
+        if token == TOKEN_LISTENER {
+            self.accept(ops);
+        } else if self.pending.contains_key(&token) {
+            self.read_connect_line(token, ops);
+        } else if let Some(&key) = self.tokens.get(&token) {
+            if set.intersects(EventSet::OUT) {
+                self.flush_tx(key, ops);
+            }
+            if set.intersects(EventSet::IN | EventSet::HANG_UP | EventSet::READ_HANG_UP) {
+                self.queue_rx(key, ops);
+            }
+        }
+    }
+
+    fn accept(&mut self, ops: &mut EventOps) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let token = self.next_token;
+                    self.next_token = self.next_token.wrapping_add(1).max(FIRST_STREAM_TOKEN);
+                    if ops
+                        .add(Events::with_data(&stream, token, EventSet::IN))
+                        .is_ok()
+                    {
+                        self.pending.insert(
+                            token,
+                            PendingStream {
+                                stream,
+                                line: Vec::new(),
+                            },
+                        );
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!("vsock: accept on {} failed: {e}", self.uds_path.display());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Reads `CONNECT <port>\n` from a new host connection.
+    fn read_connect_line(&mut self, token: u32, ops: &mut EventOps) {
+        let Some(p) = self.pending.get_mut(&token) else {
+            return;
+        };
+        let mut byte = [0u8; 1];
+        let port = loop {
+            match p.stream.read(&mut byte) {
+                Ok(1) if byte[0] == b'\n' => break parse_connect(&p.line),
+                Ok(1) if p.line.len() < MAX_CONNECT_LINE => p.line.push(byte[0]),
+                Ok(_) => break None, // EOF or an over-long line
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(_) => break None,
+            }
+        };
+        let Some(p) = self.pending.remove(&token) else {
+            return;
+        };
+        let _ = ops.remove(Events::with_data(&p.stream, token, EventSet::IN));
+        let Some(peer_port) = port else {
+            let mut stream = p.stream;
+            let _ = stream.write_all(b"ERROR expected CONNECT <port>\n");
+            return;
+        };
+        self.next_local_port = self.next_local_port.wrapping_add(1);
+        let local_port = (self.next_local_port & !LOCAL_PORT_BASE) | LOCAL_PORT_BASE;
+        let key = ConnKey {
+            local_port,
+            peer_port,
+        };
+        if self.conns.contains_key(&key) {
+            return;
+        }
+        let no_credit_yet = Header::default();
+        // Nothing is read from the stream until the guest accepts.
+        self.add_conn(key, p.stream, ConnState::LocalInit, &no_credit_yet);
+        self.send_control(key, OP_REQUEST);
+    }
+
+    /// Handles a packet the guest sent.
+    pub fn on_guest_packet(&mut self, h: &Header, payload: &[u8], ops: &mut EventOps) {
+        if h.src_cid != self.guest_cid || h.dst_cid != HOST_CID {
+            tracing::warn!(
+                "vsock: dropping a packet from cid {} to cid {}",
+                h.src_cid,
+                h.dst_cid
+            );
+            return;
+        }
+        if h.type_ != TYPE_STREAM {
+            self.reset_reply(h);
+            return;
+        }
+        let key = ConnKey {
+            local_port: h.dst_port,
+            peer_port: h.src_port,
+        };
+        if h.op == OP_REQUEST {
+            self.connect_to_host(key, h, ops);
+            return;
+        }
+        let Some(conn) = self.conns.get_mut(&key) else {
+            self.reset_reply(h);
+            return;
+        };
+        conn.peer_buf_alloc = h.buf_alloc;
+        conn.peer_fwd_cnt = h.fwd_cnt;
+        match (h.op, conn.state) {
+            (OP_RESPONSE, ConnState::LocalInit) => {
+                conn.state = ConnState::Established;
+                let reply = format!("OK {}\n", key.local_port);
+                if conn.stream.write_all(reply.as_bytes()).is_err() {
+                    self.close(key, true, ops);
+                    return;
+                }
+                self.watch(key, EventSet::IN | EventSet::READ_HANG_UP, ops);
+            }
+            (OP_RW, ConnState::Established) => self.take_guest_data(key, payload, ops),
+            (OP_CREDIT_UPDATE, ConnState::Established) => self.resume_rx(key, ops),
+            (OP_CREDIT_REQUEST, ConnState::Established) => self.send_control(key, OP_CREDIT_UPDATE),
+            (OP_SHUTDOWN, ConnState::Established) => self.peer_shutdown(key, h.flags, ops),
+            (OP_RST, _) => self.close(key, false, ops),
+            (op, state) => {
+                tracing::debug!("vsock: unexpected op {op} in state {state:?}; resetting");
+                self.close(key, true, ops);
+            }
+        }
+    }
+
+    fn connect_to_host(&mut self, key: ConnKey, h: &Header, ops: &mut EventOps) {
+        if self.conns.contains_key(&key) {
+            self.close(key, true, ops);
+            return;
+        }
+        let path = format!("{}_{}", self.uds_path.display(), key.local_port);
+        let stream = match UnixStream::connect(&path) {
+            Ok(s) if s.set_nonblocking(true).is_ok() => s,
+            _ => {
+                self.reset_reply(h);
+                return;
+            }
+        };
+        self.add_conn(key, stream, ConnState::Established, h);
+        self.watch(key, EventSet::IN | EventSet::READ_HANG_UP, ops);
+        self.send_control(key, OP_RESPONSE);
+    }
+
+    fn take_guest_data(&mut self, key: ConnKey, payload: &[u8], ops: &mut EventOps) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if conn.tx_buf.len() + payload.len() > CONN_BUF as usize {
+            tracing::warn!("vsock: the guest sent more than its credit allows; resetting");
+            self.close(key, true, ops);
+            return;
+        }
+        conn.tx_buf.extend(payload);
+        self.flush_tx(key, ops);
+    }
+
+    /// Writes held guest data to the host program.
+    fn flush_tx(&mut self, key: ConnKey, ops: &mut EventOps) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        while !conn.tx_buf.is_empty() {
+            let (front, _) = conn.tx_buf.as_slices();
+            match conn.stream.write(front) {
+                Ok(0) => break,
+                Ok(n) => {
+                    conn.tx_buf.drain(..n);
+                    conn.fwd_cnt = conn.fwd_cnt.wrapping_add(n as u32);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    self.close(key, true, ops);
+                    return;
+                }
+            }
+        }
+        let pending = !conn.tx_buf.is_empty();
+        let finished = !pending && conn.peer_send_closed;
+        if finished && conn.peer_rcv_closed {
+            // Both directions are done: a reset completes the close (5.10.6.6).
+            self.close(key, true, ops);
+            return;
+        }
+        // Tell the guest about freed space once a good part of it is free.
+        let unannounced = conn.fwd_cnt.wrapping_sub(conn.fwd_cnt_sent);
+        let announce = unannounced >= CONN_BUF / 4 || (unannounced > 0 && !pending);
+        let mut want = conn.watched & !EventSet::OUT;
+        if pending {
+            want |= EventSet::OUT;
+        }
+        if finished {
+            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+        }
+        if announce {
+            self.send_control(key, OP_CREDIT_UPDATE);
+        }
+        self.watch(key, want, ops);
+    }
+
+    fn peer_shutdown(&mut self, key: ConnKey, flags: u32, ops: &mut EventOps) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        conn.peer_send_closed |= flags & SHUTDOWN_SEND != 0;
+        conn.peer_rcv_closed |= flags & SHUTDOWN_RCV != 0;
+        if conn.peer_rcv_closed {
+            // Nothing more goes to the guest.
+            let want = conn.watched & !(EventSet::IN | EventSet::READ_HANG_UP);
+            self.rx_ready.retain(|k| *k != key);
+            self.watch(key, want, ops);
+        }
+        // Delivers what we hold; closes once both directions are done.
+        self.flush_tx(key, ops);
+    }
+
+    /// The guest gave us more credit: read from the host program again.
+    fn resume_rx(&mut self, key: ConnKey, ops: &mut EventOps) {
+        let Some(conn) = self.conns.get(&key) else {
+            return;
+        };
+        if conn.peer_free() > 0 && !conn.watched.contains(EventSet::IN) {
+            let want = conn.watched | EventSet::IN;
+            self.watch(key, want, ops);
+        }
+    }
+
+    /// The host program sent data (or closed): queue the connection for RX
+    /// and stop watching for input until it has been served, so a guest that
+    /// is slow to post buffers does not make the event loop spin.
+    fn queue_rx(&mut self, key: ConnKey, ops: &mut EventOps) {
+        let Some(conn) = self.conns.get_mut(&key) else {
+            return;
+        };
+        if !conn.rx_queued {
+            conn.rx_queued = true;
+            self.rx_ready.push_back(key);
+        }
+        let want = conn.watched & !(EventSet::IN | EventSet::READ_HANG_UP);
+        self.watch(key, want, ops);
+    }
+
+    /// The next packet for the guest, whose RX buffer takes `capacity`
+    /// payload bytes.
+    pub fn next_rx(&mut self, capacity: usize, ops: &mut EventOps) -> Option<(Header, Vec<u8>)> {
+        if let Some(h) = self.control.pop_front() {
+            return Some((h, Vec::new()));
+        }
+        while let Some(key) = self.rx_ready.pop_front() {
+            let Some(conn) = self.conns.get_mut(&key) else {
+                continue;
+            };
+            conn.rx_queued = false;
+            if conn.state != ConnState::Established {
+                continue;
+            }
+            if capacity == 0 {
+                // This buffer only fits control packets; keep our place.
+                conn.rx_queued = true;
+                self.rx_ready.push_front(key);
+                return None;
+            }
+            let room = (conn.peer_free() as usize).min(capacity);
+            if room == 0 {
+                // No credit: ask for some; a CREDIT_UPDATE resumes reading.
+                self.send_control(key, OP_CREDIT_REQUEST);
+                return self.control.pop_front().map(|h| (h, Vec::new()));
+            }
+            let mut buf = vec![0u8; room];
+            match conn.stream.read(&mut buf) {
+                Ok(0) => {
+                    // The host program will send no more; it may still read.
+                    let want = conn.watched & !(EventSet::IN | EventSet::READ_HANG_UP);
+                    self.watch(key, want, ops);
+                    let mut h = self.header(key, OP_SHUTDOWN);
+                    h.flags = SHUTDOWN_SEND;
+                    return Some((h, Vec::new()));
+                }
+                Ok(n) => {
+                    buf.truncate(n);
+                    conn.rx_cnt = conn.rx_cnt.wrapping_add(n as u32);
+                    conn.fwd_cnt_sent = conn.fwd_cnt;
+                    // There may be more: stay in line behind the others.
+                    conn.rx_queued = true;
+                    self.rx_ready.push_back(key);
+                    let mut h = self.header(key, OP_RW);
+                    h.len = n as u32;
+                    return Some((h, buf));
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    let want = conn.watched | EventSet::IN | EventSet::READ_HANG_UP;
+                    self.watch(key, want, ops);
+                }
+                Err(_) => self.close(key, true, ops),
+            }
+        }
+        self.control.pop_front().map(|h| (h, Vec::new()))
+    }
+
+    /// Every connection is gone (device reset or snapshot): close the host
+    /// streams; the guest driver resets its side itself.
+    pub fn reset(&mut self, ops: &mut EventOps) {
+        let keys: Vec<_> = self.conns.keys().copied().collect();
+        for key in keys {
+            self.close(key, false, ops);
+        }
+        self.control.clear();
+    }
+}
+
+fn parse_connect(line: &[u8]) -> Option<u32> {
+    let line = std::str::from_utf8(line).ok()?.trim();
+    let (word, port) = line.split_once(char::is_whitespace)?;
+    if !word.eq_ignore_ascii_case("connect") {
+        return None;
+    }
+    port.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_lines() {
+        assert_eq!(parse_connect(b"CONNECT 52"), Some(52));
+        assert_eq!(parse_connect(b"connect  7 "), Some(7));
+        assert_eq!(parse_connect(b"CONNECT"), None);
+        assert_eq!(parse_connect(b"CONNECT -1"), None);
+        assert_eq!(parse_connect(b"OPEN 5"), None);
+        assert_eq!(parse_connect(b"\xff\xfe 5"), None);
+    }
+}
