@@ -18,6 +18,7 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
 use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
+use crate::devices::virtio::net::{NetDevice, Tap, TapError};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::VsockDevice;
 use crate::timeline::{Phase, Timeline};
@@ -58,6 +59,8 @@ pub enum BuildError {
     DeviceManager(#[from] DeviceManagerError),
     #[error(transparent)]
     Vsock(#[from] MuxerError),
+    #[error(transparent)]
+    Tap(#[from] TapError),
     #[error("cannot create the event loop: {0}")]
     EventLoop(String),
 }
@@ -104,6 +107,12 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
+        let device = Arc::new(Mutex::new(device));
+        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, device)?;
+    }
+    if let Some(net) = &config.net {
+        let tap = Tap::open(&net.tap)?;
+        let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
         let device = Arc::new(Mutex::new(device));
         mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, device)?;
     }

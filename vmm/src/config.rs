@@ -122,6 +122,53 @@ impl std::str::FromStr for VsockConfig {
     }
 }
 
+/// The virtio-net device: a TAP device and the guest's MAC address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    pub tap: String,
+    pub mac: [u8; 6],
+}
+
+/// Locally administered, unicast: 06:00:48:55:53:4b ("HUSK").
+pub const DEFAULT_MAC: [u8; 6] = [0x06, 0x00, 0x48, 0x55, 0x53, 0x4b];
+
+impl std::str::FromStr for NetConfig {
+    type Err = ConfigError;
+
+    /// `tap=NAME[,mac=XX:XX:XX:XX:XX:XX]`.
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |why: String| ConfigError::Net(spec.to_owned(), why);
+        let (mut tap, mut mac) = (None, DEFAULT_MAC);
+        for part in spec.split(',') {
+            match part.split_once('=') {
+                Some(("tap", v)) if !v.is_empty() => tap = Some(v.to_owned()),
+                Some(("mac", v)) => {
+                    mac = parse_mac(v).ok_or_else(|| bad(format!("bad MAC `{v}`")))?
+                }
+                _ => return Err(bad(format!("unknown option `{part}`"))),
+            }
+        }
+        if mac[0] & 1 != 0 {
+            return Err(bad("the MAC is a multicast address".into()));
+        }
+        let tap = tap.ok_or_else(|| bad("no tap".into()))?;
+        Ok(NetConfig { tap, mac })
+    }
+}
+
+fn parse_mac(text: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next()?;
+        if part.len() != 2 {
+            return None;
+        }
+        *byte = u8::from_str_radix(part, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
 /// A VM's configuration.
 #[derive(Debug, Clone)]
 pub struct VmConfig {
@@ -138,6 +185,7 @@ pub struct VmConfig {
     pub kvm_device: PathBuf,
     pub drives: Vec<DriveConfig>,
     pub vsock: Option<VsockConfig>,
+    pub net: Option<NetConfig>,
 }
 
 /// Invalid configurations. The messages say what is accepted.
@@ -163,6 +211,8 @@ pub enum ConfigError {
     Drive(String, String),
     #[error("invalid vsock `{0}`: {1}; expected cid=N,path=SOCKET")]
     Vsock(String, String),
+    #[error("invalid net `{0}`: {1}; expected tap=NAME[,mac=XX:XX:XX:XX:XX:XX]")]
+    Net(String, String),
     #[error("cannot open the serial output file {0}: {1}")]
     SerialFile(PathBuf, #[source] std::io::Error),
 }
@@ -271,6 +321,35 @@ mod tests {
             kvm_device: "/dev/kvm".into(),
             drives: vec![],
             vsock: None,
+            net: None,
+        }
+    }
+
+    #[test]
+    fn net_specs_parse() {
+        let n: NetConfig = "tap=tap0,mac=02:00:00:00:00:07".parse().expect("valid");
+        let d: NetConfig = "tap=tap1".parse().expect("valid");
+
+        assert_eq!(
+            n,
+            NetConfig {
+                tap: "tap0".into(),
+                mac: [2, 0, 0, 0, 0, 7]
+            }
+        );
+        assert_eq!(d.mac, DEFAULT_MAC);
+        for spec in [
+            "",
+            "tap=",
+            "tap=t,mac=01:00:00:00:00:00",
+            "tap=t,mac=zz:00:00:00:00:00",
+            "tap=t,mac=02:00:00:00:00",
+            "mac=02:00:00:00:00:01",
+        ] {
+            assert!(
+                matches!(spec.parse::<NetConfig>(), Err(ConfigError::Net(..))),
+                "{spec}"
+            );
         }
     }
 

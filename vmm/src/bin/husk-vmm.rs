@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use clap::Parser;
 use husk_vmm::builder::build_vm;
-use husk_vmm::config::{DriveConfig, SerialOutput, VmConfig, VsockConfig};
+use husk_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
 use husk_vmm::Outcome;
@@ -55,6 +55,11 @@ struct Args {
     /// reach SOCKET_P.
     #[arg(long)]
     vsock: Option<VsockConfig>,
+    /// A virtio-net device on a TAP: `tap=NAME[,mac=XX:XX:XX:XX:XX:XX]`. An
+    /// existing TAP is attached to; a missing one is created (and goes away
+    /// with the VMM).
+    #[arg(long)]
+    net: Option<NetConfig>,
     /// The KVM device.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -90,6 +95,7 @@ impl Args {
             kvm_device: self.kvm_device,
             drives: self.drives,
             vsock: self.vsock,
+            net: self.net,
         };
         (config, self.timeline)
     }

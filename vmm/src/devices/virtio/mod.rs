@@ -7,6 +7,7 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
 pub mod queue;
 pub mod vsock;
 
