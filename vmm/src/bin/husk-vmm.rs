@@ -190,6 +190,7 @@ fn timeline_json(vmm: &husk_vmm::Vmm, outcome: &Outcome) -> serde_json::Value {
         "phases_us": phases,
         "guest_uptime_ms": vmm.guest_uptime_ms(),
         "vmm_rss_kib": resident.vmm_kib,
+        "vcpu_exits": husk_vmm::vstate::vcpu::USERSPACE_EXITS.load(std::sync::atomic::Ordering::Relaxed),
         "guest_rss_kib": resident.guest_kib,
         "outcome": outcome.to_string(),
         "exit_code": outcome.exit_code(),

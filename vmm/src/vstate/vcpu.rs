@@ -14,6 +14,10 @@ use crate::devices::bus::Bus;
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::vm::Vm;
 
+/// VM exits that reached the VMM (KVM_RUN returned), over all vCPUs. One VM
+/// per process, so a process-wide counter is the VM's.
+pub static USERSPACE_EXITS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Errors creating or configuring a vCPU.
 #[derive(Debug, thiserror::Error)]
 pub enum VcpuError {
@@ -149,7 +153,9 @@ impl Vcpu {
 
     fn run_until_stop(&mut self) -> VcpuStop {
         loop {
-            match self.fd.run() {
+            let exit = self.fd.run();
+            USERSPACE_EXITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match exit {
                 Ok(VcpuExit::IoIn(port, data)) => {
                     if !self.pio.read(u64::from(port), data) {
                         // Nothing there: an open ISA bus reads as all ones.

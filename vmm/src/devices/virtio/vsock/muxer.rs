@@ -588,6 +588,137 @@ fn parse_connect(line: &[u8]) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
+    use std::sync::{Arc, Mutex};
+    use vmm_sys_util::eventfd::EventFd;
+
+    const GUEST: u64 = 3;
+
+    /// Feeds guest packets to a muxer inside a real event loop and collects
+    /// what it would send back to the guest.
+    struct Harness {
+        muxer: Muxer,
+        kick: EventFd,
+        input: Vec<Header>,
+        output: Vec<Header>,
+    }
+
+    impl MutEventSubscriber for Harness {
+        fn init(&mut self, ops: &mut EventOps) {
+            ops.add(Events::new(&self.kick, EventSet::IN))
+                .expect("watch");
+            self.muxer.init(ops);
+        }
+        fn process(&mut self, events: Events, ops: &mut EventOps) {
+            if events.fd() == self.kick.as_raw_fd() {
+                let _ = self.kick.read();
+            } else {
+                self.muxer.on_event(events.data(), events.event_set(), ops);
+            }
+            for h in std::mem::take(&mut self.input) {
+                self.muxer.on_guest_packet(&h, &[], ops);
+            }
+            while let Some((h, _)) = self.muxer.next_rx(4096, ops) {
+                self.output.push(h);
+            }
+        }
+    }
+
+    fn exchange(dir: &Path, packets: Vec<Header>) -> (Vec<Header>, usize) {
+        let harness = Arc::new(Mutex::new(Harness {
+            muxer: Muxer::new(GUEST, &dir.join("v.sock")).expect("muxer"),
+            kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+            input: packets,
+            output: Vec::new(),
+        }));
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        harness.lock().expect("lock").kick.write(1).expect("kick");
+        events.run_with_timeout(100).expect("run");
+        let h = harness.lock().expect("lock");
+        (h.output.clone(), h.muxer.connection_count())
+    }
+
+    fn from_guest(op: u16) -> Header {
+        Header {
+            src_cid: GUEST,
+            dst_cid: HOST_CID,
+            src_port: 1234,
+            dst_port: 80,
+            type_: TYPE_STREAM,
+            op,
+            buf_alloc: 4096,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_connection_to_a_port_nobody_listens_on_is_reset() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+
+        let (out, conns) = exchange(dir.as_path(), vec![from_guest(OP_REQUEST)]);
+
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            (out[0].op, out[0].dst_port, out[0].src_port),
+            (OP_RST, 1234, 80)
+        );
+        assert_eq!(conns, 0);
+    }
+
+    #[test]
+    fn a_connection_to_a_listening_host_socket_is_accepted() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let _host = UnixListener::bind(dir.as_path().join("v.sock_80")).expect("listen");
+
+        let (out, conns) = exchange(dir.as_path(), vec![from_guest(OP_REQUEST)]);
+
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].op, OP_RESPONSE);
+        assert_eq!(out[0].buf_alloc, CONN_BUF);
+        assert_eq!(conns, 1);
+    }
+
+    #[test]
+    fn garbage_headers_get_a_reset_or_are_dropped() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let spoofed = Header {
+            src_cid: 99,
+            ..from_guest(OP_REQUEST)
+        };
+        let wrong_dst = Header {
+            dst_cid: 7,
+            ..from_guest(OP_REQUEST)
+        };
+        let dgram = Header {
+            type_: 2,
+            ..from_guest(OP_REQUEST)
+        };
+        let unknown_op = from_guest(99);
+        let data_for_nobody = from_guest(OP_RW);
+        let rst_for_nobody = from_guest(OP_RST);
+
+        let (out, conns) = exchange(
+            dir.as_path(),
+            vec![
+                spoofed,
+                wrong_dst,
+                dgram,
+                unknown_op,
+                data_for_nobody,
+                rst_for_nobody,
+            ],
+        );
+
+        // Spoofed and misaddressed packets are dropped; the datagram, the
+        // unknown op and the data without a connection are reset; a reset is
+        // never answered.
+        assert_eq!(
+            out.iter().map(|h| h.op).collect::<Vec<_>>(),
+            vec![OP_RST; 3]
+        );
+        assert_eq!(conns, 0);
+    }
 
     #[test]
     fn connect_lines() {
