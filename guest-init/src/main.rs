@@ -19,8 +19,10 @@
 //! ready, with the console as stdio; guest-init prints
 //! `husk-guest-init: exit status=<n>` (or `signal=<n>`) and shuts down.
 
+mod agent;
 mod probe;
 mod sys;
+mod vsock;
 
 use std::ffi::CString;
 use std::io::Write;
@@ -47,8 +49,17 @@ fn main() -> std::process::ExitCode {
     if let Err(e) = sys::set_hostname(&hostname) {
         log(&format!("cannot set hostname: {e}"));
     }
+    // The agent listens before readiness is announced, so "ready" means a
+    // client can connect. Without a vsock device the guest still runs.
+    let agent = match agent::start() {
+        Ok(()) => format!("agent_port={}", husk_protocol::AGENT_PORT),
+        Err(e) => {
+            log(&format!("agent not started: {e}"));
+            "agent=none".to_owned()
+        }
+    };
     say(&format!(
-        "ready uptime_ms={} hostname={hostname}",
+        "ready uptime_ms={} hostname={hostname} {agent}",
         sys::uptime_ms()
     ));
 
@@ -144,7 +155,7 @@ fn say(message: &str) {
 }
 
 /// A diagnostic on the console.
-fn log(message: &str) {
+pub(crate) fn log(message: &str) {
     let line = format!("husk-guest-init: warning: {message}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
 }

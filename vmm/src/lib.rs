@@ -9,6 +9,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod host;
 pub mod resident;
 pub mod timeline;
 pub mod vstate;

@@ -1,0 +1,199 @@
+//! The husk agent protocol, spoken over vsock between a host client and the
+//! agent in guest-init.
+//!
+//! # Framing
+//!
+//! Every message is one frame: a little-endian `u32` length, then that many
+//! bytes of a postcard-encoded [`Frame`]. Frames longer than [`MAX_FRAME`]
+//! are refused without being read into memory (the connection is then
+//! closed, since the rest of the stream cannot be trusted). A frame that is
+//! well delimited but does not decode (garbage, a message type this side
+//! does not know) is answered with an error and the connection goes on.
+//!
+//! # Session
+//!
+//! The host connects to guest port [`AGENT_PORT`] and sends `Hello` with
+//! its [`VERSION`]; the agent answers `Hello` with its own, or
+//! `Error(VersionMismatch)` and closes. Then the host sends requests, each
+//! with a fresh `id`; every reply carries the id of its request.
+//!
+//! | message | direction | meaning |
+//! |---|---|---|
+//! | `Hello { version }` | both | handshake; must be the first frame each way |
+//! | `Ping` | host → guest | liveness check |
+//! | `Pong { uptime_ms }` | guest → host | reply to `Ping`: guest CLOCK_BOOTTIME in ms |
+//! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Protocol version; the agent refuses other versions.
+pub const VERSION: u32 = 1;
+/// The guest vsock port the agent listens on.
+pub const AGENT_PORT: u32 = 1024;
+/// Largest frame accepted, in bytes.
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// One message with its request id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Frame {
+    pub id: u64,
+    pub body: Body,
+}
+
+/// The messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Body {
+    Hello { version: u32 },
+    Ping,
+    Pong { uptime_ms: u64 },
+    Error { kind: ErrorKind, message: String },
+}
+
+/// Why a request failed, as a kind a client can act on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// The peers speak different protocol versions.
+    VersionMismatch,
+    /// The frame did not decode, or came out of order (no handshake).
+    Malformed,
+    /// The frame was longer than [`MAX_FRAME`].
+    TooLarge,
+    /// The message is valid but this agent does not handle it.
+    Unsupported,
+}
+
+/// Errors reading or writing frames.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("the peer closed the connection")]
+    Closed,
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    #[error("frame does not decode: {0}")]
+    Malformed(#[from] postcard::Error),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Writes one frame.
+pub fn write_frame<W: Write>(out: &mut W, frame: &Frame) -> Result<(), ProtocolError> {
+    let payload = postcard::to_stdvec(frame)?;
+    if payload.len() > MAX_FRAME {
+        return Err(ProtocolError::TooLarge(payload.len()));
+    }
+    let mut bytes = Vec::with_capacity(4 + payload.len());
+    bytes.extend((payload.len() as u32).to_le_bytes());
+    bytes.extend(payload);
+    out.write_all(&bytes)?;
+    out.flush()?;
+    Ok(())
+}
+
+/// Reads one frame. `Closed` means a clean end between frames.
+pub fn read_frame<R: Read>(input: &mut R) -> Result<Frame, ProtocolError> {
+    let mut len = [0u8; 4];
+    match input.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(ProtocolError::Closed)
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(ProtocolError::TooLarge(len));
+    }
+    let mut payload = vec![0u8; len];
+    input.read_exact(&mut payload)?;
+    Ok(postcard::from_bytes(&payload)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoded(frame: &Frame) -> Vec<u8> {
+        let mut out = Vec::new();
+        write_frame(&mut out, frame).expect("write");
+        out
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let frames = [
+            Frame {
+                id: 1,
+                body: Body::Hello { version: VERSION },
+            },
+            Frame {
+                id: 2,
+                body: Body::Ping,
+            },
+            Frame {
+                id: 2,
+                body: Body::Pong { uptime_ms: 12345 },
+            },
+            Frame {
+                id: 3,
+                body: Body::Error {
+                    kind: ErrorKind::Unsupported,
+                    message: "no".into(),
+                },
+            },
+        ];
+        let bytes: Vec<u8> = frames.iter().flat_map(encoded).collect();
+
+        let mut input = bytes.as_slice();
+        let back: Vec<Frame> = (0..frames.len())
+            .map(|_| read_frame(&mut input).expect("read"))
+            .collect();
+
+        assert_eq!(back, frames);
+        assert!(matches!(read_frame(&mut input), Err(ProtocolError::Closed)));
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_reading_them() {
+        let bytes = (MAX_FRAME as u32 + 1).to_le_bytes();
+
+        let err = read_frame(&mut bytes.as_slice()).expect_err("too large");
+
+        assert!(matches!(err, ProtocolError::TooLarge(n) if n == MAX_FRAME + 1));
+    }
+
+    #[test]
+    fn garbage_and_unknown_messages_are_malformed_but_delimited() {
+        let mut bytes = vec![3, 0, 0, 0, 0x01, 0x7f, 0x7f];
+        bytes.extend(encoded(&Frame {
+            id: 9,
+            body: Body::Ping,
+        }));
+        let mut input = bytes.as_slice();
+
+        let first = read_frame(&mut input);
+        let second = read_frame(&mut input).expect("the next frame still reads");
+
+        assert!(matches!(first, Err(ProtocolError::Malformed(_))));
+        assert_eq!(
+            second,
+            Frame {
+                id: 9,
+                body: Body::Ping
+            }
+        );
+    }
+
+    #[test]
+    fn a_frame_cut_short_is_an_io_error() {
+        let bytes = encoded(&Frame {
+            id: 1,
+            body: Body::Pong { uptime_ms: 7 },
+        });
+
+        let err = read_frame(&mut &bytes[..bytes.len() - 1]).expect_err("truncated");
+
+        assert!(matches!(err, ProtocolError::Io(_)));
+    }
+}

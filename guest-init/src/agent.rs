@@ -1,0 +1,124 @@
+//! The agent: serves the husk protocol (see the husk-protocol crate) on
+//! vsock port AGENT_PORT, one thread per connection. Nothing a client sends
+//! can end PID 1: every error is answered or ends only that connection.
+
+use std::fs::File;
+use std::io::BufReader;
+
+use husk_protocol::{
+    read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
+};
+
+use crate::vsock::Listener;
+
+/// Most connections served at once; more wait in the listen backlog.
+const MAX_CONNECTIONS: usize = 16;
+
+/// Starts listening; the accept loop runs on its own thread.
+pub fn start() -> std::io::Result<()> {
+    let listener = Listener::bind(AGENT_PORT)?;
+    std::thread::Builder::new()
+        .name("agent".into())
+        .spawn(move || accept_loop(listener))?;
+    Ok(())
+}
+
+fn accept_loop(listener: Listener) {
+    let active = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    loop {
+        let stream = match listener.accept() {
+            Ok(s) => s,
+            Err(e) => {
+                crate::log(&format!("agent: accept failed: {e}"));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                continue;
+            }
+        };
+        if active.load(std::sync::atomic::Ordering::SeqCst) >= MAX_CONNECTIONS {
+            continue; // dropping the stream closes it
+        }
+        active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let count = active.clone();
+        let spawned = std::thread::Builder::new()
+            .name("agent-conn".into())
+            .spawn(move || {
+                serve(stream);
+                count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
+    Frame {
+        id,
+        body: Body::Error {
+            kind,
+            message: message.into(),
+        },
+    }
+}
+
+/// Serves one connection until the client leaves or breaks the framing.
+fn serve(stream: File) {
+    let Ok(mut out) = stream.try_clone() else {
+        return;
+    };
+    let mut input = BufReader::new(stream);
+    let mut greeted = false;
+    loop {
+        let reply = match read_frame(&mut input) {
+            Ok(frame) if !greeted => match frame.body {
+                Body::Hello { version: VERSION } => {
+                    greeted = true;
+                    Frame {
+                        id: frame.id,
+                        body: Body::Hello { version: VERSION },
+                    }
+                }
+                Body::Hello { version } => {
+                    let msg = format!("agent speaks version {VERSION}, client {version}");
+                    let _ =
+                        write_frame(&mut out, &error(frame.id, ErrorKind::VersionMismatch, msg));
+                    return;
+                }
+                _ => error(
+                    frame.id,
+                    ErrorKind::Malformed,
+                    "the first message must be Hello",
+                ),
+            },
+            Ok(frame) => handle(frame),
+            Err(ProtocolError::Malformed(e)) => error(0, ErrorKind::Malformed, e.to_string()),
+            Err(ProtocolError::TooLarge(n)) => {
+                // The stream cannot be resynchronised: say why, then close.
+                let msg = format!("frame of {n} bytes is over the limit");
+                let _ = write_frame(&mut out, &error(0, ErrorKind::TooLarge, msg));
+                return;
+            }
+            Err(_) => return,
+        };
+        if write_frame(&mut out, &reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(frame: Frame) -> Frame {
+    let body = match frame.body {
+        Body::Ping => Body::Pong {
+            uptime_ms: crate::sys::uptime_ms(),
+        },
+        Body::Hello { .. } => Body::Error {
+            kind: ErrorKind::Malformed,
+            message: "already greeted".into(),
+        },
+        other => Body::Error {
+            kind: ErrorKind::Unsupported,
+            message: format!("the agent does not handle {other:?}"),
+        },
+    };
+    Frame { id: frame.id, body }
+}

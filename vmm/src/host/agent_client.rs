@@ -1,0 +1,88 @@
+//! A typed client of guest-init's agent, reached through the VMM's vsock
+//! Unix socket (`CONNECT <port>` protocol).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use husk_protocol::{
+    read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
+};
+
+/// Errors talking to the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the VMM's vsock socket {0}: {1}")]
+    Connect(String, #[source] std::io::Error),
+    #[error("the guest did not accept the connection (is guest-init's agent running?): {0}")]
+    Refused(String),
+    #[error("the agent refused the request ({kind:?}): {message}")]
+    Agent { kind: ErrorKind, message: String },
+    #[error("unexpected reply: {0:?}")]
+    Unexpected(Body),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A connection to the agent of one VM.
+#[derive(Debug)]
+pub struct AgentClient {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+    next_id: u64,
+}
+
+impl AgentClient {
+    /// Connects through the VMM's vsock socket `uds` and shakes hands.
+    /// `timeout` bounds each read.
+    pub fn connect(uds: &Path, timeout: Duration) -> Result<Self, ClientError> {
+        let mut stream = UnixStream::connect(uds)
+            .map_err(|e| ClientError::Connect(uds.display().to_string(), e))?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        if !line.starts_with("OK ") {
+            return Err(ClientError::Refused(line.trim().to_owned()));
+        }
+        let mut client = AgentClient {
+            reader,
+            writer: stream,
+            next_id: 1,
+        };
+        match client.call(Body::Hello { version: VERSION })? {
+            Body::Hello { version: VERSION } => Ok(client),
+            other => Err(ClientError::Unexpected(other)),
+        }
+    }
+
+    /// Sends one request and waits for its reply.
+    fn call(&mut self, body: Body) -> Result<Body, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        write_frame(&mut self.writer, &Frame { id, body })?;
+        let reply = read_frame(&mut self.reader)?;
+        match reply.body {
+            Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
+            body if reply.id == id => Ok(body),
+            body => Err(ClientError::Unexpected(body)),
+        }
+    }
+
+    /// Checks the agent is alive; returns the guest's uptime in ms.
+    pub fn ping(&mut self) -> Result<u64, ClientError> {
+        match self.call(Body::Ping)? {
+            Body::Pong { uptime_ms } => Ok(uptime_ms),
+            other => Err(ClientError::Unexpected(other)),
+        }
+    }
+
+    /// The raw stream, for tests that must misbehave on purpose.
+    pub fn stream(&mut self) -> (&mut BufReader<UnixStream>, &mut UnixStream) {
+        (&mut self.reader, &mut self.writer)
+    }
+}
