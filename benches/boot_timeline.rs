@@ -18,6 +18,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use husk_vmm::timeline::Phase;
+
 const READY: &str = "husk-guest-init: ready";
 const GUEST_COMMAND: &str = "-- /bin/busybox poweroff";
 
@@ -180,13 +182,8 @@ fn main() {
 
     let husk = collect("husk-vmm", runs, husk_run);
     println!("husk-vmm (ms; host phases from husk-vmm's own clock, from main())");
-    for phase in [
-        "vm_created",
-        "memory_ready",
-        "kernel_loaded",
-        "vcpus_ready",
-        "first_kvm_run",
-    ] {
+    let host_phases = Phase::ALL.iter().take_while(|p| **p != Phase::GuestReady);
+    for phase in host_phases.map(|p| p.name()) {
         let mut v: Vec<f64> = husk
             .iter()
             .filter_map(|s| s.timeline.as_ref()?["phases_us"][phase].as_u64())

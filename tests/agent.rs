@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use husk_protocol::{read_frame, Body, ErrorKind, MAX_FRAME};
+use husk_protocol::{read_frame, Body, ErrorKind, ExecRequest, Termination, MAX_FRAME};
 use husk_vmm::host::agent_client::{AgentClient, ClientError};
 use vmm_sys_util::tempdir::TempDir;
 
@@ -27,6 +27,82 @@ fn connect_when_ready(uds: &Path) -> AgentClient {
             Err(e) => panic!("the agent never answered: {e}"),
         }
     }
+}
+
+fn argv(args: &[&str]) -> ExecRequest {
+    ExecRequest {
+        argv: args.iter().map(|a| a.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+fn agent_error(result: Result<husk_vmm::host::agent_client::ExecOutput, ClientError>) -> ErrorKind {
+    match result {
+        Err(ClientError::Agent { kind, .. }) => kind,
+        other => panic!("expected an agent error, got {other:?}"),
+    }
+}
+
+#[test]
+fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
+    let dir = TempDir::new().expect("tempdir");
+    let uds = dir.as_path().join("vsock.sock");
+    let child = spawn(guest_command(&[
+        "--vsock",
+        &format!("cid=4,path={}", uds.display()),
+    ]));
+    let mut client = connect_when_ready(&uds);
+
+    let echo = client
+        .exec(argv(&["echo", "hello", "world"]))
+        .expect("echo");
+    let both = client
+        .exec(argv(&[
+            "/bin/sh",
+            "-c",
+            "echo to-out; echo to-err >&2; exit 3",
+        ]))
+        .expect("sh");
+    let stdin = client
+        .exec(ExecRequest {
+            stdin: b"piped input".to_vec(),
+            ..argv(&["cat"])
+        })
+        .expect("cat");
+    let env_cwd = client
+        .exec(ExecRequest {
+            env: vec![("GREETING".into(), "hi".into())],
+            cwd: Some("/proc".into()),
+            ..argv(&["/bin/sh", "-c", "echo $GREETING $(pwd)"])
+        })
+        .expect("env and cwd");
+    let timeout = client.exec(ExecRequest {
+        timeout_ms: Some(1500),
+        ..argv(&["sleep", "1000"])
+    });
+    let missing = client.exec(argv(&["/no/such/program"]));
+    let not_executable = client.exec(argv(&["/dev/null"]));
+    let empty = client.exec(argv(&[]));
+    let alive = client.ping();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let run = wait(child, Duration::from_secs(60));
+
+    assert_eq!(echo.stdout, b"hello world\n");
+    assert_eq!(echo.report.termination, Termination::Code(0));
+    assert_eq!(
+        (both.stdout.as_slice(), both.stderr.as_slice()),
+        (&b"to-out\n"[..], &b"to-err\n"[..])
+    );
+    assert_eq!(both.report.termination, Termination::Code(3));
+    assert_eq!(stdin.stdout, b"piped input");
+    assert_eq!(env_cwd.stdout, b"hi /proc\n");
+    assert_eq!(agent_error(timeout), ErrorKind::Timeout);
+    assert_eq!(agent_error(missing), ErrorKind::NotFound);
+    assert_eq!(agent_error(not_executable), ErrorKind::PermissionDenied);
+    assert_eq!(agent_error(empty), ErrorKind::Invalid);
+    assert!(alive.is_ok(), "{alive:?}");
+    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
 }
 
 #[test]

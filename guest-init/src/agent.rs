@@ -63,8 +63,14 @@ fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
 
 /// Serves one connection until the client leaves or breaks the framing.
 fn serve(stream: File) {
-    let Ok(mut out) = stream.try_clone() else {
+    let Ok(out) = stream.try_clone() else {
         return;
+    };
+    // Replies and the output of running programs share the stream.
+    let out = std::sync::Arc::new(std::sync::Mutex::new(out));
+    let send = |frame: &Frame| {
+        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+        write_frame(&mut *out, frame)
     };
     let mut input = BufReader::new(stream);
     let mut greeted = false;
@@ -80,8 +86,7 @@ fn serve(stream: File) {
                 }
                 Body::Hello { version } => {
                     let msg = format!("agent speaks version {VERSION}, client {version}");
-                    let _ =
-                        write_frame(&mut out, &error(frame.id, ErrorKind::VersionMismatch, msg));
+                    let _ = send(&error(frame.id, ErrorKind::VersionMismatch, msg));
                     return;
                 }
                 _ => error(
@@ -90,27 +95,28 @@ fn serve(stream: File) {
                     "the first message must be Hello",
                 ),
             },
-            Ok(frame) => handle(frame),
+            Ok(frame) => handle(frame, &out),
             Err(ProtocolError::Malformed(e)) => error(0, ErrorKind::Malformed, e.to_string()),
             Err(ProtocolError::TooLarge(n)) => {
                 // The stream cannot be resynchronised: say why, then close.
                 let msg = format!("frame of {n} bytes is over the limit");
-                let _ = write_frame(&mut out, &error(0, ErrorKind::TooLarge, msg));
+                let _ = send(&error(0, ErrorKind::TooLarge, msg));
                 return;
             }
             Err(_) => return,
         };
-        if write_frame(&mut out, &reply).is_err() {
+        if send(&reply).is_err() {
             return;
         }
     }
 }
 
-fn handle(frame: Frame) -> Frame {
+fn handle(frame: Frame, out: &std::sync::Arc<std::sync::Mutex<File>>) -> Frame {
     let body = match frame.body {
         Body::Ping => Body::Pong {
             uptime_ms: crate::sys::uptime_ms(),
         },
+        Body::Exec(req) => return crate::exec::run(frame.id, req, out),
         Body::Hello { .. } => Body::Error {
             kind: ErrorKind::Malformed,
             message: "already greeted".into(),

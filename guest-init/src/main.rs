@@ -20,7 +20,9 @@
 //! `husk-guest-init: exit status=<n>` (or `signal=<n>`) and shuts down.
 
 mod agent;
+mod exec;
 mod probe;
+mod reaper;
 mod sys;
 mod vsock;
 
@@ -77,11 +79,11 @@ fn main() -> std::process::ExitCode {
     loop {
         match sys::wait_signal() {
             libc::SIGCHLD => {
-                for (pid, status) in sys::reap_all() {
-                    if Some(pid) == child {
-                        say(&format!("exit {status}"));
-                        shutdown();
-                    }
+                let exits = sys::reap_all();
+                reaper::record(&exits);
+                if let Some((_, exit)) = exits.iter().find(|(pid, _)| Some(*pid) == child) {
+                    say(&format!("exit {}", sys::describe(exit.status)));
+                    shutdown();
                 }
             }
             libc::SIGUSR1 | libc::SIGUSR2 | libc::SIGTERM | libc::SIGINT => shutdown(),

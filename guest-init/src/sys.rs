@@ -155,22 +155,28 @@ pub fn spawn(argv: &[String]) -> io::Result<libc::pid_t> {
     Ok(pid)
 }
 
-/// Reaps every exited child; returns (pid, "status=<n>" or "signal=<n>").
-pub fn reap_all() -> Vec<(libc::pid_t, String)> {
+/// Reaps every exited child with its resource use.
+pub fn reap_all() -> Vec<(libc::pid_t, crate::reaper::Exit)> {
     let mut reaped = Vec::new();
     loop {
         let mut status = 0;
-        // SAFETY: `status` is a valid int to fill.
-        let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+        // SAFETY: rusage is plain data; wait4 fills it.
+        let mut rusage: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `status` and `rusage` are valid to fill.
+        let pid = unsafe { libc::wait4(-1, &mut status, libc::WNOHANG, &mut rusage) };
         if pid <= 0 {
             return reaped;
         }
-        let how = if libc::WIFSIGNALED(status) {
-            format!("signal={}", libc::WTERMSIG(status))
-        } else {
-            format!("status={}", libc::WEXITSTATUS(status))
-        };
-        reaped.push((pid, how));
+        reaped.push((pid, crate::reaper::Exit { status, rusage }));
+    }
+}
+
+/// "status=<n>" or "signal=<n>" for a wait status.
+pub fn describe(status: libc::c_int) -> String {
+    if libc::WIFSIGNALED(status) {
+        format!("signal={}", libc::WTERMSIG(status))
+    } else {
+        format!("status={}", libc::WEXITSTATUS(status))
     }
 }
 

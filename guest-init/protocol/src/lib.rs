@@ -22,6 +22,9 @@
 //! | `Hello { version }` | both | handshake; must be the first frame each way |
 //! | `Ping` | host → guest | liveness check |
 //! | `Pong { uptime_ms }` | guest → host | reply to `Ping`: guest CLOCK_BOOTTIME in ms |
+//! | `Exec(ExecRequest)` | host → guest | run a program (argv, no shell), wait for it |
+//! | `Output { stream, data }` | guest → host | a chunk of the program's stdout or stderr, as it runs |
+//! | `Exited(ExitReport)` | guest → host | the program ended: exit code or signal, CPU time, peak RSS |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 
 use std::io::{Read, Write};
@@ -48,7 +51,48 @@ pub enum Body {
     Hello { version: u32 },
     Ping,
     Pong { uptime_ms: u64 },
+    Exec(ExecRequest),
+    Output { stream: Stream, data: Vec<u8> },
+    Exited(ExitReport),
     Error { kind: ErrorKind, message: String },
+}
+
+/// A program to run in the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Program and arguments; `argv[0]` is looked up in PATH if it has no `/`.
+    pub argv: Vec<String>,
+    /// Environment (replaces the agent's); PATH defaults to the usual dirs.
+    pub env: Vec<(String, String)>,
+    /// Working directory (default `/`).
+    pub cwd: Option<String>,
+    /// Bytes written to the program's stdin, which is then closed.
+    pub stdin: Vec<u8>,
+    /// Wall-clock limit; the whole process group is killed when it passes.
+    pub timeout_ms: Option<u64>,
+}
+
+/// Which output stream a chunk came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// How a program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Termination {
+    Code(i32),
+    Signal(i32),
+}
+
+/// The end of an `Exec`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitReport {
+    pub termination: Termination,
+    pub user_us: u64,
+    pub system_us: u64,
+    pub max_rss_kib: u64,
 }
 
 /// Why a request failed, as a kind a client can act on.
@@ -62,6 +106,16 @@ pub enum ErrorKind {
     TooLarge,
     /// The message is valid but this agent does not handle it.
     Unsupported,
+    /// The program (or the working directory) does not exist.
+    NotFound,
+    /// The program exists but may not be executed (or entered).
+    PermissionDenied,
+    /// The program ran past its timeout and was killed with its process group.
+    Timeout,
+    /// The request is well formed but cannot be carried out (empty argv...).
+    Invalid,
+    /// The guest failed for another reason (fork failed, out of memory...).
+    Internal,
 }
 
 /// Errors reading or writing frames.

@@ -7,7 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use husk_protocol::{
-    read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
+    read_frame, write_frame, Body, ErrorKind, ExecRequest, ExitReport, Frame, ProtocolError,
+    Stream, AGENT_PORT, VERSION,
 };
 
 /// Errors talking to the agent.
@@ -25,6 +26,14 @@ pub enum ClientError {
     Protocol(#[from] ProtocolError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+}
+
+/// What an `exec` produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub report: ExitReport,
 }
 
 /// A connection to the agent of one VM.
@@ -78,6 +87,47 @@ impl AgentClient {
         match self.call(Body::Ping)? {
             Body::Pong { uptime_ms } => Ok(uptime_ms),
             other => Err(ClientError::Unexpected(other)),
+        }
+    }
+
+    /// Runs a program in the guest and collects its output. Output chunks
+    /// arrive while it runs; they are kept in memory here, so callers that
+    /// expect a lot of output should bound it with `timeout_ms` or a wrapper.
+    pub fn exec(&mut self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        write_frame(
+            &mut self.writer,
+            &Frame {
+                id,
+                body: Body::Exec(req),
+            },
+        )?;
+        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        loop {
+            let frame = read_frame(&mut self.reader)?;
+            if frame.id != id {
+                return Err(ClientError::Unexpected(frame.body));
+            }
+            match frame.body {
+                Body::Output {
+                    stream: Stream::Stdout,
+                    data,
+                } => stdout.extend(data),
+                Body::Output {
+                    stream: Stream::Stderr,
+                    data,
+                } => stderr.extend(data),
+                Body::Exited(report) => {
+                    return Ok(ExecOutput {
+                        stdout,
+                        stderr,
+                        report,
+                    })
+                }
+                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
+                other => return Err(ClientError::Unexpected(other)),
+            }
         }
     }
 

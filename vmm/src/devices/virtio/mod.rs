@@ -97,6 +97,27 @@ pub struct ActiveQueues {
     pub features: u64,
 }
 
+impl ActiveQueues {
+    /// Checks the driver set up exactly the `expected` queues.
+    pub fn expect_queues(&self, expected: usize) -> Result<(), ActivateError> {
+        match self.queues.len() {
+            n if n == expected => Ok(()),
+            found => Err(ActivateError::QueueCount { expected, found }),
+        }
+    }
+}
+
+/// Watches each queue eventfd in the event loop, with the queue index as
+/// the event data.
+pub fn watch_queues(evts: &[EventFd], ops: &mut event_manager::EventOps, device: &str) {
+    for (i, evt) in evts.iter().enumerate() {
+        let events = event_manager::Events::with_data(evt, i as u32, event_manager::EventSet::IN);
+        if let Err(e) = ops.add(events) {
+            tracing::error!("{device}: cannot watch queue {i}: {e:?}");
+        }
+    }
+}
+
 /// Why a device refused to start.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {

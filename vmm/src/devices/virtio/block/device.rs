@@ -161,12 +161,7 @@ impl VirtioDevice for BlockDevice {
     }
 
     fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
-        if active.queues.len() != 1 {
-            return Err(ActivateError::QueueCount {
-                expected: 1,
-                found: active.queues.len(),
-            });
-        }
+        active.expect_queues(1)?;
         self.active = Some(active);
         // Requests made before activation would otherwise wait for the next kick.
         self.process_queue();

@@ -11,8 +11,8 @@ use vmm_sys_util::eventfd::EventFd;
 use super::tap::{Tap, VNET_HDR_LEN};
 use crate::devices::virtio::queue::{pop_chain, return_chain, QueueBroken};
 use crate::devices::virtio::{
-    read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_NET,
-    VIRTIO_F_VERSION_1,
+    read_config_bytes, watch_queues, ActivateError, ActiveQueues, VirtioDevice, INT_VRING,
+    TYPE_NET, VIRTIO_F_VERSION_1,
 };
 
 const RX: usize = 0;
@@ -211,12 +211,7 @@ impl VirtioDevice for NetDevice {
     }
 
     fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
-        if active.queues.len() != 2 {
-            return Err(ActivateError::QueueCount {
-                expected: 2,
-                found: active.queues.len(),
-            });
-        }
+        active.expect_queues(2)?;
         self.active = Some(active);
         // Start reading the TAP from the event loop.
         let _ = self.queue_evts[RX].write(1);
@@ -231,11 +226,7 @@ impl VirtioDevice for NetDevice {
 
 impl MutEventSubscriber for NetDevice {
     fn init(&mut self, ops: &mut EventOps) {
-        for (i, evt) in self.queue_evts.iter().enumerate() {
-            if let Err(e) = ops.add(Events::with_data(evt, i as u32, EventSet::IN)) {
-                tracing::error!("virtio-net: cannot watch queue {i}: {e:?}");
-            }
-        }
+        watch_queues(&self.queue_evts, ops, "virtio-net");
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {

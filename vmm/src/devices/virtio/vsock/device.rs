@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
+use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_queue::QueueOwnedT;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -11,8 +11,8 @@ use super::muxer::{Muxer, MuxerError};
 use super::packet;
 use crate::devices::virtio::queue::{pop_chain, return_chain, QueueBroken};
 use crate::devices::virtio::{
-    read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_VSOCK,
-    VIRTIO_F_VERSION_1,
+    read_config_bytes, watch_queues, ActivateError, ActiveQueues, VirtioDevice, INT_VRING,
+    TYPE_VSOCK, VIRTIO_F_VERSION_1,
 };
 
 const RX: usize = 0;
@@ -124,12 +124,7 @@ impl VirtioDevice for VsockDevice {
     }
 
     fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
-        if active.queues.len() != 3 {
-            return Err(ActivateError::QueueCount {
-                expected: 3,
-                found: active.queues.len(),
-            });
-        }
+        active.expect_queues(3)?;
         self.active = Some(active);
         // Packets waiting for the guest are sent on the next RX kick.
         let _ = self.queue_evts[RX].write(1);
@@ -143,11 +138,7 @@ impl VirtioDevice for VsockDevice {
 
 impl MutEventSubscriber for VsockDevice {
     fn init(&mut self, ops: &mut EventOps) {
-        for (i, evt) in self.queue_evts.iter().enumerate() {
-            if let Err(e) = ops.add(Events::with_data(evt, i as u32, EventSet::IN)) {
-                tracing::error!("vsock: cannot watch queue {i}: {e:?}");
-            }
-        }
+        watch_queues(&self.queue_evts, ops, "vsock");
         self.muxer.init(ops);
     }
 
