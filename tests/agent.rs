@@ -105,6 +105,80 @@ fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
     assert_eq!(run.status.code(), Some(0), "{}", run.dump());
 }
 
+/// 10 MiB that are not all alike: a xorshift stream.
+fn test_content() -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..10 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn files_round_trip_atomically_and_missing_paths_are_not_found() {
+    let dir = TempDir::new().expect("tempdir");
+    let uds = dir.as_path().join("vsock.sock");
+    let child = spawn(guest_command(&[
+        "--vsock",
+        &format!("cid=5,path={}", uds.display()),
+    ]));
+    let mut client = connect_when_ready(&uds);
+    let content = test_content();
+
+    let written = client
+        .write_file("/tmp/big.bin", 0o640, content.as_slice())
+        .expect("write");
+    let mut back = Vec::new();
+    let read = client.read_file("/tmp/big.bin", &mut back).expect("read");
+    let seen_by_exec = client
+        .exec(argv(&["/bin/sh", "-c", "wc -c < /tmp/big.bin; ls /tmp"]))
+        .expect("wc");
+    let missing = client.read_file("/tmp/nope", &mut Vec::new());
+    let no_dir = client.write_file("/no/such/dir/file", 0o644, &b"x"[..]);
+    let after = client.ping();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let run = wait(child, Duration::from_secs(60));
+
+    assert_eq!(written, content.len() as u64);
+    assert_eq!(read, content.len() as u64);
+    assert!(
+        back == content,
+        "the file read back differs from what was written"
+    );
+    // Only the file itself: the temporary file was renamed, not left behind.
+    assert_eq!(
+        String::from_utf8_lossy(&seen_by_exec.stdout),
+        "10485760\nbig.bin\n"
+    );
+    assert!(
+        matches!(
+            missing,
+            Err(ClientError::Agent {
+                kind: ErrorKind::NotFound,
+                ..
+            })
+        ),
+        "{missing:?}"
+    );
+    assert!(
+        matches!(
+            no_dir,
+            Err(ClientError::Agent {
+                kind: ErrorKind::NotFound,
+                ..
+            })
+        ),
+        "{no_dir:?}"
+    );
+    assert!(after.is_ok(), "{after:?}");
+    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
+}
+
 #[test]
 fn agent_answers_pings_and_survives_bad_frames() {
     let dir = TempDir::new().expect("tempdir");

@@ -74,6 +74,7 @@ fn serve(stream: File) {
     };
     let mut input = BufReader::new(stream);
     let mut greeted = false;
+    let mut writing: Option<crate::files::PendingWrite> = None;
     loop {
         let reply = match read_frame(&mut input) {
             Ok(frame) if !greeted => match frame.body {
@@ -94,6 +95,36 @@ fn serve(stream: File) {
                     ErrorKind::Malformed,
                     "the first message must be Hello",
                 ),
+            },
+            Ok(Frame {
+                id,
+                body: Body::WriteFile { path, mode },
+            }) => match writing {
+                Some(_) => error(id, ErrorKind::Invalid, "a write is already in progress"),
+                None => {
+                    writing = Some(crate::files::PendingWrite::start(id, &path, mode));
+                    continue;
+                }
+            },
+            Ok(Frame {
+                id,
+                body: Body::FileChunk { data },
+            }) => match writing.as_mut() {
+                Some(w) if w.id == id => {
+                    w.chunk(&data);
+                    continue;
+                }
+                _ => error(id, ErrorKind::Invalid, "no write in progress"),
+            },
+            Ok(Frame {
+                id,
+                body: Body::FileCommit,
+            }) => match writing.take() {
+                Some(w) if w.id == id => w.commit(),
+                other => {
+                    writing = other;
+                    error(id, ErrorKind::Invalid, "no write in progress")
+                }
             },
             Ok(frame) => handle(frame, &out),
             Err(ProtocolError::Malformed(e)) => error(0, ErrorKind::Malformed, e.to_string()),
@@ -117,6 +148,7 @@ fn handle(frame: Frame, out: &std::sync::Arc<std::sync::Mutex<File>>) -> Frame {
             uptime_ms: crate::sys::uptime_ms(),
         },
         Body::Exec(req) => return crate::exec::run(frame.id, req, out),
+        Body::ReadFile { path } => return crate::files::read(frame.id, &path, out),
         Body::Hello { .. } => Body::Error {
             kind: ErrorKind::Malformed,
             message: "already greeted".into(),

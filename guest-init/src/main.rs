@@ -21,6 +21,7 @@
 
 mod agent;
 mod exec;
+mod files;
 mod probe;
 mod reaper;
 mod sys;

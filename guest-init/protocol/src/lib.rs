@@ -25,7 +25,17 @@
 //! | `Exec(ExecRequest)` | host → guest | run a program (argv, no shell), wait for it |
 //! | `Output { stream, data }` | guest → host | a chunk of the program's stdout or stderr, as it runs |
 //! | `Exited(ExitReport)` | guest → host | the program ended: exit code or signal, CPU time, peak RSS |
+//! | `ReadFile { path }` | host → guest | stream a file back: `FileChunk`s, then `FileEnd` |
+//! | `WriteFile { path, mode }` | host → guest | start an atomic write; `FileChunk`s follow, then `FileCommit` |
+//! | `FileChunk { data }` | both | a piece of file content (at most [`FILE_CHUNK`] bytes) |
+//! | `FileEnd { size }` | guest → host | end of a `ReadFile` |
+//! | `FileCommit` | host → guest | end of a `WriteFile`: the agent fsyncs and renames into place |
+//! | `Written { size }` | guest → host | the write is in place (the only reply to a `WriteFile`) |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
+//!
+//! A `WriteFile` goes to a temporary file beside the target and is renamed
+//! over it only on `FileCommit`, so a reader never sees half a file and a
+//! client that disconnects mid-write leaves nothing behind.
 
 use std::io::{Read, Write};
 
@@ -37,6 +47,8 @@ pub const VERSION: u32 = 1;
 pub const AGENT_PORT: u32 = 1024;
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
+/// Largest `FileChunk` payload either side sends.
+pub const FILE_CHUNK: usize = 256 << 10;
 
 /// One message with its request id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -54,6 +66,12 @@ pub enum Body {
     Exec(ExecRequest),
     Output { stream: Stream, data: Vec<u8> },
     Exited(ExitReport),
+    ReadFile { path: String },
+    WriteFile { path: String, mode: u32 },
+    FileChunk { data: Vec<u8> },
+    FileEnd { size: u64 },
+    FileCommit,
+    Written { size: u64 },
     Error { kind: ErrorKind, message: String },
 }
 

@@ -1,14 +1,14 @@
 //! A typed client of guest-init's agent, reached through the VMM's vsock
 //! Unix socket (`CONNECT <port>` protocol).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
 use husk_protocol::{
     read_frame, write_frame, Body, ErrorKind, ExecRequest, ExitReport, Frame, ProtocolError,
-    Stream, AGENT_PORT, VERSION,
+    Stream, AGENT_PORT, FILE_CHUNK, VERSION,
 };
 
 /// Errors talking to the agent.
@@ -125,6 +125,79 @@ impl AgentClient {
                         report,
                     })
                 }
+                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
+                other => return Err(ClientError::Unexpected(other)),
+            }
+        }
+    }
+
+    /// Writes `content` to `path` in the guest with permission bits `mode`.
+    /// The file appears whole or not at all (temporary file + rename).
+    pub fn write_file(
+        &mut self,
+        path: &str,
+        mode: u32,
+        mut content: impl Read,
+    ) -> Result<u64, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let body = Body::WriteFile {
+            path: path.to_owned(),
+            mode,
+        };
+        write_frame(&mut self.writer, &Frame { id, body })?;
+        let mut buf = vec![0u8; FILE_CHUNK];
+        loop {
+            let n = content.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            let body = Body::FileChunk {
+                data: buf[..n].to_vec(),
+            };
+            write_frame(&mut self.writer, &Frame { id, body })?;
+        }
+        write_frame(
+            &mut self.writer,
+            &Frame {
+                id,
+                body: Body::FileCommit,
+            },
+        )?;
+        match read_frame(&mut self.reader)? {
+            Frame {
+                id: reply,
+                body: Body::Written { size },
+            } if reply == id => Ok(size),
+            Frame {
+                body: Body::Error { kind, message },
+                ..
+            } => Err(ClientError::Agent { kind, message }),
+            other => Err(ClientError::Unexpected(other.body)),
+        }
+    }
+
+    /// Streams the guest file `path` into `sink`; returns its size.
+    pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        write_frame(
+            &mut self.writer,
+            &Frame {
+                id,
+                body: Body::ReadFile {
+                    path: path.to_owned(),
+                },
+            },
+        )?;
+        loop {
+            let frame = read_frame(&mut self.reader)?;
+            if frame.id != id {
+                return Err(ClientError::Unexpected(frame.body));
+            }
+            match frame.body {
+                Body::FileChunk { data } => sink.write_all(&data)?,
+                Body::FileEnd { size } => return Ok(size),
                 Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                 other => return Err(ClientError::Unexpected(other)),
             }

@@ -1,0 +1,158 @@
+//! File requests: streamed reads, and streamed writes that land atomically
+//! (temporary file beside the target, fsync, rename).
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use husk_protocol::{write_frame, Body, ErrorKind, Frame, FILE_CHUNK};
+
+fn kind_of(e: &std::io::Error) -> ErrorKind {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+        std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+        _ => ErrorKind::Internal,
+    }
+}
+
+fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
+    Frame {
+        id,
+        body: Body::Error { kind, message },
+    }
+}
+
+/// Streams `path` to `out`; returns the final frame.
+pub fn read(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
+    let mut file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) => return error(id, kind_of(&e), format!("cannot open {path}: {e}")),
+    };
+    let mut buf = vec![0u8; FILE_CHUNK];
+    let mut size = 0u64;
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => {
+                return Frame {
+                    id,
+                    body: Body::FileEnd { size },
+                }
+            }
+            Ok(n) => n,
+            Err(e) => return error(id, kind_of(&e), format!("cannot read {path}: {e}")),
+        };
+        let chunk = Frame {
+            id,
+            body: Body::FileChunk {
+                data: buf[..n].to_vec(),
+            },
+        };
+        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+        if write_frame(&mut *out, &chunk).is_err() {
+            return error(id, ErrorKind::Internal, "the client went away".into());
+        }
+        size += n as u64;
+    }
+}
+
+/// A write in progress on one connection.
+#[derive(Debug)]
+pub struct PendingWrite {
+    pub id: u64,
+    target: PathBuf,
+    tmp: PathBuf,
+    file: Option<File>,
+    size: u64,
+    /// The first failure; reported at commit, the only reply of a write.
+    failed: Option<(ErrorKind, String)>,
+}
+
+impl PendingWrite {
+    /// Starts writing `path` through a temporary file in its directory.
+    pub fn start(id: u64, path: &str, mode: u32) -> Self {
+        let target = PathBuf::from(path);
+        let name = target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let dir = target
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        let tmp = dir.join(format!(".{name}.husk-{id}.tmp"));
+        let mut write = PendingWrite {
+            id,
+            target,
+            tmp,
+            file: None,
+            size: 0,
+            failed: None,
+        };
+        if name.is_empty() {
+            write.failed = Some((ErrorKind::Invalid, format!("{path} names no file")));
+            return write;
+        }
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode & 0o7777)
+            .open(&write.tmp)
+        {
+            Ok(f) => write.file = Some(f),
+            Err(e) => {
+                write.failed = Some((
+                    kind_of(&e),
+                    format!("cannot create a file in {}: {e}", dir.display()),
+                ))
+            }
+        }
+        write
+    }
+
+    pub fn chunk(&mut self, data: &[u8]) {
+        if let Some(file) = self.file.as_mut() {
+            if let Err(e) = file.write_all(data) {
+                self.failed = Some((
+                    kind_of(&e),
+                    format!("cannot write {}: {e}", self.target.display()),
+                ));
+                self.file = None;
+            }
+            self.size += data.len() as u64;
+        }
+    }
+
+    /// Finishes the write; returns the reply.
+    pub fn commit(mut self) -> Frame {
+        let id = self.id;
+        if let Some((kind, message)) = self.failed.take() {
+            return error(id, kind, message);
+        }
+        let result = self
+            .file
+            .take()
+            .map_or(Ok(()), |f| f.sync_all())
+            .and_then(|()| std::fs::rename(&self.tmp, &self.target));
+        match result {
+            Ok(()) => Frame {
+                id,
+                body: Body::Written { size: self.size },
+            },
+            Err(e) => error(
+                id,
+                kind_of(&e),
+                format!("cannot put {} in place: {e}", self.target.display()),
+            ),
+        }
+    }
+}
+
+impl Drop for PendingWrite {
+    fn drop(&mut self) {
+        // Never committed (or the rename failed): leave nothing behind.
+        let _ = std::fs::remove_file(&self.tmp);
+    }
+}
