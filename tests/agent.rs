@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use husk_protocol::{read_frame, Body, ErrorKind, ExecRequest, Termination, MAX_FRAME};
+use husk_protocol::{read_frame, Body, ErrorKind, ExecRequest, FileKind, Termination, MAX_FRAME};
 use husk_vmm::host::agent_client::{AgentClient, ClientError};
 use vmm_sys_util::tempdir::TempDir;
 
@@ -119,7 +119,7 @@ fn test_content() -> Vec<u8> {
 }
 
 #[test]
-fn files_round_trip_atomically_and_missing_paths_are_not_found() {
+fn files_round_trip_atomically_and_directories_can_be_managed() {
     let dir = TempDir::new().expect("tempdir");
     let uds = dir.as_path().join("vsock.sock");
     let child = spawn(guest_command(&[
@@ -138,6 +138,17 @@ fn files_round_trip_atomically_and_missing_paths_are_not_found() {
         .exec(argv(&["/bin/sh", "-c", "wc -c < /tmp/big.bin; ls /tmp"]))
         .expect("wc");
     let missing = client.read_file("/tmp/nope", &mut Vec::new());
+    client.mkdir("/tmp/a/b/c").expect("mkdir -p");
+    client
+        .write_file("/tmp/a/b/c/f", 0o600, &b"12345"[..])
+        .expect("small write");
+    let listing = client.list("/tmp/a/b/c").expect("list");
+    let stat = client.stat("/tmp/a/b/c/f").expect("stat");
+    client.rename("/tmp/a/b/c/f", "/tmp/a/b/g").expect("rename");
+    let renamed = client.stat("/tmp/a/b/g").expect("stat renamed");
+    let not_empty = client.remove("/tmp/a", false);
+    client.remove("/tmp/a", true).expect("remove the tree");
+    let gone = client.stat("/tmp/a");
     let no_dir = client.write_file("/no/such/dir/file", 0o644, &b"x"[..]);
     let after = client.ping();
     // SAFETY: signalling our own child.
@@ -165,6 +176,29 @@ fn files_round_trip_atomically_and_missing_paths_are_not_found() {
         ),
         "{missing:?}"
     );
+    let names: Vec<&str> = listing.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, vec!["f"]);
+    assert_eq!(
+        (stat.kind, stat.size, stat.mode),
+        (FileKind::File, 5, 0o600)
+    );
+    assert_eq!(renamed.size, 5);
+    let conflict = matches!(
+        not_empty,
+        Err(ClientError::Agent {
+            kind: ErrorKind::Conflict,
+            ..
+        })
+    );
+    assert!(conflict, "{not_empty:?}");
+    let not_found = matches!(
+        gone,
+        Err(ClientError::Agent {
+            kind: ErrorKind::NotFound,
+            ..
+        })
+    );
+    assert!(not_found, "{gone:?}");
     assert!(
         matches!(
             no_dir,

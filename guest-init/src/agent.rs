@@ -149,6 +149,13 @@ fn handle(frame: Frame, out: &std::sync::Arc<std::sync::Mutex<File>>) -> Frame {
         },
         Body::Exec(req) => return crate::exec::run(frame.id, req, out),
         Body::ReadFile { path } => return crate::files::read(frame.id, &path, out),
+        Body::Stat { path } => return crate::files::stat(frame.id, &path),
+        Body::List { path } => return crate::files::list(frame.id, &path, out),
+        Body::Mkdir { path } => return crate::files::mkdir(frame.id, &path),
+        Body::Remove { path, recursive } => {
+            return crate::files::remove(frame.id, &path, recursive)
+        }
+        Body::Rename { from, to } => return crate::files::rename(frame.id, &from, &to),
         Body::Hello { .. } => Body::Error {
             kind: ErrorKind::Malformed,
             message: "already greeted".into(),

@@ -7,14 +7,120 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use husk_protocol::{write_frame, Body, ErrorKind, Frame, FILE_CHUNK};
+use husk_protocol::{
+    write_frame, Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, FILE_CHUNK, LIST_BATCH,
+};
 
 fn kind_of(e: &std::io::Error) -> ErrorKind {
-    match e.kind() {
-        std::io::ErrorKind::NotFound => ErrorKind::NotFound,
-        std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+    match e.raw_os_error() {
+        Some(libc::ENOENT) | Some(libc::ENOTDIR) => ErrorKind::NotFound,
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::PermissionDenied,
+        Some(libc::EEXIST) | Some(libc::ENOTEMPTY) | Some(libc::EISDIR) => ErrorKind::Conflict,
+        Some(libc::EINVAL) | Some(libc::ENAMETOOLONG) | Some(libc::EXDEV) => ErrorKind::Invalid,
         _ => ErrorKind::Internal,
     }
+}
+
+fn done(id: u64, result: std::io::Result<()>, what: &str) -> Frame {
+    match result {
+        Ok(()) => Frame {
+            id,
+            body: Body::Done,
+        },
+        Err(e) => error(id, kind_of(&e), format!("cannot {what}: {e}")),
+    }
+}
+
+fn file_stat(meta: &std::fs::Metadata) -> FileStat {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let t = meta.file_type();
+    let kind = if t.is_symlink() {
+        FileKind::Symlink
+    } else if t.is_dir() {
+        FileKind::Dir
+    } else if t.is_file() {
+        FileKind::File
+    } else {
+        FileKind::Other
+    };
+    FileStat {
+        kind,
+        size: meta.len(),
+        mode: meta.permissions().mode() & 0o7777,
+        mtime_s: meta.mtime(),
+    }
+}
+
+/// `Stat`.
+pub fn stat(id: u64, path: &str) -> Frame {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => Frame {
+            id,
+            body: Body::StatInfo(file_stat(&meta)),
+        },
+        Err(e) => error(id, kind_of(&e), format!("cannot stat {path}: {e}")),
+    }
+}
+
+/// `List`: entries in batches; returns the last frame.
+pub fn list(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
+    let dir = match std::fs::read_dir(path) {
+        Ok(d) => d,
+        Err(e) => return error(id, kind_of(&e), format!("cannot list {path}: {e}")),
+    };
+    let mut batch = Vec::with_capacity(LIST_BATCH);
+    for entry in dir.flatten() {
+        let Ok(meta) = entry.metadata() else { continue };
+        batch.push(DirEntry {
+            name: entry.file_name().to_string_lossy().into_owned(),
+            stat: file_stat(&meta),
+        });
+        if batch.len() == LIST_BATCH {
+            let frame = Frame {
+                id,
+                body: Body::Entries {
+                    entries: std::mem::take(&mut batch),
+                    more: true,
+                },
+            };
+            let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+            if write_frame(&mut *out, &frame).is_err() {
+                return error(id, ErrorKind::Internal, "the client went away".into());
+            }
+        }
+    }
+    Frame {
+        id,
+        body: Body::Entries {
+            entries: batch,
+            more: false,
+        },
+    }
+}
+
+/// `Mkdir` (with parents).
+pub fn mkdir(id: u64, path: &str) -> Frame {
+    done(id, std::fs::create_dir_all(path), &format!("create {path}"))
+}
+
+/// `Remove`: a file or symlink, an empty directory, or with `recursive` a tree.
+pub fn remove(id: u64, path: &str, recursive: bool) -> Frame {
+    let result = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() && recursive => std::fs::remove_dir_all(path),
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    done(id, result, &format!("remove {path}"))
+}
+
+/// `Rename`.
+pub fn rename(id: u64, from: &str, to: &str) -> Frame {
+    done(
+        id,
+        std::fs::rename(from, to),
+        &format!("rename {from} to {to}"),
+    )
 }
 
 fn error(id: u64, kind: ErrorKind, message: String) -> Frame {

@@ -31,6 +31,14 @@
 //! | `FileEnd { size }` | guest → host | end of a `ReadFile` |
 //! | `FileCommit` | host → guest | end of a `WriteFile`: the agent fsyncs and renames into place |
 //! | `Written { size }` | guest → host | the write is in place (the only reply to a `WriteFile`) |
+//! | `Stat { path }` | host → guest | metadata of one path (not following a final symlink) |
+//! | `StatInfo(FileStat)` | guest → host | reply to `Stat` |
+//! | `List { path }` | host → guest | a directory's entries: `Entries` frames, the last with `more: false` |
+//! | `Entries { entries, more }` | guest → host | up to [`LIST_BATCH`] entries |
+//! | `Mkdir { path }` | host → guest | create a directory and its parents (`mkdir -p`) |
+//! | `Remove { path, recursive }` | host → guest | remove a file, an empty directory, or a tree |
+//! | `Rename { from, to }` | host → guest | rename within the guest |
+//! | `Done` | guest → host | the request succeeded and has nothing to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 //!
 //! A `WriteFile` goes to a temporary file beside the target and is renamed
@@ -47,6 +55,8 @@ pub const VERSION: u32 = 1;
 pub const AGENT_PORT: u32 = 1024;
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
+/// Most directory entries in one `Entries` frame.
+pub const LIST_BATCH: usize = 512;
 /// Largest `FileChunk` payload either side sends.
 pub const FILE_CHUNK: usize = 256 << 10;
 
@@ -72,7 +82,42 @@ pub enum Body {
     FileEnd { size: u64 },
     FileCommit,
     Written { size: u64 },
+    Stat { path: String },
+    StatInfo(FileStat),
+    List { path: String },
+    Entries { entries: Vec<DirEntry>, more: bool },
+    Mkdir { path: String },
+    Remove { path: String, recursive: bool },
+    Rename { from: String, to: String },
+    Done,
     Error { kind: ErrorKind, message: String },
+}
+
+/// What a path is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileKind {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// Metadata of one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStat {
+    pub kind: FileKind,
+    pub size: u64,
+    /// Permission bits.
+    pub mode: u32,
+    /// Modification time, seconds since the epoch (guest clock).
+    pub mtime_s: i64,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: String,
+    pub stat: FileStat,
 }
 
 /// A program to run in the guest.
@@ -132,6 +177,8 @@ pub enum ErrorKind {
     Timeout,
     /// The request is well formed but cannot be carried out (empty argv...).
     Invalid,
+    /// The path already exists, or a directory to remove is not empty.
+    Conflict,
     /// The guest failed for another reason (fork failed, out of memory...).
     Internal,
 }

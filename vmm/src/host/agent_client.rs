@@ -7,8 +7,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use husk_protocol::{
-    read_frame, write_frame, Body, ErrorKind, ExecRequest, ExitReport, Frame, ProtocolError,
-    Stream, AGENT_PORT, FILE_CHUNK, VERSION,
+    read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
+    ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
 };
 
 /// Errors talking to the agent.
@@ -201,6 +201,77 @@ impl AgentClient {
                 Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                 other => return Err(ClientError::Unexpected(other)),
             }
+        }
+    }
+
+    /// Metadata of a guest path (a final symlink is not followed).
+    pub fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
+        match self.call(Body::Stat {
+            path: path.to_owned(),
+        })? {
+            Body::StatInfo(stat) => Ok(stat),
+            other => Err(ClientError::Unexpected(other)),
+        }
+    }
+
+    /// The entries of a guest directory.
+    pub fn list(&mut self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
+        let id = self.next_id;
+        let mut all = match self.call(Body::List {
+            path: path.to_owned(),
+        })? {
+            Body::Entries {
+                entries,
+                more: false,
+            } => return Ok(entries),
+            Body::Entries {
+                entries,
+                more: true,
+            } => entries,
+            other => return Err(ClientError::Unexpected(other)),
+        };
+        loop {
+            let frame = read_frame(&mut self.reader)?;
+            match frame.body {
+                Body::Entries { entries, more } if frame.id == id => {
+                    all.extend(entries);
+                    if !more {
+                        return Ok(all);
+                    }
+                }
+                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
+                other => return Err(ClientError::Unexpected(other)),
+            }
+        }
+    }
+
+    /// `mkdir -p` in the guest.
+    pub fn mkdir(&mut self, path: &str) -> Result<(), ClientError> {
+        self.expect_done(Body::Mkdir {
+            path: path.to_owned(),
+        })
+    }
+
+    /// Removes a file, an empty directory, or (with `recursive`) a tree.
+    pub fn remove(&mut self, path: &str, recursive: bool) -> Result<(), ClientError> {
+        self.expect_done(Body::Remove {
+            path: path.to_owned(),
+            recursive,
+        })
+    }
+
+    /// Renames within the guest.
+    pub fn rename(&mut self, from: &str, to: &str) -> Result<(), ClientError> {
+        self.expect_done(Body::Rename {
+            from: from.to_owned(),
+            to: to.to_owned(),
+        })
+    }
+
+    fn expect_done(&mut self, body: Body) -> Result<(), ClientError> {
+        match self.call(body)? {
+            Body::Done => Ok(()),
+            other => Err(ClientError::Unexpected(other)),
         }
     }
 
