@@ -84,6 +84,36 @@ fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
     let not_executable = client.exec(argv(&["/dev/null"]));
     let empty = client.exec(argv(&[]));
     let alive = client.ping();
+    // The CLI mirrors the guest program: streams and exit code.
+    let husk = env!("CARGO_BIN_EXE_husk");
+    let cli = std::process::Command::new(husk)
+        .arg("exec")
+        .arg(&uds)
+        .args(["--", "/bin/sh", "-c", "echo out; echo err >&2; exit 7"])
+        .output()
+        .expect("husk exec");
+    let cli_missing = std::process::Command::new(husk)
+        .arg("exec")
+        .arg(&uds)
+        .args(["--", "/no/such/program"])
+        .output()
+        .expect("husk exec");
+    let host_file = dir.as_path().join("in.txt");
+    std::fs::write(&host_file, b"copied through husk cp\n").expect("host file");
+    let guest_spec = format!("{}:/tmp/cp.txt", uds.display());
+    let back_file = dir.as_path().join("back.txt");
+    let cp_in = std::process::Command::new(husk)
+        .arg("cp")
+        .arg(&host_file)
+        .arg(&guest_spec)
+        .status()
+        .expect("husk cp in");
+    let cp_out = std::process::Command::new(husk)
+        .arg("cp")
+        .arg(&guest_spec)
+        .arg(&back_file)
+        .status()
+        .expect("husk cp out");
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let run = wait(child, Duration::from_secs(60));
@@ -102,6 +132,18 @@ fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
     assert_eq!(agent_error(not_executable), ErrorKind::PermissionDenied);
     assert_eq!(agent_error(empty), ErrorKind::Invalid);
     assert!(alive.is_ok(), "{alive:?}");
+    assert_eq!(
+        (cli.stdout.as_slice(), cli.stderr.as_slice()),
+        (&b"out\n"[..], &b"err\n"[..])
+    );
+    assert_eq!(cli.status.code(), Some(7));
+    assert_eq!(cli_missing.status.code(), Some(125));
+    assert!(String::from_utf8_lossy(&cli_missing.stderr).contains("NotFound"));
+    assert!(cp_in.success() && cp_out.success());
+    assert_eq!(
+        std::fs::read(&back_file).expect("copied back"),
+        b"copied through husk cp\n"
+    );
     assert_eq!(run.status.code(), Some(0), "{}", run.dump());
 }
 

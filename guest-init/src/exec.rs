@@ -1,10 +1,10 @@
 //! `Exec`: runs a program in its own process group, streams its stdout and
 //! stderr back as they come, and reports how it ended.
 
+use std::ffi::CString;
 use std::fs::File;
 use std::io::{ErrorKind as IoErrorKind, Read, Write};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -31,39 +31,26 @@ fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
 /// Runs `req`; Output frames go to `out` as the program writes; returns the
 /// final frame (Exited or Error).
 pub fn run(id: u64, req: ExecRequest, out: &Arc<Mutex<File>>) -> Frame {
-    let Some(program) = req.argv.first() else {
+    let Some(program) = req.argv.first().cloned() else {
         return error(id, ErrorKind::Invalid, "argv is empty".into());
     };
-    let mut cmd = Command::new(program);
-    cmd.args(&req.argv[1..])
-        .env_clear()
-        .env("PATH", DEFAULT_PATH)
-        .env("HOME", "/root")
-        .envs(req.env.iter().map(|(k, v)| (k, v)))
-        .current_dir(req.cwd.as_deref().unwrap_or("/"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    // SAFETY: setpgid is async-signal-safe; the closure touches no memory.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setpgid(0, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let spawned = reaper::spawn_watched(|| cmd.spawn().map(|c| (c.id() as libc::pid_t, c)));
-    let (pid, mut child) = match spawned {
+    let (pid, pipes) = match spawn(&req) {
         Ok(spawned) => spawned,
         Err(e) => {
             let kind = match e.kind() {
                 IoErrorKind::NotFound => ErrorKind::NotFound,
                 IoErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+                IoErrorKind::InvalidInput => ErrorKind::Invalid,
                 _ => ErrorKind::Internal,
             };
             return error(id, kind, format!("cannot run {program}: {e}"));
         }
+    };
+    let [stdin, stdout, stderr] = pipes;
+    let mut child = Child {
+        stdin: Some(stdin),
+        stdout: Some(stdout),
+        stderr: Some(stderr),
     };
     if let Some(mut stdin) = child.stdin.take() {
         let input = req.stdin;
@@ -163,5 +150,136 @@ fn report(exit: &reaper::Exit) -> ExitReport {
         user_us: micros(exit.rusage.ru_utime),
         system_us: micros(exit.rusage.ru_stime),
         max_rss_kib: exit.rusage.ru_maxrss as u64,
+    }
+}
+
+/// The parent's ends of the child's stdin, stdout and stderr.
+struct Child {
+    stdin: Option<File>,
+    stdout: Option<File>,
+    stderr: Option<File>,
+}
+
+fn pipe() -> std::io::Result<(File, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: new descriptors nothing else owns.
+    Ok(unsafe {
+        (
+            File::from(OwnedFd::from_raw_fd(fds[0])),
+            File::from(OwnedFd::from_raw_fd(fds[1])),
+        )
+    })
+}
+
+fn cstring(s: &str) -> std::io::Result<CString> {
+    CString::new(s).map_err(|_| std::io::Error::from(IoErrorKind::InvalidInput))
+}
+
+/// Forks and execs `req` in a new process group, with pipes for its stdio.
+/// Written out instead of std's Command because Command reaps a child whose
+/// exec failed with waitpid, which races PID 1's reap-everything loop (std
+/// then panics, and a panic in PID 1 panics the kernel). Here the exec error
+/// comes back through a close-on-exec pipe and the reaper owns every exit.
+fn spawn(req: &ExecRequest) -> std::io::Result<(libc::pid_t, [File; 3])> {
+    use std::os::fd::AsRawFd;
+    let program = &req.argv[0];
+    let argv: Vec<CString> = req
+        .argv
+        .iter()
+        .map(|a| cstring(a))
+        .collect::<Result<_, _>>()?;
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("HOME".into(), "/root".into()),
+    ];
+    for (k, v) in &req.env {
+        env.retain(|(key, _)| key != k);
+        env.push((k.clone(), v.clone()));
+    }
+    let envp: Vec<CString> = env
+        .iter()
+        .map(|(k, v)| cstring(&format!("{k}={v}")))
+        .collect::<Result<_, _>>()?;
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map_or(DEFAULT_PATH, |(_, v)| v.as_str());
+    let candidates: Vec<CString> = if program.contains('/') {
+        vec![cstring(program)?]
+    } else {
+        path.split(':')
+            .filter(|d| !d.is_empty())
+            .map(|d| cstring(&format!("{d}/{program}")))
+            .collect::<Result<_, _>>()?
+    };
+    let cwd = cstring(req.cwd.as_deref().unwrap_or("/"))?;
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
+    envp_ptrs.push(std::ptr::null());
+    let (in_r, in_w) = pipe()?;
+    let (out_r, out_w) = pipe()?;
+    let (err_r, err_w) = pipe()?;
+    let (exec_r, exec_w) = pipe()?;
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `empty` is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut empty) };
+    let child_fds = (
+        in_r.as_raw_fd(),
+        out_w.as_raw_fd(),
+        err_w.as_raw_fd(),
+        exec_w.as_raw_fd(),
+    );
+    let (pid, ()) = reaper::spawn_watched(|| {
+        // SAFETY: after fork the child only makes async-signal-safe calls on
+        // memory prepared before the fork, then execs or _exits.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if pid == 0 {
+            // SAFETY: see above.
+            unsafe {
+                let (stdin, stdout, stderr, report) = child_fds;
+                libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+                libc::setpgid(0, 0);
+                libc::dup2(stdin, 0);
+                libc::dup2(stdout, 1);
+                libc::dup2(stderr, 2);
+                let mut errno = 0;
+                if libc::chdir(cwd.as_ptr()) != 0 {
+                    errno = *libc::__errno_location();
+                } else {
+                    for candidate in &candidates {
+                        libc::execve(candidate.as_ptr(), argv_ptrs.as_ptr(), envp_ptrs.as_ptr());
+                        let e = *libc::__errno_location();
+                        // Like execvp: a permission problem beats "not found".
+                        if errno == 0 || e != libc::ENOENT {
+                            errno = e;
+                        }
+                    }
+                }
+                libc::write(report, (&errno as *const i32).cast(), 4);
+                libc::_exit(127);
+            }
+        }
+        Ok((pid, ()))
+    })?;
+    drop((in_r, out_w, err_w, exec_w));
+    let mut exec_r = exec_r;
+    let mut errno = [0u8; 4];
+    match exec_r.read(&mut errno) {
+        // The pipe closed on exec: the program is running.
+        Ok(0) => Ok((pid, [in_w, out_r, err_r])),
+        _ => {
+            // The child exits with 127; take its exit so nothing waits for it.
+            let _ = reaper::wait(pid, None);
+            Err(std::io::Error::from_raw_os_error(i32::from_ne_bytes(errno)))
+        }
     }
 }
