@@ -69,17 +69,28 @@ impl AgentClient {
         }
     }
 
-    /// Sends one request and waits for its reply.
-    fn call(&mut self, body: Body) -> Result<Body, ClientError> {
+    /// Sends a request under a fresh id; returns the id.
+    fn send(&mut self, body: Body) -> Result<u64, ClientError> {
         let id = self.next_id;
         self.next_id += 1;
         write_frame(&mut self.writer, &Frame { id, body })?;
-        let reply = read_frame(&mut self.reader)?;
-        match reply.body {
+        Ok(id)
+    }
+
+    /// Reads the next frame of request `id`; an agent error ends the request.
+    fn reply(&mut self, id: u64) -> Result<Body, ClientError> {
+        let frame = read_frame(&mut self.reader)?;
+        match frame.body {
             Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
-            body if reply.id == id => Ok(body),
+            body if frame.id == id => Ok(body),
             body => Err(ClientError::Unexpected(body)),
         }
+    }
+
+    /// Sends one request and waits for its single reply.
+    fn call(&mut self, body: Body) -> Result<Body, ClientError> {
+        let id = self.send(body)?;
+        self.reply(id)
     }
 
     /// Checks the agent is alive; returns the guest's uptime in ms.
@@ -94,22 +105,10 @@ impl AgentClient {
     /// arrive while it runs; they are kept in memory here, so callers that
     /// expect a lot of output should bound it with `timeout_ms` or a wrapper.
     pub fn exec(&mut self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        write_frame(
-            &mut self.writer,
-            &Frame {
-                id,
-                body: Body::Exec(req),
-            },
-        )?;
+        let id = self.send(Body::Exec(req))?;
         let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
         loop {
-            let frame = read_frame(&mut self.reader)?;
-            if frame.id != id {
-                return Err(ClientError::Unexpected(frame.body));
-            }
-            match frame.body {
+            match self.reply(id)? {
                 Body::Output {
                     stream: Stream::Stdout,
                     data,
@@ -125,7 +124,6 @@ impl AgentClient {
                         report,
                     })
                 }
-                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                 other => return Err(ClientError::Unexpected(other)),
             }
         }
@@ -139,13 +137,10 @@ impl AgentClient {
         mode: u32,
         mut content: impl Read,
     ) -> Result<u64, ClientError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        let body = Body::WriteFile {
+        let id = self.send(Body::WriteFile {
             path: path.to_owned(),
             mode,
-        };
-        write_frame(&mut self.writer, &Frame { id, body })?;
+        })?;
         let mut buf = vec![0u8; FILE_CHUNK];
         loop {
             let n = content.read(&mut buf)?;
@@ -164,41 +159,21 @@ impl AgentClient {
                 body: Body::FileCommit,
             },
         )?;
-        match read_frame(&mut self.reader)? {
-            Frame {
-                id: reply,
-                body: Body::Written { size },
-            } if reply == id => Ok(size),
-            Frame {
-                body: Body::Error { kind, message },
-                ..
-            } => Err(ClientError::Agent { kind, message }),
-            other => Err(ClientError::Unexpected(other.body)),
+        match self.reply(id)? {
+            Body::Written { size } => Ok(size),
+            other => Err(ClientError::Unexpected(other)),
         }
     }
 
     /// Streams the guest file `path` into `sink`; returns its size.
     pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        write_frame(
-            &mut self.writer,
-            &Frame {
-                id,
-                body: Body::ReadFile {
-                    path: path.to_owned(),
-                },
-            },
-        )?;
+        let id = self.send(Body::ReadFile {
+            path: path.to_owned(),
+        })?;
         loop {
-            let frame = read_frame(&mut self.reader)?;
-            if frame.id != id {
-                return Err(ClientError::Unexpected(frame.body));
-            }
-            match frame.body {
+            match self.reply(id)? {
                 Body::FileChunk { data } => sink.write_all(&data)?,
                 Body::FileEnd { size } => return Ok(size),
-                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                 other => return Err(ClientError::Unexpected(other)),
             }
         }
@@ -216,30 +191,18 @@ impl AgentClient {
 
     /// The entries of a guest directory.
     pub fn list(&mut self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
-        let id = self.next_id;
-        let mut all = match self.call(Body::List {
+        let id = self.send(Body::List {
             path: path.to_owned(),
-        })? {
-            Body::Entries {
-                entries,
-                more: false,
-            } => return Ok(entries),
-            Body::Entries {
-                entries,
-                more: true,
-            } => entries,
-            other => return Err(ClientError::Unexpected(other)),
-        };
+        })?;
+        let mut all = Vec::new();
         loop {
-            let frame = read_frame(&mut self.reader)?;
-            match frame.body {
-                Body::Entries { entries, more } if frame.id == id => {
+            match self.reply(id)? {
+                Body::Entries { entries, more } => {
                     all.extend(entries);
                     if !more {
                         return Ok(all);
                     }
                 }
-                Body::Error { kind, message } => return Err(ClientError::Agent { kind, message }),
                 other => return Err(ClientError::Unexpected(other)),
             }
         }
