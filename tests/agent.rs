@@ -20,10 +20,7 @@ fn connect_when_ready(uds: &Path) -> AgentClient {
     loop {
         match AgentClient::connect(uds, READ_TIMEOUT) {
             Ok(client) => return client,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                std::thread::sleep(Duration::from_millis(500));
-            }
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(500)),
             Err(e) => panic!("the agent never answered: {e}"),
         }
     }

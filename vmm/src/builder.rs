@@ -119,9 +119,10 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
 
+    let supported = Vcpu::supported_cpuid(&kvm)?;
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let vcpu = Vcpu::new(&kvm, &vm, (index, config.vcpus, pvm), buses.clone())?;
+        let vcpu = Vcpu::new(&supported, &vm, (index, config.vcpus, pvm), buses.clone())?;
         vcpu.configure_boot(loaded.entry.0)?;
         vcpus.push(vcpu);
     }

@@ -5,7 +5,7 @@ use std::sync::mpsc::Sender;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use kvm_bindings::KVM_MAX_CPUID_ENTRIES;
+use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -95,10 +95,11 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
-    /// Creates vCPU `index` of `count` with its CPUID (`pvm`: see
+    /// Creates vCPU `index` of `count` with its CPUID, derived from what KVM
+    /// supports (fetched once per VM by the caller; `pvm`: see
     /// [`cpuid::patch_cpuid`]).
     pub fn new(
-        kvm: &Kvm,
+        supported: &CpuId,
         vm: &Vm,
         (index, count, pvm): (u8, u8, bool),
         (pio, mmio): (Arc<Bus>, Arc<Bus>),
@@ -107,9 +108,7 @@ impl Vcpu {
             .fd()
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
-        let mut cpuid = kvm
-            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-            .map_err(VcpuError::SupportedCpuid)?;
+        let mut cpuid = supported.clone();
         cpuid::patch_cpuid(&mut cpuid, index, count, pvm);
         fd.set_cpuid2(&cpuid).map_err(VcpuError::SetCpuid)?;
         Ok(Vcpu {
@@ -118,6 +117,12 @@ impl Vcpu {
             pio,
             mmio,
         })
+    }
+
+    /// What KVM supports, the base of every vCPU's CPUID.
+    pub fn supported_cpuid(kvm: &Kvm) -> Result<CpuId, VcpuError> {
+        kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(VcpuError::SupportedCpuid)
     }
 
     /// Sets the 64-bit boot state with `entry` as the instruction pointer.

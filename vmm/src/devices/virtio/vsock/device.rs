@@ -34,8 +34,8 @@ pub struct VsockDevice {
 impl VsockDevice {
     /// A device for guest `cid` whose host side listens on `uds_path`.
     pub fn new(cid: u64, uds_path: &Path) -> Result<Self, MuxerError> {
-        let evt = || EventFd::new(libc::EFD_NONBLOCK);
-        let queue_evts = [evt(), evt(), evt()].map(|e| e.expect("eventfd creation"));
+        let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(MuxerError::EventFd);
+        let queue_evts = [evt()?, evt()?, evt()?];
         Ok(VsockDevice {
             muxer: Muxer::new(cid, uds_path)?,
             queue_evts,

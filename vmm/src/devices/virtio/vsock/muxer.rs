@@ -110,6 +110,8 @@ pub struct Muxer {
 pub enum MuxerError {
     #[error("cannot listen on the vsock socket {0}: {1}")]
     Listen(PathBuf, #[source] std::io::Error),
+    #[error("cannot create a queue eventfd: {0}")]
+    EventFd(#[source] std::io::Error),
 }
 
 impl Muxer {
