@@ -1,21 +1,25 @@
-//! guest-init's agent over a real vsock: handshake, ping, and recovery from
-//! malformed, unknown and oversized frames. One boot for the whole file.
+//! guest-init's agent over a real vsock, against one guest shared by every
+//! test here (booted once; the tests run concurrently against it, each on
+//! its own connections).
 
 mod common;
 
 use std::io::Write;
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
-use husk_protocol::{read_frame, Body, ErrorKind, ExecRequest, FileKind, Termination, MAX_FRAME};
-use husk_vmm::host::agent_client::{AgentClient, ClientError};
-use vmm_sys_util::tempdir::TempDir;
+use husk_protocol::{
+    write_frame, Body, ErrorKind, ExecRequest, FileKind, Frame, FsEventKind, Stream, Termination,
+    User, WindowSize, MAX_FRAME,
+};
+use husk_vmm::host::agent_client::{AgentClient, ClientError, Event, ExecOutput};
 
-const READ_TIMEOUT: Duration = Duration::from_secs(60);
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// Connects once the guest is up (the agent listens before readiness).
-fn connect_when_ready(uds: &Path) -> AgentClient {
+/// A connection to the shared guest's agent, once it is up.
+fn client() -> AgentClient {
+    let uds = &shared_vm().uds;
     let deadline = Instant::now() + BOOT_TIMEOUT;
     loop {
         match AgentClient::connect(uds, READ_TIMEOUT) {
@@ -33,32 +37,36 @@ fn argv(args: &[&str]) -> ExecRequest {
     }
 }
 
-fn agent_error(result: Result<husk_vmm::host::agent_client::ExecOutput, ClientError>) -> ErrorKind {
+fn sh(script: &str) -> ExecRequest {
+    argv(&["/bin/sh", "-c", script])
+}
+
+fn kind<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorKind {
     match result {
         Err(ClientError::Agent { kind, .. }) => kind,
         other => panic!("expected an agent error, got {other:?}"),
     }
 }
 
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn husk() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_husk"));
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
 #[test]
-fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
-    let dir = TempDir::new().expect("tempdir");
-    let uds = dir.as_path().join("vsock.sock");
-    let child = spawn(guest_command(&[
-        "--vsock",
-        &format!("cid=4,path={}", uds.display()),
-    ]));
-    let mut client = connect_when_ready(&uds);
+fn exec_streams_output_and_reports_how_programs_end() {
+    let mut client = client();
 
     let echo = client
         .exec(argv(&["echo", "hello", "world"]))
         .expect("echo");
     let both = client
-        .exec(argv(&[
-            "/bin/sh",
-            "-c",
-            "echo to-out; echo to-err >&2; exit 3",
-        ]))
+        .exec(sh("echo to-out; echo to-err >&2; exit 3"))
         .expect("sh");
     let stdin = client
         .exec(ExecRequest {
@@ -70,78 +78,273 @@ fn agent_runs_programs_and_reports_errors_an_agent_can_act_on() {
         .exec(ExecRequest {
             env: vec![("GREETING".into(), "hi".into())],
             cwd: Some("/proc".into()),
-            ..argv(&["/bin/sh", "-c", "echo $GREETING $(pwd)"])
+            ..sh("echo $GREETING $(pwd)")
         })
         .expect("env and cwd");
+    let as_user = client
+        .exec(ExecRequest {
+            user: Some(User {
+                uid: 1000,
+                gid: 1001,
+            }),
+            ..sh("id -u; id -g; echo x > /root-owned 2>/dev/null || echo refused")
+        })
+        .expect("as user 1000");
+    let signalled = client.exec(sh("kill -9 $$")).expect("killed");
+    let started = Instant::now();
     let timeout = client.exec(ExecRequest {
         timeout_ms: Some(1500),
-        ..argv(&["sleep", "1000"])
+        ..sh("sleep 1000 & sleep 1000")
     });
+    let timeout_took = started.elapsed();
+    let leftovers = client
+        .exec(sh("ps -o comm | grep -c '^sleep' || true"))
+        .expect("ps");
     let missing = client.exec(argv(&["/no/such/program"]));
+    let not_in_path = client.exec(argv(&["no-such-program"]));
     let not_executable = client.exec(argv(&["/dev/null"]));
+    let no_cwd = client.exec(ExecRequest {
+        cwd: Some("/no/such/dir".into()),
+        ..argv(&["true"])
+    });
     let empty = client.exec(argv(&[]));
     let alive = client.ping();
-    // The CLI mirrors the guest program: streams and exit code.
-    let husk = env!("CARGO_BIN_EXE_husk");
-    let cli = std::process::Command::new(husk)
-        .arg("exec")
-        .arg(&uds)
-        .args(["--", "/bin/sh", "-c", "echo out; echo err >&2; exit 7"])
-        .output()
-        .expect("husk exec");
-    let cli_missing = std::process::Command::new(husk)
-        .arg("exec")
-        .arg(&uds)
-        .args(["--", "/no/such/program"])
-        .output()
-        .expect("husk exec");
-    let host_file = dir.as_path().join("in.txt");
-    std::fs::write(&host_file, b"copied through husk cp\n").expect("host file");
-    let guest_spec = format!("{}:/tmp/cp.txt", uds.display());
-    let back_file = dir.as_path().join("back.txt");
-    let cp_in = std::process::Command::new(husk)
-        .arg("cp")
-        .arg(&host_file)
-        .arg(&guest_spec)
-        .status()
-        .expect("husk cp in");
-    let cp_out = std::process::Command::new(husk)
-        .arg("cp")
-        .arg(&guest_spec)
-        .arg(&back_file)
-        .status()
-        .expect("husk cp out");
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let run = wait(child, Duration::from_secs(60));
 
     assert_eq!(echo.stdout, b"hello world\n");
     assert_eq!(echo.report.termination, Termination::Code(0));
+    assert!(echo.pid > 1);
     assert_eq!(
-        (both.stdout.as_slice(), both.stderr.as_slice()),
-        (&b"to-out\n"[..], &b"to-err\n"[..])
+        (text(&both.stdout), text(&both.stderr)),
+        ("to-out\n".into(), "to-err\n".into())
     );
     assert_eq!(both.report.termination, Termination::Code(3));
     assert_eq!(stdin.stdout, b"piped input");
     assert_eq!(env_cwd.stdout, b"hi /proc\n");
-    assert_eq!(agent_error(timeout), ErrorKind::Timeout);
-    assert_eq!(agent_error(missing), ErrorKind::NotFound);
-    assert_eq!(agent_error(not_executable), ErrorKind::PermissionDenied);
-    assert_eq!(agent_error(empty), ErrorKind::Invalid);
+    assert_eq!(text(&as_user.stdout), "1000\n1001\nrefused\n");
+    assert_eq!(signalled.report.termination, Termination::Signal(9));
+    assert_eq!(kind(timeout), ErrorKind::Timeout);
+    // Both sleeps, the one that left for the background included, are gone.
+    assert_eq!(text(&leftovers.stdout), "0\n");
+    assert!(timeout_took < Duration::from_secs(60), "{timeout_took:?}");
+    assert_eq!(kind(missing), ErrorKind::NotFound);
+    assert_eq!(kind(not_in_path), ErrorKind::NotFound);
+    assert_eq!(kind(not_executable), ErrorKind::PermissionDenied);
+    assert_eq!(kind(no_cwd), ErrorKind::NotFound);
+    assert_eq!(kind(empty), ErrorKind::Invalid);
     assert!(alive.is_ok(), "{alive:?}");
-    assert_eq!(
-        (cli.stdout.as_slice(), cli.stderr.as_slice()),
-        (&b"out\n"[..], &b"err\n"[..])
+}
+
+#[test]
+fn stdin_can_be_streamed_and_programs_can_run_on_a_terminal() {
+    let mut client = client();
+
+    // Streamed stdin: the program sees each piece, then the end.
+    let mut running = client
+        .start(ExecRequest {
+            stdin_open: true,
+            ..sh("while read line; do echo got:$line; done; echo eof")
+        })
+        .expect("start");
+    let input = running.input();
+    input.write(b"one\n").expect("stdin");
+    input.write(b"two\n").expect("stdin");
+    input.close().expect("close stdin");
+    let mut streamed = Vec::new();
+    let streamed_exit = loop {
+        match running.next_event().expect("event") {
+            Event::Output(Stream::Stdout, data) => streamed.extend(data),
+            Event::Exited(report) => break report,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+
+    // A terminal of the asked size, resized while the program runs.
+    let mut running = client
+        .start(ExecRequest {
+            pty: Some(WindowSize { rows: 24, cols: 80 }),
+            stdin_open: true,
+            ..sh("test -t 0 && test -t 1 && echo on-a-tty; stty size; read go; stty size")
+        })
+        .expect("start on a pty");
+    let input = running.input();
+    let mut tty_out = Vec::new();
+    let mut resized = false;
+    let tty_exit = loop {
+        match running.next_event().expect("event") {
+            Event::Output(_, data) => {
+                tty_out.extend(data);
+                if !resized && text(&tty_out).contains("24 80") {
+                    input.resize(50, 132).expect("resize");
+                    input.write(b"go\n").expect("input");
+                    resized = true;
+                }
+            }
+            Event::Exited(report) => break report,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    let no_tty = client.start(ExecRequest {
+        stdin_open: true,
+        ..argv(&["cat"])
+    });
+    let no_tty_resize = match no_tty {
+        Ok(running) => {
+            let input = running.input();
+            input.resize(10, 10).expect("send");
+            input.close().expect("close");
+            let mut running = running;
+            running.next_event()
+        }
+        Err(e) => Err(e),
+    };
+    // husk exec -i forwards its stdin.
+    let mut cli = husk()
+        .args(["exec", "-i"])
+        .arg(&shared_vm().uds)
+        .args(["--", "tr", "a-z", "A-Z"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("husk exec -i");
+    cli.stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"shout\n")
+        .expect("write");
+    let cli = cli.wait_with_output().expect("husk exec -i");
+
+    assert_eq!(text(&streamed), "got:one\ngot:two\neof\n");
+    assert_eq!(streamed_exit.termination, Termination::Code(0));
+    let tty = text(&tty_out);
+    assert!(tty.contains("on-a-tty"), "{tty:?}");
+    assert!(tty.contains("24 80") && tty.contains("50 132"), "{tty:?}");
+    assert_eq!(tty_exit.termination, Termination::Code(0));
+    assert_eq!(kind(no_tty_resize), ErrorKind::Invalid);
+    assert_eq!(text(&cli.stdout), "SHOUT\n");
+    assert_eq!(cli.status.code(), Some(0));
+}
+
+#[test]
+fn background_programs_survive_a_reconnect_and_keep_their_output() {
+    let pid = {
+        let mut first = client();
+        first
+            .spawn(sh("echo first; echo err >&2; sleep 4; echo second; exit 4"))
+            .expect("spawn")
+    };
+    // The first connection is gone; a new one finds the program and its output.
+    let mut client = client();
+    let listed = client.processes().expect("ps");
+    let attached = client.attach(pid).expect("attach");
+    let collected = client.processes().expect("ps after");
+    let again = client.attach(pid);
+
+    // Signals, and wait.
+    let sleeper = client.spawn(argv(&["sleep", "1000"])).expect("spawn sleep");
+    client.signal(sleeper, libc::SIGTERM).expect("signal");
+    let terminated = client.wait(sleeper).expect("wait");
+    let unknown = client.signal(99999, libc::SIGTERM);
+
+    // Output nobody reads is bounded: the oldest is dropped and counted.
+    let total: u64 = 1536 << 10;
+    let flood = client
+        .spawn(argv(&["head", "-c", &total.to_string(), "/dev/zero"]))
+        .expect("spawn flood");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while Instant::now() < deadline {
+        let info = client.processes().expect("ps");
+        if info.iter().any(|p| p.pid == flood && p.exit.is_some()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let flood_info = client.processes().expect("ps");
+    let flooded = client.attach(flood).expect("attach flood");
+    // husk ps / attach from the command line.
+    let bg = client.spawn(sh("echo from-cli; exit 6")).expect("spawn");
+    let ps = husk()
+        .arg("ps")
+        .arg(&shared_vm().uds)
+        .output()
+        .expect("husk ps");
+    let cli_attach = husk()
+        .arg("attach")
+        .arg(&shared_vm().uds)
+        .arg(bg.to_string())
+        .output()
+        .expect("husk attach");
+
+    let mine = listed.iter().find(|p| p.pid == pid).expect("listed");
+    assert!(mine.background && mine.exit.is_none(), "{mine:?}");
+    assert_eq!(text(&attached.stdout), "first\nsecond\n");
+    assert_eq!(text(&attached.stderr), "err\n");
+    assert_eq!(attached.report.termination, Termination::Code(4));
+    assert!(collected.iter().all(|p| p.pid != pid), "{collected:?}");
+    assert_eq!(kind(again), ErrorKind::NotFound);
+    assert_eq!(terminated.termination, Termination::Signal(libc::SIGTERM));
+    assert_eq!(kind(unknown), ErrorKind::NotFound);
+    let info = flood_info.iter().find(|p| p.pid == flood).expect("listed");
+    assert!(
+        info.buffered <= husk_protocol::OUTPUT_BUFFER as u64,
+        "{info:?}"
     );
-    assert_eq!(cli.status.code(), Some(7));
-    assert_eq!(cli_missing.status.code(), Some(125));
-    assert!(String::from_utf8_lossy(&cli_missing.stderr).contains("NotFound"));
-    assert!(cp_in.success() && cp_out.success());
-    assert_eq!(
-        std::fs::read(&back_file).expect("copied back"),
-        b"copied through husk cp\n"
+    assert!(info.lost > 0, "{info:?}");
+    assert!(flooded.lost > 0, "{:?}", flooded.lost);
+    assert_eq!(flooded.stdout.len() as u64 + flooded.lost, total);
+    assert!(flooded.stdout.iter().all(|&b| b == 0));
+    let ps = text(&ps.stdout);
+    assert!(
+        ps.lines()
+            .any(|l| l.contains(&bg.to_string()) && l.contains("echo from-cli")),
+        "{ps}"
     );
-    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
+    assert_eq!(text(&cli_attach.stdout), "from-cli\n");
+    assert_eq!(cli_attach.status.code(), Some(6));
+}
+
+#[test]
+fn a_directory_watch_sees_what_another_exec_does() {
+    let mut setup = client();
+    setup.mkdir("/tmp/watched").expect("mkdir");
+    let mut watcher = client();
+    let mut watch = watcher.watch("/tmp/watched", true).expect("watch");
+
+    let mut other = client();
+    other
+        .exec(sh(
+            "echo hi > /tmp/watched/new.txt; mkdir /tmp/watched/sub; \
+             echo deep > /tmp/watched/sub/deep.txt; rm /tmp/watched/new.txt",
+        ))
+        .expect("exec");
+    let wanted: Vec<(FsEventKind, &str)> = vec![
+        (FsEventKind::Created, "/tmp/watched/new.txt"),
+        (FsEventKind::Closed, "/tmp/watched/new.txt"),
+        (FsEventKind::Created, "/tmp/watched/sub"),
+        (FsEventKind::Created, "/tmp/watched/sub/deep.txt"),
+        (FsEventKind::Removed, "/tmp/watched/new.txt"),
+    ];
+    let mut seen = Vec::new();
+    while !wanted.iter().all(|(k, p)| {
+        seen.iter()
+            .any(|(sk, sp): &(FsEventKind, String)| sk == k && sp == p)
+    }) {
+        let events = watch.next_events().expect("events");
+        seen.extend(events.into_iter().map(|e| (e.kind, e.path)));
+    }
+    let rest = watch.cancel().expect("cancel");
+    let missing = watcher.watch("/tmp/not-there", false).map(|_| ());
+    let after = watcher.ping();
+
+    // Every wanted event was seen (the loop above), in order for one file.
+    let pos = |k: FsEventKind, p: &str| seen.iter().position(|(sk, sp)| *sk == k && sp == p);
+    assert!(
+        pos(FsEventKind::Created, "/tmp/watched/new.txt")
+            < pos(FsEventKind::Removed, "/tmp/watched/new.txt"),
+        "{seen:?}"
+    );
+    assert!(rest.len() < 1000);
+    assert_eq!(kind(missing), ErrorKind::NotFound);
+    assert!(after.is_ok());
 }
 
 /// 10 MiB that are not all alike: a xorshift stream.
@@ -159,13 +362,7 @@ fn test_content() -> Vec<u8> {
 
 #[test]
 fn files_round_trip_atomically_and_directories_can_be_managed() {
-    let dir = TempDir::new().expect("tempdir");
-    let uds = dir.as_path().join("vsock.sock");
-    let child = spawn(guest_command(&[
-        "--vsock",
-        &format!("cid=5,path={}", uds.display()),
-    ]));
-    let mut client = connect_when_ready(&uds);
+    let mut client = client();
     let content = test_content();
 
     let written = client
@@ -174,7 +371,9 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
     let mut back = Vec::new();
     let read = client.read_file("/tmp/big.bin", &mut back).expect("read");
     let seen_by_exec = client
-        .exec(argv(&["/bin/sh", "-c", "wc -c < /tmp/big.bin; ls /tmp"]))
+        .exec(sh(
+            "wc -c < /tmp/big.bin; ls -a /tmp | grep -c husk || true",
+        ))
         .expect("wc");
     let missing = client.read_file("/tmp/nope", &mut Vec::new());
     client.mkdir("/tmp/a/b/c").expect("mkdir -p");
@@ -189,10 +388,25 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
     client.remove("/tmp/a", true).expect("remove the tree");
     let gone = client.stat("/tmp/a");
     let no_dir = client.write_file("/no/such/dir/file", 0o644, &b"x"[..]);
+    // husk cp both ways.
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let host_file = dir.as_path().join("in.txt");
+    std::fs::write(&host_file, b"copied through husk cp\n").expect("host file");
+    let guest_spec = format!("{}:/tmp/cp.txt", shared_vm().uds.display());
+    let back_file = dir.as_path().join("back.txt");
+    let cp_in = husk()
+        .arg("cp")
+        .arg(&host_file)
+        .arg(&guest_spec)
+        .status()
+        .expect("husk cp in");
+    let cp_out = husk()
+        .arg("cp")
+        .arg(&guest_spec)
+        .arg(&back_file)
+        .status()
+        .expect("husk cp out");
     let after = client.ping();
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let run = wait(child, Duration::from_secs(60));
 
     assert_eq!(written, content.len() as u64);
     assert_eq!(read, content.len() as u64);
@@ -200,21 +414,9 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
         back == content,
         "the file read back differs from what was written"
     );
-    // Only the file itself: the temporary file was renamed, not left behind.
-    assert_eq!(
-        String::from_utf8_lossy(&seen_by_exec.stdout),
-        "10485760\nbig.bin\n"
-    );
-    assert!(
-        matches!(
-            missing,
-            Err(ClientError::Agent {
-                kind: ErrorKind::NotFound,
-                ..
-            })
-        ),
-        "{missing:?}"
-    );
+    // No temporary file was left behind: it was renamed into place.
+    assert_eq!(text(&seen_by_exec.stdout), "10485760\n0\n");
+    assert_eq!(kind(missing), ErrorKind::NotFound);
     let names: Vec<&str> = listing.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names, vec!["f"]);
     assert_eq!(
@@ -222,79 +424,101 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
         (FileKind::File, 5, 0o600)
     );
     assert_eq!(renamed.size, 5);
-    let conflict = matches!(
-        not_empty,
-        Err(ClientError::Agent {
-            kind: ErrorKind::Conflict,
-            ..
-        })
-    );
-    assert!(conflict, "{not_empty:?}");
-    let not_found = matches!(
-        gone,
-        Err(ClientError::Agent {
-            kind: ErrorKind::NotFound,
-            ..
-        })
-    );
-    assert!(not_found, "{gone:?}");
-    assert!(
-        matches!(
-            no_dir,
-            Err(ClientError::Agent {
-                kind: ErrorKind::NotFound,
-                ..
-            })
-        ),
-        "{no_dir:?}"
+    assert_eq!(kind(not_empty), ErrorKind::Conflict);
+    assert_eq!(kind(gone), ErrorKind::NotFound);
+    assert_eq!(kind(no_dir), ErrorKind::NotFound);
+    assert!(cp_in.success() && cp_out.success());
+    assert_eq!(
+        std::fs::read(&back_file).expect("copied back"),
+        b"copied through husk cp\n"
     );
     assert!(after.is_ok(), "{after:?}");
-    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
 }
 
 #[test]
-fn agent_answers_pings_and_survives_bad_frames() {
-    let dir = TempDir::new().expect("tempdir");
-    let uds = dir.as_path().join("vsock.sock");
-    let child = spawn(guest_command(&[
-        "--vsock",
-        &format!("cid=3,path={}", uds.display()),
-    ]));
+fn health_reports_the_guest_and_its_clock_can_be_set() {
+    let mut client = client();
+    let before = client.health().expect("health");
+    let target = SystemTime::UNIX_EPOCH + Duration::from_secs(1_900_000_000); // 2030
+    client.set_clock(target).expect("set clock");
+    let after = client.health().expect("health");
+    let year = client.exec(argv(&["date", "-u", "+%Y"])).expect("date");
+    let bad = client.set_clock(SystemTime::UNIX_EPOCH - Duration::from_secs(1));
+    client
+        .set_clock(SystemTime::now())
+        .expect("restore the clock");
+    let cli = husk()
+        .arg("health")
+        .arg(&shared_vm().uds)
+        .output()
+        .expect("husk health");
 
-    let mut client = connect_when_ready(&uds);
+    assert!(before.uptime_ms > 0);
+    assert!(before.mem_total_kib > 64 << 10, "{before:?}");
+    assert!(
+        before.mem_available_kib > 0 && before.mem_available_kib < before.mem_total_kib,
+        "{before:?}"
+    );
+    assert!(before.procs >= 2, "{before:?}");
+    let set_ns = 1_900_000_000_i64 * 1_000_000_000;
+    assert!(
+        after.unix_ns >= set_ns && after.unix_ns < set_ns + 120_000_000_000,
+        "{after:?}"
+    );
+    assert_eq!(text(&year.stdout), "2030\n");
+    assert!(bad.is_err());
+    assert!(text(&cli.stdout).contains("mem_total_kib="), "{cli:?}");
+}
+
+/// Encodes one frame, for writing raw.
+fn encoded(id: u64, body: Body) -> Vec<u8> {
+    let mut out = Vec::new();
+    write_frame(&mut out, &Frame { id, body }).expect("encode");
+    out
+}
+
+#[test]
+fn requests_run_concurrently_and_bad_frames_are_survived() {
+    let mut client = client();
     let first = client.ping().expect("ping");
-    let second = client.ping().expect("ping again");
-    // A well-delimited frame that does not decode (an unknown message type).
+    // A long exec does not hold up a ping sent after it on the same connection.
+    let mut both = encoded(100, Body::Exec(argv(&["sleep", "3"])));
+    both.extend(encoded(101, Body::Ping));
+    client.send_raw(&both).expect("send");
+    let mut order = Vec::new();
+    while !order
+        .iter()
+        .any(|(id, body)| *id == 100 && matches!(body, Body::Exited(_)))
     {
-        let (_, writer) = client.stream();
-        writer
-            .write_all(&[2, 0, 0, 0, 0x05, 0x63])
-            .expect("write garbage");
+        let frame = client.read_raw().expect("frame");
+        order.push((frame.id, frame.body));
     }
-    let garbage_reply = {
-        let (reader, _) = client.stream();
-        read_frame(reader).expect("reply to garbage")
-    };
+    // A well-delimited frame that does not decode (an unknown message type).
+    client.send_raw(&[2, 0, 0, 0, 0x7f, 0x63]).expect("garbage");
+    let garbage_reply = client.read_raw().expect("reply to garbage");
     let after_garbage = client.ping().expect("ping after garbage");
     // An oversized frame: refused with an error, then the connection closes.
-    {
-        let (_, writer) = client.stream();
-        writer
-            .write_all(&((MAX_FRAME as u32) + 1).to_le_bytes())
-            .expect("write length");
-    }
-    let oversize_reply = {
-        let (reader, _) = client.stream();
-        read_frame(reader).expect("reply to oversized frame")
-    };
+    client
+        .send_raw(&((MAX_FRAME as u32) + 1).to_le_bytes())
+        .expect("write length");
+    let oversize_reply = client.read_raw().expect("reply to oversized frame");
     let after_oversize = client.ping();
-    let mut fresh = AgentClient::connect(&uds, READ_TIMEOUT).expect("new connection");
-    let fresh_ping = fresh.ping().expect("ping on a new connection");
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let run = wait(child, Duration::from_secs(60));
+    let fresh_ping = self::client().ping().expect("ping on a new connection");
+    let serial = shared_vm()
+        .serial
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
 
-    assert!(first > 0 && second >= first, "uptimes {first} {second}");
+    let pong = order.iter().position(|(id, _)| *id == 101);
+    let exited = order
+        .iter()
+        .position(|(id, body)| *id == 100 && matches!(body, Body::Exited(_)));
+    assert!(
+        pong.is_some() && exited.is_some() && pong < exited,
+        "{order:?}"
+    );
+    assert!(first > 0);
     assert!(
         matches!(
             garbage_reply.body,
@@ -305,7 +529,7 @@ fn agent_answers_pings_and_survives_bad_frames() {
         ),
         "{garbage_reply:?}"
     );
-    assert!(after_garbage >= second);
+    assert!(after_garbage >= first);
     assert!(
         matches!(
             oversize_reply.body,
@@ -321,6 +545,79 @@ fn agent_answers_pings_and_survives_bad_frames() {
         "{after_oversize:?}"
     );
     assert!(fresh_ping >= after_garbage);
-    assert_eq!(run.status.code(), Some(0), "{}", run.dump());
-    assert!(run.serial.contains(" agent_port=1024"), "{}", run.dump());
+    assert!(serial.contains(" agent_port=1024"), "{serial}");
+}
+
+#[test]
+fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
+    // A client that reads some of an endless flood and then vanishes: the
+    // foreground program dies with it.
+    {
+        let mut flooder = client();
+        let mut running = flooder.start(argv(&["yes", "flood"])).expect("yes");
+        let mut got = 0;
+        while got < (256 << 10) {
+            if let Event::Output(_, data) = running.next_event().expect("output") {
+                got += data.len();
+            }
+        }
+    }
+    let mut client = client();
+    let mut yes_left = String::new();
+    for _ in 0..30 {
+        let out = client
+            .exec(sh("ps -o comm | grep -c '^yes' || true"))
+            .expect("ps");
+        yes_left = text(&out.stdout);
+        if yes_left == "0\n" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // A flood with a timeout: output streams until the kill.
+    let mut flood_bytes = 0usize;
+    let timed = client.exec_streaming(
+        ExecRequest {
+            timeout_ms: Some(3000),
+            ..argv(&["yes"])
+        },
+        |_, data| flood_bytes += data.len(),
+    );
+    // A fork bomb bounded by its pids limit; the timeout ends all of it.
+    let bomb = std::thread::spawn(|| {
+        self::client().exec(ExecRequest {
+            pids_max: Some(48),
+            timeout_ms: Some(12_000),
+            ..sh("bomb() { bomb | bomb & }; bomb; sleep 1000")
+        })
+    });
+    std::thread::sleep(Duration::from_secs(6));
+    let during = client.exec(argv(&["echo", "still here"]));
+    let bombed: Result<ExecOutput, ClientError> = bomb.join().expect("bomb thread");
+    // Every process of the bomb was killed with it.
+    let mut left = String::new();
+    for _ in 0..30 {
+        let out = client
+            .exec(sh("ps -o args | grep -c '^sh -c [b]omb' || true"))
+            .expect("ps");
+        left = text(&out.stdout);
+        if left == "0\n" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    assert_eq!(yes_left, "0\n");
+    assert_eq!(kind(timed), ErrorKind::Timeout);
+    assert!(flood_bytes > 0);
+    assert_eq!(
+        during.as_ref().map(|o| text(&o.stdout)).ok(),
+        Some("still here\n".to_owned()),
+        "{during:?}"
+    );
+    assert_eq!(kind(bombed), ErrorKind::Timeout);
+    assert!(
+        left.trim().parse::<u32>().is_ok_and(|n| n < 20),
+        "processes left: {left}"
+    );
 }

@@ -1,9 +1,14 @@
 //! The agent: serves the husk protocol (see the husk-protocol crate) on
-//! vsock port AGENT_PORT, one thread per connection. Nothing a client sends
-//! can end PID 1: every error is answered or ends only that connection.
+//! vsock port AGENT_PORT, one thread per connection, and a thread per
+//! long request so requests on one connection run concurrently. Nothing a
+//! client sends can end PID 1: every error is answered or ends only that
+//! connection, and a panic ends only the thread it happened on.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::BufReader;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use husk_protocol::{
     read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
@@ -11,8 +16,11 @@ use husk_protocol::{
 
 use crate::vsock::Listener;
 
-/// Most connections served at once; more wait in the listen backlog.
+/// Most connections served at once; more are closed on accept.
 const MAX_CONNECTIONS: usize = 16;
+/// Most long requests (exec, attach, wait, read, list, watch) in flight
+/// on one connection.
+const MAX_IN_FLIGHT: usize = 32;
 
 /// Starts listening; the accept loop runs on its own thread.
 pub fn start() -> std::io::Result<()> {
@@ -24,7 +32,7 @@ pub fn start() -> std::io::Result<()> {
 }
 
 fn accept_loop(listener: Listener) {
-    let active = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let active = Arc::new(AtomicUsize::new(0));
     loop {
         let stream = match listener.accept() {
             Ok(s) => s,
@@ -34,24 +42,30 @@ fn accept_loop(listener: Listener) {
                 continue;
             }
         };
-        if active.load(std::sync::atomic::Ordering::SeqCst) >= MAX_CONNECTIONS {
+        if active.load(Ordering::SeqCst) >= MAX_CONNECTIONS {
+            let msg = format!("the agent serves at most {MAX_CONNECTIONS} connections");
+            let mut stream = stream;
+            let _ = write_frame(&mut stream, &error(0, ErrorKind::Limit, msg));
             continue; // dropping the stream closes it
         }
-        active.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        active.fetch_add(1, Ordering::SeqCst);
         let count = active.clone();
         let spawned = std::thread::Builder::new()
             .name("agent-conn".into())
             .spawn(move || {
-                serve(stream);
-                count.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                // A panic is a bug, but must not take the other clients down.
+                if std::panic::catch_unwind(move || serve(stream)).is_err() {
+                    crate::log("agent: a connection ended in a panic");
+                }
+                count.fetch_sub(1, Ordering::SeqCst);
             });
         if spawned.is_err() {
-            active.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            active.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
 
-fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
+pub fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
     Frame {
         id,
         body: Body::Error {
@@ -61,109 +75,284 @@ fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
     }
 }
 
+/// One client connection, shared by the threads serving its requests.
+#[derive(Debug)]
+pub struct Conn {
+    out: Mutex<File>,
+    closed: AtomicBool,
+    in_flight: AtomicUsize,
+    /// Foreground programs started here: they end when the client leaves.
+    foreground: Mutex<HashSet<i32>>,
+    /// Watches in progress, by request id.
+    watches: Mutex<HashMap<u64, Arc<crate::watch::Cancel>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Conn {
+    /// Sends one frame; frames of concurrent requests never interleave.
+    pub fn send(&self, frame: &Frame) -> Result<(), ProtocolError> {
+        if self.is_closed() {
+            return Err(ProtocolError::Closed);
+        }
+        let result = write_frame(&mut *lock(&self.out), frame);
+        if result.is_err() {
+            self.close();
+        }
+        result
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    pub fn adopt(&self, pid: i32) {
+        lock(&self.foreground).insert(pid);
+    }
+
+    pub fn disown(&self, pid: i32) {
+        lock(&self.foreground).remove(&pid);
+    }
+
+    /// The client is gone: stop its watches, wake its foreground streams.
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        for cancel in lock(&self.watches).drain().map(|(_, c)| c) {
+            cancel.cancel();
+        }
+        let pids: Vec<i32> = lock(&self.foreground).iter().copied().collect();
+        for pid in pids {
+            if let Some(p) = crate::process::find(pid) {
+                let _out = p.output();
+                p.changed.notify_all();
+            }
+        }
+    }
+}
+
 /// Serves one connection until the client leaves or breaks the framing.
 fn serve(stream: File) {
     let Ok(out) = stream.try_clone() else {
         return;
     };
-    // Replies and the output of running programs share the stream.
-    let out = std::sync::Arc::new(std::sync::Mutex::new(out));
-    let send = |frame: &Frame| {
-        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
-        write_frame(&mut *out, frame)
-    };
+    let conn = Arc::new(Conn {
+        out: Mutex::new(out),
+        closed: AtomicBool::new(false),
+        in_flight: AtomicUsize::new(0),
+        foreground: Mutex::new(HashSet::new()),
+        watches: Mutex::new(HashMap::new()),
+    });
     let mut input = BufReader::new(stream);
     let mut greeted = false;
     let mut writing: Option<crate::files::PendingWrite> = None;
     loop {
-        let reply = match read_frame(&mut input) {
-            Ok(frame) if !greeted => match frame.body {
-                Body::Hello { version: VERSION } => {
-                    greeted = true;
-                    Frame {
-                        id: frame.id,
-                        body: Body::Hello { version: VERSION },
-                    }
+        let frame = match read_frame(&mut input) {
+            Ok(frame) => frame,
+            Err(ProtocolError::Malformed(e)) => {
+                if conn
+                    .send(&error(0, ErrorKind::Malformed, e.to_string()))
+                    .is_err()
+                {
+                    break;
                 }
-                Body::Hello { version } => {
-                    let msg = format!("agent speaks version {VERSION}, client {version}");
-                    let _ = send(&error(frame.id, ErrorKind::VersionMismatch, msg));
-                    return;
-                }
-                _ => error(
-                    frame.id,
-                    ErrorKind::Malformed,
-                    "the first message must be Hello",
-                ),
-            },
-            Ok(Frame {
-                id,
-                body: Body::WriteFile { path, mode },
-            }) => match writing {
-                Some(_) => error(id, ErrorKind::Invalid, "a write is already in progress"),
-                None => {
-                    writing = Some(crate::files::PendingWrite::start(id, &path, mode));
-                    continue;
-                }
-            },
-            Ok(Frame {
-                id,
-                body: Body::FileChunk { data },
-            }) => match writing.as_mut() {
-                Some(w) if w.id == id => {
-                    w.chunk(&data);
-                    continue;
-                }
-                _ => error(id, ErrorKind::Invalid, "no write in progress"),
-            },
-            Ok(Frame {
-                id,
-                body: Body::FileCommit,
-            }) => match writing.take() {
-                Some(w) if w.id == id => w.commit(),
-                other => {
-                    writing = other;
-                    error(id, ErrorKind::Invalid, "no write in progress")
-                }
-            },
-            Ok(frame) => handle(frame, &out),
-            Err(ProtocolError::Malformed(e)) => error(0, ErrorKind::Malformed, e.to_string()),
+                continue;
+            }
             Err(ProtocolError::TooLarge(n)) => {
                 // The stream cannot be resynchronised: say why, then close.
                 let msg = format!("frame of {n} bytes is over the limit");
-                let _ = send(&error(0, ErrorKind::TooLarge, msg));
-                return;
+                let _ = conn.send(&error(0, ErrorKind::TooLarge, msg));
+                break;
             }
-            Err(_) => return,
+            Err(_) => break,
         };
-        if send(&reply).is_err() {
-            return;
+        let id = frame.id;
+        let reply = if !greeted {
+            match frame.body {
+                Body::Hello { version: VERSION } => {
+                    greeted = true;
+                    Some(Frame {
+                        id,
+                        body: Body::Hello { version: VERSION },
+                    })
+                }
+                Body::Hello { version } => {
+                    let msg = format!("agent speaks version {VERSION}, client {version}");
+                    let _ = conn.send(&error(id, ErrorKind::VersionMismatch, msg));
+                    break;
+                }
+                _ => Some(error(
+                    id,
+                    ErrorKind::Malformed,
+                    "the first message must be Hello",
+                )),
+            }
+        } else {
+            match frame.body {
+                Body::WriteFile { path, mode } => match writing {
+                    Some(_) => Some(error(
+                        id,
+                        ErrorKind::Invalid,
+                        "a write is already in progress",
+                    )),
+                    None => {
+                        writing = Some(crate::files::PendingWrite::start(id, &path, mode));
+                        None
+                    }
+                },
+                Body::FileChunk { data } => match writing.as_mut() {
+                    Some(w) if w.id == id => {
+                        w.chunk(&data);
+                        None
+                    }
+                    _ => Some(error(id, ErrorKind::Invalid, "no write in progress")),
+                },
+                Body::FileCommit => match writing.take() {
+                    Some(w) if w.id == id => Some(w.commit()),
+                    other => {
+                        writing = other;
+                        Some(error(id, ErrorKind::Invalid, "no write in progress"))
+                    }
+                },
+                body => dispatch(id, body, &conn),
+            }
+        };
+        if let Some(reply) = reply {
+            if conn.send(&reply).is_err() {
+                break;
+            }
+        }
+    }
+    conn.close();
+    let foreground: Vec<i32> = lock(&conn.foreground).iter().copied().collect();
+    for pid in foreground {
+        if let Some(p) = crate::process::find(pid) {
+            let _ = p.signal(libc::SIGKILL);
         }
     }
 }
 
-fn handle(frame: Frame, out: &std::sync::Arc<std::sync::Mutex<File>>) -> Frame {
-    let body = match frame.body {
+/// Answers quick requests inline; runs long ones on their own thread.
+fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
+    let quick = match body {
         Body::Ping => Body::Pong {
             uptime_ms: crate::sys::uptime_ms(),
         },
-        Body::Exec(req) => return crate::exec::run(frame.id, req, out),
-        Body::ReadFile { path } => return crate::files::read(frame.id, &path, out),
-        Body::Stat { path } => return crate::files::stat(frame.id, &path),
-        Body::List { path } => return crate::files::list(frame.id, &path, out),
-        Body::Mkdir { path } => return crate::files::mkdir(frame.id, &path),
+        Body::Health => match crate::sys::health() {
+            Ok(h) => Body::HealthInfo(h),
+            Err(e) => return Some(error(id, ErrorKind::Internal, format!("sysinfo: {e}"))),
+        },
+        Body::SetClock { unix_ns } => match crate::sys::set_clock(unix_ns) {
+            Ok(()) => Body::Done,
+            Err(e) => {
+                let msg = format!("cannot set the clock to {unix_ns} ns: {e}");
+                return Some(error(id, ErrorKind::Invalid, msg));
+            }
+        },
+        Body::Stat { path } => return Some(crate::files::stat(id, &path)),
+        Body::Mkdir { path } => return Some(crate::files::mkdir(id, &path)),
         Body::Remove { path, recursive } => {
-            return crate::files::remove(frame.id, &path, recursive)
+            return Some(crate::files::remove(id, &path, recursive))
         }
-        Body::Rename { from, to } => return crate::files::rename(frame.id, &from, &to),
-        Body::Hello { .. } => Body::Error {
-            kind: ErrorKind::Malformed,
-            message: "already greeted".into(),
-        },
-        other => Body::Error {
-            kind: ErrorKind::Unsupported,
-            message: format!("the agent does not handle {other:?}"),
-        },
+        Body::Rename { from, to } => return Some(crate::files::rename(id, &from, &to)),
+        Body::Signal { pid, signal } => return Some(crate::exec::signal(id, pid, signal)),
+        Body::Processes => return Some(crate::exec::processes(id)),
+        body @ (Body::Stdin { .. } | Body::StdinClose { .. } | Body::Resize { .. }) => {
+            return crate::exec::input(id, body)
+        }
+        Body::Cancel => {
+            let watch = lock(&conn.watches).remove(&id);
+            return match watch {
+                // The watch thread answers Done.
+                Some(cancel) => {
+                    cancel.cancel();
+                    None
+                }
+                None => Some(error(id, ErrorKind::NotFound, "no watch with this id")),
+            };
+        }
+        Body::Hello { .. } => return Some(error(id, ErrorKind::Malformed, "already greeted")),
+        body @ (Body::Exec(_)
+        | Body::Attach { .. }
+        | Body::Wait { .. }
+        | Body::ReadFile { .. }
+        | Body::List { .. }
+        | Body::Watch { .. }) => return spawn_long(id, body, conn),
+        other => {
+            let msg = format!("the agent does not handle {}", name(&other));
+            return Some(error(id, ErrorKind::Unsupported, msg));
+        }
     };
-    Frame { id: frame.id, body }
+    Some(Frame { id, body: quick })
+}
+
+/// The message's name, without its (possibly large) contents.
+fn name(body: &Body) -> String {
+    let debug = format!("{body:?}");
+    debug
+        .split(|c: char| !c.is_alphanumeric())
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
+
+fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
+    if conn.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+        conn.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let msg = format!("at most {MAX_IN_FLIGHT} long requests run at once on one connection");
+        return Some(error(id, ErrorKind::Limit, msg));
+    }
+    let cancel = match &body {
+        Body::Watch { .. } => match crate::watch::Cancel::new() {
+            Ok(c) => {
+                let c = Arc::new(c);
+                lock(&conn.watches).insert(id, c.clone());
+                Some(c)
+            }
+            Err(e) => {
+                conn.in_flight.fetch_sub(1, Ordering::SeqCst);
+                return Some(error(id, ErrorKind::Internal, format!("eventfd: {e}")));
+            }
+        },
+        _ => None,
+    };
+    let worker = conn.clone();
+    let spawned = std::thread::Builder::new()
+        .name("agent-req".into())
+        .spawn(move || {
+            let conn = worker;
+            let run = std::panic::AssertUnwindSafe(|| match body {
+                Body::Exec(req) => crate::exec::exec(id, req, &conn),
+                Body::Attach { pid } => crate::exec::attach(id, pid, &conn),
+                Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
+                Body::ReadFile { path } => crate::files::read(id, &path, &conn),
+                Body::List { path } => crate::files::list(id, &path, &conn),
+                Body::Watch { path, recursive } => {
+                    let cancel = cancel.expect("a watch has a cancel handle");
+                    let reply = crate::watch::run(id, &path, recursive, &conn, &cancel);
+                    lock(&conn.watches).remove(&id);
+                    reply
+                }
+                _ => error(id, ErrorKind::Internal, "not a long request"),
+            });
+            let reply = std::panic::catch_unwind(run).unwrap_or_else(|_| {
+                crate::log("agent: a request ended in a panic");
+                error(id, ErrorKind::Internal, "the agent failed on this request")
+            });
+            let _ = conn.send(&reply);
+            conn.in_flight.fetch_sub(1, Ordering::SeqCst);
+        });
+    match spawned {
+        Ok(_) => None,
+        Err(e) => {
+            conn.in_flight.fetch_sub(1, Ordering::SeqCst);
+            lock(&conn.watches).remove(&id);
+            Some(error(
+                id,
+                ErrorKind::Limit,
+                format!("cannot start a thread: {e}"),
+            ))
+        }
+    }
 }

@@ -5,13 +5,11 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
-use husk_protocol::{
-    write_frame, Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, FILE_CHUNK, LIST_BATCH,
-};
+use crate::agent::Conn;
+use husk_protocol::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, FILE_CHUNK, LIST_BATCH};
 
-fn kind_of(e: &std::io::Error) -> ErrorKind {
+pub(crate) fn kind_of(e: &std::io::Error) -> ErrorKind {
     match e.raw_os_error() {
         Some(libc::ENOENT) | Some(libc::ENOTDIR) => ErrorKind::NotFound,
         Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::PermissionDenied,
@@ -63,7 +61,7 @@ pub fn stat(id: u64, path: &str) -> Frame {
 }
 
 /// `List`: entries in batches; returns the last frame.
-pub fn list(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
+pub fn list(id: u64, path: &str, conn: &Conn) -> Frame {
     let dir = match std::fs::read_dir(path) {
         Ok(d) => d,
         Err(e) => return error(id, kind_of(&e), format!("cannot list {path}: {e}")),
@@ -83,8 +81,7 @@ pub fn list(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
                     more: true,
                 },
             };
-            let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
-            if write_frame(&mut *out, &frame).is_err() {
+            if conn.send(&frame).is_err() {
                 return error(id, ErrorKind::Internal, "the client went away".into());
             }
         }
@@ -131,7 +128,7 @@ fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
 }
 
 /// Streams `path` to `out`; returns the final frame.
-pub fn read(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
+pub fn read(id: u64, path: &str, conn: &Conn) -> Frame {
     let mut file = match File::open(path) {
         Ok(f) => f,
         Err(e) => return error(id, kind_of(&e), format!("cannot open {path}: {e}")),
@@ -155,8 +152,7 @@ pub fn read(id: u64, path: &str, out: &Arc<Mutex<File>>) -> Frame {
                 data: buf[..n].to_vec(),
             },
         };
-        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
-        if write_frame(&mut *out, &chunk).is_err() {
+        if conn.send(&chunk).is_err() {
             return error(id, ErrorKind::Internal, "the client went away".into());
         }
         size += n as u64;

@@ -20,12 +20,15 @@
 //! `husk-guest-init: exit status=<n>` (or `signal=<n>`) and shuts down.
 
 mod agent;
+mod cgroup;
 mod exec;
 mod files;
 mod probe;
+mod process;
 mod reaper;
 mod sys;
 mod vsock;
+mod watch;
 
 use std::ffi::CString;
 use std::io::Write;
@@ -48,7 +51,13 @@ fn main() -> std::process::ExitCode {
     sys::block_signals();
     mount_all();
     sys::ensure_console();
-    let hostname = hostname_from_cmdline();
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    if let Err(e) = cgroup::setup(&cmdline) {
+        log(&format!(
+            "no pids limit for sandbox programs: cgroup setup failed: {e}"
+        ));
+    }
+    let hostname = hostname_from_cmdline(&cmdline);
     if let Err(e) = sys::set_hostname(&hostname) {
         log(&format!("cannot set hostname: {e}"));
     }
@@ -95,10 +104,18 @@ fn main() -> std::process::ExitCode {
 
 /// Mounts what every guest program expects. Failures are logged, not fatal.
 fn mount_all() {
-    let mounts: [(&str, &str, &str, libc::c_ulong, &str); 5] = [
+    let mounts: [(&str, &str, &str, libc::c_ulong, &str); 6] = [
         ("proc", "/proc", "proc", sys::NOSUID_NODEV_NOEXEC, ""),
         ("sysfs", "/sys", "sysfs", sys::NOSUID_NODEV_NOEXEC, ""),
         ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755"),
+        // PTYs for Exec with a terminal (/dev/ptmx finds its devpts here).
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            "mode=0620,ptmxmode=0666",
+        ),
         (
             "tmpfs",
             "/tmp",
@@ -114,6 +131,18 @@ fn mount_all() {
             "mode=0755",
         ),
     ];
+    // An initramfs root is a tmpfs whose root directory the kernel makes
+    // world-writable (1777); a sandbox user must not write to `/`.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let world_writable =
+            std::fs::metadata("/").is_ok_and(|m| m.permissions().mode() & 0o002 != 0);
+        if world_writable {
+            if let Err(e) = std::fs::set_permissions("/", std::fs::Permissions::from_mode(0o755)) {
+                log(&format!("cannot make / 0755: {e}"));
+            }
+        }
+    }
     for (source, target, fstype, flags, data) in mounts {
         if let Err(e) = sys::mount(source, target, fstype, flags, data) {
             log(&format!("cannot mount {fstype} on {target}: {e}"));
@@ -121,8 +150,7 @@ fn mount_all() {
     }
 }
 
-fn hostname_from_cmdline() -> String {
-    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+fn hostname_from_cmdline(cmdline: &str) -> String {
     cmdline
         .split_whitespace()
         .find_map(|p| p.strip_prefix(HOSTNAME_PARAM))

@@ -118,6 +118,56 @@ pub fn uptime_ms() -> u64 {
     ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
 }
 
+/// The guest's clocks, memory, load and process count.
+pub fn health() -> io::Result<husk_protocol::Health> {
+    // SAFETY: sysinfo is plain data; sysinfo() fills it.
+    let mut info: libc::sysinfo = unsafe { std::mem::zeroed() };
+    // SAFETY: `info` is a valid sysinfo to fill.
+    check(unsafe { libc::sysinfo(&mut info) })?;
+    let unit = u64::from(info.mem_unit.max(1));
+    let kib = |pages: u64| pages * unit / 1024;
+    // MemAvailable counts reclaimable cache; sysinfo's free memory does not.
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or_else(|| kib(info.freeram + info.bufferram));
+    // Load averages are fixed point with 16 fractional bits.
+    let load = |l: libc::c_ulong| ((l * 1000) >> 16) as u32;
+    // SAFETY: timespec is plain data.
+    let mut now: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `now` is a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut now) };
+    Ok(husk_protocol::Health {
+        uptime_ms: uptime_ms(),
+        unix_ns: now.tv_sec * 1_000_000_000 + now.tv_nsec,
+        mem_total_kib: kib(info.totalram),
+        mem_available_kib: available,
+        load_milli: [
+            load(info.loads[0]),
+            load(info.loads[1]),
+            load(info.loads[2]),
+        ],
+        procs: u32::from(info.procs),
+    })
+}
+
+/// Sets the wall clock (CLOCK_REALTIME) to `unix_ns` since the epoch.
+pub fn set_clock(unix_ns: i64) -> io::Result<()> {
+    if unix_ns < 0 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    let ts = libc::timespec {
+        tv_sec: unix_ns / 1_000_000_000,
+        tv_nsec: unix_ns % 1_000_000_000,
+    };
+    // SAFETY: `ts` is a valid, normalised timespec.
+    check(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) })
+}
+
 /// Starts `argv` as a child in its own session with the console as stdio and
 /// default signal handling. Returns its pid.
 pub fn spawn(argv: &[String]) -> io::Result<libc::pid_t> {
@@ -147,6 +197,8 @@ pub fn spawn(argv: &[String]) -> io::Result<libc::pid_t> {
         // exec; `ptrs` and `env` are NULL-terminated arrays of C strings.
         unsafe {
             libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut());
+            // Rust ignores SIGPIPE; programs expect the default.
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
             libc::setsid();
             libc::execve(ptrs[0], ptrs.as_ptr(), env.as_ptr());
             libc::_exit(127);

@@ -199,3 +199,56 @@ pub fn as_nobody(program: &Path) -> Command {
         .arg(program);
     cmd
 }
+
+/// One guest with a vsock device shared by every test of a test binary:
+/// booted on first use, killed with the test process. Tests that only talk
+/// to the agent use it, so a test file pays for one boot.
+#[derive(Debug)]
+pub struct SharedVm {
+    /// The VMM's vsock socket.
+    pub uds: PathBuf,
+    /// The guest's console so far.
+    pub serial: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+pub fn shared_vm() -> &'static SharedVm {
+    static VM: OnceLock<SharedVm> = OnceLock::new();
+    VM.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("husk-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("socket dir");
+        let uds = dir.join("vsock.sock");
+        let serial = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let mut cmd = guest_command(&["--vsock", &format!("cid=3,path={}", uds.display())]);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        // SAFETY: prctl is async-signal-safe; the VMM dies with the thread
+        // that forked it, which below lives until the VMM exits.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let console = serial.clone();
+        std::thread::spawn(move || {
+            let mut child = cmd.spawn().expect("spawn husk-vmm");
+            let mut stdout = child.stdout.take().expect("piped stdout");
+            started_tx.send(()).expect("test thread waits");
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = stdout.read(&mut buf) {
+                let text = String::from_utf8_lossy(&buf[..n]);
+                console
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_str(&text);
+            }
+            let _ = child.wait();
+            let _ = std::fs::remove_dir_all(&dir);
+        });
+        started_rx.recv().expect("husk-vmm started");
+        SharedVm { uds, serial }
+    })
+}

@@ -22,9 +22,22 @@
 //! | `Hello { version }` | both | handshake; must be the first frame each way |
 //! | `Ping` | host → guest | liveness check |
 //! | `Pong { uptime_ms }` | guest → host | reply to `Ping`: guest CLOCK_BOOTTIME in ms |
-//! | `Exec(ExecRequest)` | host → guest | run a program (argv, no shell), wait for it |
+//! | `Health` | host → guest | guest clocks, memory, load and process count |
+//! | `HealthInfo(Health)` | guest → host | reply to `Health` |
+//! | `SetClock { unix_ns }` | host → guest | set the guest's wall clock (after a restore) |
+//! | `Exec(ExecRequest)` | host → guest | start a program (argv, no shell); foreground or background |
+//! | `Started { pid }` | guest → host | the program is running (first reply to `Exec`) |
 //! | `Output { stream, data }` | guest → host | a chunk of the program's stdout or stderr, as it runs |
+//! | `Lost { bytes }` | guest → host | output dropped from a full buffer while no client was attached |
 //! | `Exited(ExitReport)` | guest → host | the program ended: exit code or signal, CPU time, peak RSS |
+//! | `Stdin { pid, data }` | host → guest | more input for a program started with `stdin_open` (no reply) |
+//! | `StdinClose { pid }` | host → guest | end of that input (no reply) |
+//! | `Resize { pid, rows, cols }` | host → guest | new terminal size for a PTY program (no reply) |
+//! | `Signal { pid, signal }` | host → guest | send a signal to the program's process group |
+//! | `Processes` | host → guest | programs the agent started that were not collected yet |
+//! | `ProcessList(Vec<ProcessInfo>)` | guest → host | reply to `Processes` |
+//! | `Attach { pid }` | host → guest | (re)attach to a program's output: buffered output, then live, then `Exited` |
+//! | `Wait { pid }` | host → guest | wait for a program to end; `Exited`, its output discarded |
 //! | `ReadFile { path }` | host → guest | stream a file back: `FileChunk`s, then `FileEnd` |
 //! | `WriteFile { path, mode }` | host → guest | start an atomic write; `FileChunk`s follow, then `FileCommit` |
 //! | `FileChunk { data }` | both | a piece of file content (at most [`FILE_CHUNK`] bytes) |
@@ -38,8 +51,32 @@
 //! | `Mkdir { path }` | host → guest | create a directory and its parents (`mkdir -p`) |
 //! | `Remove { path, recursive }` | host → guest | remove a file, an empty directory, or a tree |
 //! | `Rename { from, to }` | host → guest | rename within the guest |
-//! | `Done` | guest → host | the request succeeded and has nothing to return |
+//! | `Watch { path, recursive }` | host → guest | watch a directory (inotify): `Watching`, then `FsEvents` until `Cancel` |
+//! | `Watching` | guest → host | the watch is in place; later changes will be reported |
+//! | `FsEvents(Vec<FsEvent>)` | guest → host | changes under a watched directory |
+//! | `Cancel` | host → guest | end the `Watch` with the same id; answered by `Done` |
+//! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
+//!
+//! Requests on one connection run concurrently: a long `Exec`, `Attach`,
+//! `ReadFile` or `Watch` does not hold up a `Ping` sent after it, and frames
+//! of different requests may interleave. Frames with no reply (`Stdin`,
+//! `StdinClose`, `Resize`) are answered only when they fail, with an
+//! `Error` under their own id.
+//!
+//! # Programs
+//!
+//! A foreground `Exec` streams `Started`, `Output`s and `Exited` on its
+//! request; if the client disconnects first, the program is killed. A
+//! background `Exec` answers only `Started` and keeps running; its output
+//! is kept in the guest, at most [`OUTPUT_BUFFER`] bytes of it, the oldest
+//! dropped (and counted) when nobody reads it. `Attach` streams it, first a
+//! `Lost` if anything was dropped; while a client is attached the program
+//! waits for the client instead of losing output. A program that ended
+//! stays listed until `Attach` has delivered its `Exited` or `Wait`
+//! collected it. Every program runs in its own cgroup under the sandbox's
+//! pids limit; a timeout or `Signal` with SIGKILL ends all of its processes,
+//! including ones that left its process group.
 //!
 //! A `WriteFile` goes to a temporary file beside the target and is renamed
 //! over it only on `FileCommit`, so a reader never sees half a file and a
@@ -50,7 +87,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Protocol version; the agent refuses other versions.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The guest vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;
 /// Largest frame accepted, in bytes.
@@ -59,6 +96,8 @@ pub const MAX_FRAME: usize = 1 << 20;
 pub const LIST_BATCH: usize = 512;
 /// Largest `FileChunk` payload either side sends.
 pub const FILE_CHUNK: usize = 256 << 10;
+/// Output the guest keeps per program for a client that is not attached.
+pub const OUTPUT_BUFFER: usize = 1 << 20;
 
 /// One message with its request id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,9 +112,22 @@ pub enum Body {
     Hello { version: u32 },
     Ping,
     Pong { uptime_ms: u64 },
+    Health,
+    HealthInfo(Health),
+    SetClock { unix_ns: i64 },
     Exec(ExecRequest),
+    Started { pid: i32 },
     Output { stream: Stream, data: Vec<u8> },
+    Lost { bytes: u64 },
     Exited(ExitReport),
+    Stdin { pid: i32, data: Vec<u8> },
+    StdinClose { pid: i32 },
+    Resize { pid: i32, rows: u16, cols: u16 },
+    Signal { pid: i32, signal: i32 },
+    Processes,
+    ProcessList(Vec<ProcessInfo>),
+    Attach { pid: i32 },
+    Wait { pid: i32 },
     ReadFile { path: String },
     WriteFile { path: String, mode: u32 },
     FileChunk { data: Vec<u8> },
@@ -89,8 +141,63 @@ pub enum Body {
     Mkdir { path: String },
     Remove { path: String, recursive: bool },
     Rename { from: String, to: String },
+    Watch { path: String, recursive: bool },
+    Watching,
+    FsEvents(Vec<FsEvent>),
+    Cancel,
     Done,
     Error { kind: ErrorKind, message: String },
+}
+
+/// The guest's state, for health checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Health {
+    /// CLOCK_BOOTTIME, ms.
+    pub uptime_ms: u64,
+    /// CLOCK_REALTIME, ns since the epoch.
+    pub unix_ns: i64,
+    pub mem_total_kib: u64,
+    pub mem_available_kib: u64,
+    /// 1, 5 and 15 minute load averages, in thousandths.
+    pub load_milli: [u32; 3],
+    /// Processes (and threads) in the guest.
+    pub procs: u32,
+}
+
+/// A program the agent started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    pub pid: i32,
+    pub argv: Vec<String>,
+    pub background: bool,
+    /// `None` while it runs.
+    pub exit: Option<Termination>,
+    /// Output held in the guest, not yet delivered.
+    pub buffered: u64,
+    /// Output dropped so far because the buffer was full.
+    pub lost: u64,
+}
+
+/// What changed under a watched directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FsEventKind {
+    Created,
+    Modified,
+    /// Written and closed: the writer is done with it.
+    Closed,
+    Removed,
+    MovedFrom,
+    MovedTo,
+    /// Too many events at once: some were dropped; list the directory again.
+    Overflow,
+}
+
+/// One change, with the absolute guest path it happened to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEvent {
+    pub kind: FsEventKind,
+    pub path: String,
+    pub is_dir: bool,
 }
 
 /// What a path is.
@@ -129,10 +236,39 @@ pub struct ExecRequest {
     pub env: Vec<(String, String)>,
     /// Working directory (default `/`).
     pub cwd: Option<String>,
-    /// Bytes written to the program's stdin, which is then closed.
+    /// Run as this user and group (default root). Supplementary groups are
+    /// cleared.
+    pub user: Option<User>,
+    /// Bytes written to the program's stdin first.
     pub stdin: Vec<u8>,
-    /// Wall-clock limit; the whole process group is killed when it passes.
+    /// Keep stdin open after `stdin` for `Stdin` frames until `StdinClose`;
+    /// otherwise it is closed once `stdin` is written.
+    pub stdin_open: bool,
+    /// Run on a pseudo-terminal of this size (stdin, stdout and stderr are
+    /// the terminal; all output comes back as `Stdout`).
+    pub pty: Option<WindowSize>,
+    /// Wall-clock limit; the program and everything it started are killed
+    /// when it passes.
     pub timeout_ms: Option<u64>,
+    /// Most processes (and threads) the program may have at once, within
+    /// the sandbox-wide limit.
+    pub pids_max: Option<u32>,
+    /// Keep running after the reply and after the client leaves.
+    pub background: bool,
+}
+
+/// A user and group id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct User {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// A terminal size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WindowSize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// Which output stream a chunk came from.
@@ -169,7 +305,8 @@ pub enum ErrorKind {
     TooLarge,
     /// The message is valid but this agent does not handle it.
     Unsupported,
-    /// The program (or the working directory) does not exist.
+    /// The program, the working directory, the path or the process does
+    /// not exist.
     NotFound,
     /// The program exists but may not be executed (or entered).
     PermissionDenied,
@@ -179,6 +316,8 @@ pub enum ErrorKind {
     Invalid,
     /// The path already exists, or a directory to remove is not empty.
     Conflict,
+    /// A limit was reached: too many connections, requests or processes.
+    Limit,
     /// The guest failed for another reason (fork failed, out of memory...).
     Internal,
 }
@@ -260,6 +399,71 @@ mod tests {
                     kind: ErrorKind::Unsupported,
                     message: "no".into(),
                 },
+            },
+            Frame {
+                id: 4,
+                body: Body::Exec(ExecRequest {
+                    argv: vec!["sh".into(), "-c".into(), "true".into()],
+                    env: vec![("K".into(), "V".into())],
+                    cwd: Some("/tmp".into()),
+                    user: Some(User { uid: 1, gid: 2 }),
+                    stdin: vec![1, 2, 3],
+                    stdin_open: true,
+                    pty: Some(WindowSize { rows: 24, cols: 80 }),
+                    timeout_ms: Some(5),
+                    pids_max: Some(7),
+                    background: true,
+                }),
+            },
+            Frame {
+                id: 4,
+                body: Body::Started { pid: 42 },
+            },
+            Frame {
+                id: 5,
+                body: Body::Lost { bytes: 1 << 40 },
+            },
+            Frame {
+                id: 6,
+                body: Body::Resize {
+                    pid: 42,
+                    rows: 50,
+                    cols: 132,
+                },
+            },
+            Frame {
+                id: 7,
+                body: Body::ProcessList(vec![ProcessInfo {
+                    pid: 42,
+                    argv: vec!["yes".into()],
+                    background: true,
+                    exit: Some(Termination::Signal(9)),
+                    buffered: 10,
+                    lost: 20,
+                }]),
+            },
+            Frame {
+                id: 8,
+                body: Body::FsEvents(vec![FsEvent {
+                    kind: FsEventKind::MovedTo,
+                    path: "/tmp/x".into(),
+                    is_dir: true,
+                }]),
+            },
+            Frame {
+                id: 9,
+                body: Body::HealthInfo(Health {
+                    uptime_ms: 1,
+                    unix_ns: -2,
+                    mem_total_kib: 3,
+                    mem_available_kib: 4,
+                    load_milli: [5, 6, 7],
+                    procs: 8,
+                }),
+            },
+            Frame {
+                id: 10,
+                body: Body::SetClock { unix_ns: i64::MAX },
             },
         ];
         let bytes: Vec<u8> = frames.iter().flat_map(encoded).collect();

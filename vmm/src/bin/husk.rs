@@ -1,28 +1,40 @@
 //! husk: the command line for running sandboxes' guests.
 //!
-//!     husk exec <vm> [--timeout-ms N] [--cwd DIR] [--env K=V]... -- CMD [ARGS]...
+//!     husk exec <vm> [-i] [-t] [-d] [--timeout-ms N] [--cwd DIR] [--env K=V]...
+//!                    [--user UID[:GID]] [--pids-max N] -- CMD [ARGS]...
+//!     husk ps <vm>
+//!     husk attach <vm> <pid>
+//!     husk wait <vm> <pid>
+//!     husk kill <vm> <pid> [--signal N]
+//!     husk watch <vm> <dir> [--recursive]
 //!     husk cp <vm>:<guest path> <host path>
 //!     husk cp <host path> <vm>:<guest path>
 //!     husk ping <vm>
+//!     husk health <vm>
 //!
-//! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>). `exec`
-//! prints the program's stdout and stderr to its own and exits with the
-//! program's exit code (128 + N when killed by signal N), as `docker exec`
-//! does; husk's own failures exit 125 with the agent's error kind.
+//! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>).
+//! `exec` streams the program's stdout and stderr to its own as they come
+//! and exits with the program's exit code (128 + N when killed by signal
+//! N), as `docker exec` does; `-i` forwards this process's stdin, `-t` runs
+//! the program on a terminal (raw mode here, resized with this one), `-d`
+//! starts it in the background and prints its pid for `attach`/`wait`.
+//! husk's own failures exit like docker's: for `exec`, 127 program not
+//! found and 126 not executable; 124 timed out; 125 anything else; the
+//! agent's error kind is on stderr.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use husk_protocol::{ExecRequest, Termination};
-use husk_vmm::host::agent_client::{AgentClient, ClientError};
+use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
+use husk_vmm::host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
 
 /// Exit status for husk's own failures (as docker uses 125).
 const HUSK_FAILED: u8 = 125;
-/// How long one read from the agent may take.
-const READ_TIMEOUT: Duration = Duration::from_secs(3600);
+/// How long a short request may take.
+const READ_TIMEOUT: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Parser)]
 #[command(
@@ -41,7 +53,16 @@ enum Command {
     Exec {
         /// The VM's vsock socket.
         vm: PathBuf,
-        /// Kill the program's process group after this many milliseconds.
+        /// Forward this process's stdin to the program.
+        #[arg(short, long)]
+        interactive: bool,
+        /// Run the program on a terminal.
+        #[arg(short, long)]
+        tty: bool,
+        /// Start it in the background; print its pid.
+        #[arg(short, long)]
+        detach: bool,
+        /// Kill the program and all it started after this many milliseconds.
         #[arg(long)]
         timeout_ms: Option<u64>,
         /// Working directory in the guest.
@@ -50,14 +71,42 @@ enum Command {
         /// Environment variable KEY=VALUE (repeatable).
         #[arg(long = "env", value_parser = parse_env)]
         env: Vec<(String, String)>,
+        /// Run as UID[:GID] (default root).
+        #[arg(long, value_parser = parse_user)]
+        user: Option<User>,
+        /// Most processes the program may have at once.
+        #[arg(long)]
+        pids_max: Option<u32>,
         /// The program and its arguments.
         #[arg(last = true, required = true)]
         argv: Vec<String>,
+    },
+    /// List the programs the agent started that were not collected yet.
+    Ps { vm: PathBuf },
+    /// Stream a background program's output until it ends; exit like it.
+    Attach { vm: PathBuf, pid: i32 },
+    /// Wait for a background program to end; exit like it.
+    Wait { vm: PathBuf, pid: i32 },
+    /// Send a signal to a program's process group (default SIGTERM).
+    Kill {
+        vm: PathBuf,
+        pid: i32,
+        #[arg(long, short, default_value_t = libc::SIGTERM)]
+        signal: i32,
+    },
+    /// Print changes under a guest directory until interrupted.
+    Watch {
+        vm: PathBuf,
+        dir: String,
+        #[arg(long, short)]
+        recursive: bool,
     },
     /// Copy a file into or out of the guest: one side is <vm>:<guest path>.
     Cp { from: String, to: String },
     /// Check the guest agent answers; prints the guest's uptime.
     Ping { vm: PathBuf },
+    /// Print the guest's clock, memory, load and process count.
+    Health { vm: PathBuf },
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -66,10 +115,133 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("`{s}` is not KEY=VALUE"))
 }
 
+fn parse_user(s: &str) -> Result<User, String> {
+    let (uid, gid) = s.split_once(':').unwrap_or((s, s));
+    let num = |v: &str| {
+        v.parse::<u32>()
+            .map_err(|_| format!("`{s}` is not UID[:GID]"))
+    };
+    Ok(User {
+        uid: num(uid)?,
+        gid: num(gid)?,
+    })
+}
+
 /// Splits `<vm socket>:<guest path>`; a plain host path has no `:`.
 fn guest_side(arg: &str) -> Option<(PathBuf, &str)> {
     let (vm, path) = arg.split_once(':')?;
     path.starts_with('/').then(|| (PathBuf::from(vm), path))
+}
+
+fn exit_code(report: &ExitReport) -> u8 {
+    match report.termination {
+        Termination::Code(code) => code as u8,
+        Termination::Signal(sig) => 128u8.wrapping_add(sig as u8),
+    }
+}
+
+fn write_out(stream: Stream, data: &[u8]) {
+    // A closed stdout (husk exec ... | head) is not husk's failure.
+    let _ = match stream {
+        Stream::Stdout => {
+            let mut out = std::io::stdout().lock();
+            out.write_all(data).and_then(|()| out.flush())
+        }
+        Stream::Stderr => std::io::stderr().write_all(data),
+    };
+}
+
+/// The host terminal's size, if stdin is one.
+fn terminal_size() -> Option<WindowSize> {
+    // SAFETY: winsize is plain data.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: TIOCGWINSZ fills a winsize.
+    let ok = unsafe { libc::ioctl(0, libc::TIOCGWINSZ, &mut ws) } == 0;
+    (ok && ws.ws_row > 0).then_some(WindowSize {
+        rows: ws.ws_row,
+        cols: ws.ws_col,
+    })
+}
+
+/// Puts the host terminal in raw mode until dropped.
+struct RawMode(Option<libc::termios>);
+
+impl RawMode {
+    fn enable() -> Self {
+        // SAFETY: termios is plain data; tcgetattr fills it.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: valid termios pointer; fd 0 may not be a terminal (then -1).
+        if unsafe { libc::tcgetattr(0, &mut saved) } != 0 {
+            return RawMode(None);
+        }
+        let mut raw = saved;
+        // SAFETY: `raw` is a valid termios.
+        unsafe {
+            libc::cfmakeraw(&mut raw);
+            libc::tcsetattr(0, libc::TCSANOW, &raw);
+        }
+        RawMode(Some(saved))
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if let Some(saved) = &self.0 {
+            // SAFETY: restores the attributes read in `enable`.
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, saved) };
+        }
+    }
+}
+
+/// Forwards this process's stdin to the program, then closes its input.
+fn forward_stdin(input: ProgramInput) {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 32 << 10];
+        let mut stdin = std::io::stdin().lock();
+        while let Ok(n @ 1..) = stdin.read(&mut buf) {
+            if input.write(&buf[..n]).is_err() {
+                return;
+            }
+        }
+        let _ = input.close();
+    });
+}
+
+/// Resizes the program's terminal when this one is resized (SIGWINCH is
+/// blocked in every thread and taken here with sigwait).
+fn forward_resizes(input: ProgramInput) {
+    std::thread::spawn(move || {
+        // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `set` is valid.
+        unsafe {
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGWINCH);
+        }
+        loop {
+            let mut sig = 0;
+            // SAFETY: valid set and output pointer.
+            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                return;
+            }
+            if let Some(size) = terminal_size() {
+                if input.resize(size.rows, size.cols).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+}
+
+fn block_sigwinch() {
+    // SAFETY: as in forward_resizes; blocks SIGWINCH for this thread and
+    // the threads it starts.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGWINCH);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
 }
 
 fn run(args: Args) -> Result<u8, ClientError> {
@@ -79,28 +251,123 @@ fn run(args: Args) -> Result<u8, ClientError> {
             println!("guest uptime {uptime} ms");
             Ok(0)
         }
+        Command::Health { vm } => {
+            let h = AgentClient::connect(&vm, READ_TIMEOUT)?.health()?;
+            let load = h
+                .load_milli
+                .map(|l| format!("{}.{:02}", l / 1000, l % 1000 / 10));
+            println!(
+                "uptime_ms={} unix_ns={} mem_total_kib={} mem_available_kib={} load={} procs={}",
+                h.uptime_ms,
+                h.unix_ns,
+                h.mem_total_kib,
+                h.mem_available_kib,
+                load.join(","),
+                h.procs
+            );
+            Ok(0)
+        }
         Command::Exec {
             vm,
+            interactive,
+            tty,
+            detach,
             timeout_ms,
             cwd,
             env,
+            user,
+            pids_max,
             argv,
         } => {
+            if tty {
+                block_sigwinch();
+            }
             let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
             let req = ExecRequest {
                 argv,
                 env,
                 cwd,
-                stdin: Vec::new(),
+                user,
+                stdin_open: interactive,
+                pty: tty.then(|| terminal_size().unwrap_or(WindowSize { rows: 24, cols: 80 })),
                 timeout_ms,
+                pids_max,
+                ..ExecRequest::default()
             };
-            let out = client.exec(req)?;
-            std::io::stdout().write_all(&out.stdout)?;
-            std::io::stderr().write_all(&out.stderr)?;
-            Ok(match out.report.termination {
-                Termination::Code(code) => code as u8,
-                Termination::Signal(sig) => 128u8.wrapping_add(sig as u8),
-            })
+            if detach {
+                println!("{}", client.spawn(req)?);
+                return Ok(0);
+            }
+            client.set_read_timeout(None)?;
+            let _raw = tty.then(RawMode::enable);
+            let mut running = client.start(req)?;
+            if interactive {
+                forward_stdin(running.input());
+            }
+            if tty {
+                forward_resizes(running.input());
+            }
+            loop {
+                match running.next_event()? {
+                    Event::Output(stream, data) => write_out(stream, &data),
+                    Event::Lost(_) => {}
+                    Event::Exited(report) => return Ok(exit_code(&report)),
+                }
+            }
+        }
+        Command::Ps { vm } => {
+            let list = AgentClient::connect(&vm, READ_TIMEOUT)?.processes()?;
+            println!(
+                "{:>7}  {:<10}  {:>9}  {:>9}  COMMAND",
+                "PID", "STATE", "BUFFERED", "LOST"
+            );
+            for p in list {
+                let state = match (p.exit, p.background) {
+                    (None, true) => "running".to_owned(),
+                    (None, false) => "running-fg".to_owned(),
+                    (Some(Termination::Code(c)), _) => format!("exit {c}"),
+                    (Some(Termination::Signal(s)), _) => format!("signal {s}"),
+                };
+                println!(
+                    "{:>7}  {:<10}  {:>9}  {:>9}  {}",
+                    p.pid,
+                    state,
+                    p.buffered,
+                    p.lost,
+                    p.argv.join(" ")
+                );
+            }
+            Ok(0)
+        }
+        Command::Attach { vm, pid } => {
+            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+            client.set_read_timeout(None)?;
+            let report = client.attach_streaming(pid, |event| match event {
+                Event::Output(stream, data) => write_out(*stream, data),
+                Event::Lost(bytes) => eprintln!("husk: {bytes} bytes of output were lost"),
+                Event::Exited(_) => {}
+            })?;
+            Ok(exit_code(&report))
+        }
+        Command::Wait { vm, pid } => {
+            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+            client.set_read_timeout(None)?;
+            Ok(exit_code(&client.wait(pid)?))
+        }
+        Command::Kill { vm, pid, signal } => {
+            AgentClient::connect(&vm, READ_TIMEOUT)?.signal(pid, signal)?;
+            Ok(0)
+        }
+        Command::Watch { vm, dir, recursive } => {
+            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+            client.set_read_timeout(None)?;
+            let mut watch = client.watch(&dir, recursive)?;
+            loop {
+                for e in watch.next_events()? {
+                    let slash = if e.is_dir { "/" } else { "" };
+                    println!("{:?} {}{slash}", e.kind, e.path);
+                }
+            }
         }
         Command::Cp { from, to } => match (guest_side(&from), guest_side(&to)) {
             (Some((vm, path)), None) => {
@@ -131,11 +398,18 @@ fn run(args: Args) -> Result<u8, ClientError> {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let args = Args::parse();
+    let exec = matches!(args.command, Command::Exec { .. });
+    match run(args) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("husk: {e}");
-            ExitCode::from(HUSK_FAILED)
+            ExitCode::from(match e.kind() {
+                Some(ErrorKind::NotFound) if exec => 127,
+                Some(ErrorKind::PermissionDenied) if exec => 126,
+                Some(ErrorKind::Timeout) => 124,
+                _ => HUSK_FAILED,
+            })
         }
     }
 }

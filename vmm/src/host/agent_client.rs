@@ -1,14 +1,19 @@
 //! A typed client of guest-init's agent, reached through the VMM's vsock
-//! Unix socket (`CONNECT <port>` protocol).
+//! Unix socket (`CONNECT <port>` protocol). One `AgentClient` is one
+//! connection; requests on it are made one at a time (open more
+//! connections for more at once), except that a running program's input
+//! can be fed from another thread through [`ProgramInput`].
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use husk_protocol::{
     read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
-    ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
+    FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
 };
 
 /// Errors talking to the agent.
@@ -21,32 +26,166 @@ pub enum ClientError {
     #[error("the agent refused the request ({kind:?}): {message}")]
     Agent { kind: ErrorKind, message: String },
     #[error("unexpected reply: {0:?}")]
-    Unexpected(Body),
+    Unexpected(Box<Body>),
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }
 
-/// What an `exec` produced.
+impl ClientError {
+    /// The agent's error kind, if the agent refused the request.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            ClientError::Agent { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+/// What a foreground `exec` produced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ExecOutput {
+    pub pid: i32,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    /// Output the guest dropped (only after a reattach, see `attach`).
+    pub lost: u64,
     pub report: ExitReport,
+}
+
+/// One step of a program's output stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Output(Stream, Vec<u8>),
+    /// This many bytes were dropped in the guest while nobody was attached.
+    Lost(u64),
+    Exited(ExitReport),
+}
+
+/// The sending half, shared with [`ProgramInput`] handles.
+#[derive(Debug)]
+struct Sender {
+    stream: Mutex<UnixStream>,
+    next_id: AtomicU64,
+}
+
+impl Sender {
+    fn send(&self, body: Body) -> Result<u64, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        self.send_as(id, body)?;
+        Ok(id)
+    }
+
+    fn send_as(&self, id: u64, body: Body) -> Result<(), ClientError> {
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        write_frame(&mut *stream, &Frame { id, body })?;
+        Ok(())
+    }
+}
+
+/// Feeds a running program's stdin (or terminal), from any thread. The
+/// agent answers these only when they fail; the failure then comes back
+/// through the stream of the program's `Running`.
+#[derive(Debug, Clone)]
+pub struct ProgramInput {
+    sender: Arc<Sender>,
+    pid: i32,
+}
+
+impl ProgramInput {
+    /// Sends input (in chunks of at most 64 KiB).
+    pub fn write(&self, data: &[u8]) -> Result<(), ClientError> {
+        for chunk in data.chunks(64 << 10) {
+            self.sender.send(Body::Stdin {
+                pid: self.pid,
+                data: chunk.to_vec(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Ends the input (EOF on a pipe; ^D on a terminal).
+    pub fn close(&self) -> Result<(), ClientError> {
+        self.sender.send(Body::StdinClose { pid: self.pid })?;
+        Ok(())
+    }
+
+    /// Resizes the program's terminal.
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<(), ClientError> {
+        self.sender.send(Body::Resize {
+            pid: self.pid,
+            rows,
+            cols,
+        })?;
+        Ok(())
+    }
+}
+
+/// A foreground program started by [`AgentClient::start`].
+#[derive(Debug)]
+pub struct Running<'a> {
+    client: &'a mut AgentClient,
+    id: u64,
+    pub pid: i32,
+}
+
+impl Running<'_> {
+    /// A handle for the program's input.
+    pub fn input(&self) -> ProgramInput {
+        ProgramInput {
+            sender: self.client.sender.clone(),
+            pid: self.pid,
+        }
+    }
+
+    /// The next output chunk, or how the program ended. A timeout comes
+    /// back as `ClientError::Agent { kind: Timeout, .. }`.
+    pub fn next_event(&mut self) -> Result<Event, ClientError> {
+        self.client.event(self.id)
+    }
+}
+
+/// A directory watch started by [`AgentClient::watch`].
+#[derive(Debug)]
+pub struct Watch<'a> {
+    client: &'a mut AgentClient,
+    id: u64,
+}
+
+impl Watch<'_> {
+    /// The next batch of changes (waits for one).
+    pub fn next_events(&mut self) -> Result<Vec<FsEvent>, ClientError> {
+        match self.client.reply(self.id)? {
+            Body::FsEvents(events) => Ok(events),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Ends the watch; changes reported meanwhile are returned.
+    pub fn cancel(self) -> Result<Vec<FsEvent>, ClientError> {
+        self.client.sender.send_as(self.id, Body::Cancel)?;
+        let mut rest = Vec::new();
+        loop {
+            match self.client.reply(self.id)? {
+                Body::FsEvents(events) => rest.extend(events),
+                Body::Done => return Ok(rest),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
+            }
+        }
+    }
 }
 
 /// A connection to the agent of one VM.
 #[derive(Debug)]
 pub struct AgentClient {
     reader: BufReader<UnixStream>,
-    writer: UnixStream,
-    next_id: u64,
+    sender: Arc<Sender>,
 }
 
 impl AgentClient {
     /// Connects through the VMM's vsock socket `uds` and shakes hands.
-    /// `timeout` bounds each read.
+    /// `timeout` bounds each read (see `set_read_timeout`).
     pub fn connect(uds: &Path, timeout: Duration) -> Result<Self, ClientError> {
         let mut stream = UnixStream::connect(uds)
             .map_err(|e| ClientError::Connect(uds.display().to_string(), e))?;
@@ -60,21 +199,26 @@ impl AgentClient {
         }
         let mut client = AgentClient {
             reader,
-            writer: stream,
-            next_id: 1,
+            sender: Arc::new(Sender {
+                stream: Mutex::new(stream),
+                next_id: AtomicU64::new(1),
+            }),
         };
         match client.call(Body::Hello { version: VERSION })? {
             Body::Hello { version: VERSION } => Ok(client),
-            other => Err(ClientError::Unexpected(other)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }
 
-    /// Sends a request under a fresh id; returns the id.
+    /// Bounds each read from the agent (`None`: wait for ever, e.g. for a
+    /// silent program that has its own timeout).
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.reader.get_ref().set_read_timeout(timeout)?;
+        Ok(())
+    }
+
     fn send(&mut self, body: Body) -> Result<u64, ClientError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        write_frame(&mut self.writer, &Frame { id, body })?;
-        Ok(id)
+        self.sender.send(body)
     }
 
     /// Reads the next frame of request `id`; an agent error ends the request.
@@ -83,7 +227,7 @@ impl AgentClient {
         match frame.body {
             Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
             body if frame.id == id => Ok(body),
-            body => Err(ClientError::Unexpected(body)),
+            body => Err(ClientError::Unexpected(Box::new(body))),
         }
     }
 
@@ -93,39 +237,190 @@ impl AgentClient {
         self.reply(id)
     }
 
+    fn expect_done(&mut self, body: Body) -> Result<(), ClientError> {
+        match self.call(body)? {
+            Body::Done => Ok(()),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    fn event(&mut self, id: u64) -> Result<Event, ClientError> {
+        match self.reply(id)? {
+            Body::Output { stream, data } => Ok(Event::Output(stream, data)),
+            Body::Lost { bytes } => Ok(Event::Lost(bytes)),
+            Body::Exited(report) => Ok(Event::Exited(report)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Checks the agent is alive; returns the guest's uptime in ms.
     pub fn ping(&mut self) -> Result<u64, ClientError> {
         match self.call(Body::Ping)? {
             Body::Pong { uptime_ms } => Ok(uptime_ms),
-            other => Err(ClientError::Unexpected(other)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }
 
-    /// Runs a program in the guest and collects its output. Output chunks
-    /// arrive while it runs; they are kept in memory here, so callers that
-    /// expect a lot of output should bound it with `timeout_ms` or a wrapper.
-    pub fn exec(&mut self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
+    /// The guest's clocks, memory, load and process count.
+    pub fn health(&mut self) -> Result<Health, ClientError> {
+        match self.call(Body::Health)? {
+            Body::HealthInfo(health) => Ok(health),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Sets the guest's wall clock.
+    pub fn set_clock(&mut self, time: SystemTime) -> Result<(), ClientError> {
+        let since = time
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let unix_ns = i64::try_from(since.as_nanos())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        self.expect_done(Body::SetClock { unix_ns })
+    }
+
+    /// Starts a foreground program; read its output with `next_event`.
+    /// The program is killed if this connection closes before it ends.
+    pub fn start(&mut self, req: ExecRequest) -> Result<Running<'_>, ClientError> {
+        let req = ExecRequest {
+            background: false,
+            ..req
+        };
         let id = self.send(Body::Exec(req))?;
-        let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+        match self.reply(id)? {
+            Body::Started { pid } => Ok(Running {
+                client: self,
+                id,
+                pid,
+            }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Runs a program, calling `on_output` for each chunk as it comes.
+    pub fn exec_streaming(
+        &mut self,
+        req: ExecRequest,
+        mut on_output: impl FnMut(Stream, &[u8]),
+    ) -> Result<ExitReport, ClientError> {
+        let mut running = self.start(req)?;
         loop {
-            match self.reply(id)? {
-                Body::Output {
-                    stream: Stream::Stdout,
-                    data,
-                } => stdout.extend(data),
-                Body::Output {
-                    stream: Stream::Stderr,
-                    data,
-                } => stderr.extend(data),
-                Body::Exited(report) => {
+            match running.next_event()? {
+                Event::Output(stream, data) => on_output(stream, &data),
+                Event::Lost(_) => {}
+                Event::Exited(report) => return Ok(report),
+            }
+        }
+    }
+
+    /// Runs a program in the guest and collects its output. Output is kept
+    /// in memory here: bound it with `timeout_ms`, or use `exec_streaming`.
+    pub fn exec(&mut self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
+        let mut running = self.start(req)?;
+        let pid = running.pid;
+        Self::collect(pid, || running.next_event())
+    }
+
+    fn collect(
+        pid: i32,
+        mut next: impl FnMut() -> Result<Event, ClientError>,
+    ) -> Result<ExecOutput, ClientError> {
+        let (mut stdout, mut stderr, mut lost) = (Vec::new(), Vec::new(), 0);
+        loop {
+            match next()? {
+                Event::Output(Stream::Stdout, data) => stdout.extend(data),
+                Event::Output(Stream::Stderr, data) => stderr.extend(data),
+                Event::Lost(bytes) => lost += bytes,
+                Event::Exited(report) => {
                     return Ok(ExecOutput {
+                        pid,
                         stdout,
                         stderr,
+                        lost,
                         report,
                     })
                 }
-                other => return Err(ClientError::Unexpected(other)),
             }
+        }
+    }
+
+    /// Starts a background program; returns its pid. It keeps running when
+    /// this connection closes; its output waits in the guest for `attach`.
+    pub fn spawn(&mut self, req: ExecRequest) -> Result<i32, ClientError> {
+        let req = ExecRequest {
+            background: true,
+            ..req
+        };
+        match self.call(Body::Exec(req))? {
+            Body::Started { pid } => Ok(pid),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Attaches to a background program: its buffered output, then live
+    /// output until it ends (the program is then collected).
+    pub fn attach(&mut self, pid: i32) -> Result<ExecOutput, ClientError> {
+        let id = self.send(Body::Attach { pid })?;
+        Self::collect(pid, || self.event(id))
+    }
+
+    /// Like `attach`, calling `on_event` for each chunk as it comes.
+    pub fn attach_streaming(
+        &mut self,
+        pid: i32,
+        mut on_event: impl FnMut(&Event),
+    ) -> Result<ExitReport, ClientError> {
+        let id = self.send(Body::Attach { pid })?;
+        loop {
+            let event = self.event(id)?;
+            on_event(&event);
+            if let Event::Exited(report) = event {
+                return Ok(report);
+            }
+        }
+    }
+
+    /// Waits for a background program to end and collects it (its
+    /// remaining output is discarded).
+    pub fn wait(&mut self, pid: i32) -> Result<ExitReport, ClientError> {
+        match self.call(Body::Wait { pid })? {
+            Body::Exited(report) => Ok(report),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Sends `signal` to a program's process group (SIGKILL: to everything
+    /// it started).
+    pub fn signal(&mut self, pid: i32, signal: i32) -> Result<(), ClientError> {
+        self.expect_done(Body::Signal { pid, signal })
+    }
+
+    /// Programs the agent started that were not collected yet.
+    pub fn processes(&mut self) -> Result<Vec<ProcessInfo>, ClientError> {
+        match self.call(Body::Processes)? {
+            Body::ProcessList(list) => Ok(list),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Input for any program started with `stdin_open` (or a PTY), by pid.
+    pub fn input(&self, pid: i32) -> ProgramInput {
+        ProgramInput {
+            sender: self.sender.clone(),
+            pid,
+        }
+    }
+
+    /// Watches a guest directory (and, if `recursive`, all below it).
+    /// Changes made after this returns are reported.
+    pub fn watch(&mut self, path: &str, recursive: bool) -> Result<Watch<'_>, ClientError> {
+        let id = self.send(Body::Watch {
+            path: path.to_owned(),
+            recursive,
+        })?;
+        match self.reply(id)? {
+            Body::Watching => Ok(Watch { client: self, id }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }
 
@@ -147,21 +442,13 @@ impl AgentClient {
             if n == 0 {
                 break;
             }
-            let body = Body::FileChunk {
-                data: buf[..n].to_vec(),
-            };
-            write_frame(&mut self.writer, &Frame { id, body })?;
+            let data = buf[..n].to_vec();
+            self.sender.send_as(id, Body::FileChunk { data })?;
         }
-        write_frame(
-            &mut self.writer,
-            &Frame {
-                id,
-                body: Body::FileCommit,
-            },
-        )?;
+        self.sender.send_as(id, Body::FileCommit)?;
         match self.reply(id)? {
             Body::Written { size } => Ok(size),
-            other => Err(ClientError::Unexpected(other)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }
 
@@ -174,7 +461,7 @@ impl AgentClient {
             match self.reply(id)? {
                 Body::FileChunk { data } => sink.write_all(&data)?,
                 Body::FileEnd { size } => return Ok(size),
-                other => return Err(ClientError::Unexpected(other)),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
             }
         }
     }
@@ -185,7 +472,7 @@ impl AgentClient {
             path: path.to_owned(),
         })? {
             Body::StatInfo(stat) => Ok(stat),
-            other => Err(ClientError::Unexpected(other)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }
 
@@ -203,7 +490,7 @@ impl AgentClient {
                         return Ok(all);
                     }
                 }
-                other => return Err(ClientError::Unexpected(other)),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
             }
         }
     }
@@ -231,15 +518,15 @@ impl AgentClient {
         })
     }
 
-    fn expect_done(&mut self, body: Body) -> Result<(), ClientError> {
-        match self.call(body)? {
-            Body::Done => Ok(()),
-            other => Err(ClientError::Unexpected(other)),
-        }
+    /// Sends raw bytes, for tests that must misbehave on purpose.
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        let mut stream = self.sender.stream.lock().unwrap_or_else(|e| e.into_inner());
+        stream.write_all(bytes)?;
+        Ok(())
     }
 
-    /// The raw stream, for tests that must misbehave on purpose.
-    pub fn stream(&mut self) -> (&mut BufReader<UnixStream>, &mut UnixStream) {
-        (&mut self.reader, &mut self.writer)
+    /// Reads the next frame whatever it is, for tests.
+    pub fn read_raw(&mut self) -> Result<Frame, ClientError> {
+        Ok(read_frame(&mut self.reader)?)
     }
 }

@@ -1,0 +1,102 @@
+//! cgroup v2 for the programs the agent starts. Each program gets its own
+//! cgroup under `sandbox/`, whose `pids.max` bounds everything started in
+//! the sandbox: a fork bomb hits that limit while PID 1 and the agent, in
+//! the root cgroup, keep their threads and can still fork. Killing a
+//! program kills its cgroup (`cgroup.kill`), which also reaches processes
+//! that left its process group or session.
+
+use std::ffi::CString;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+const ROOT: &str = "/sys/fs/cgroup";
+const SANDBOX: &str = "/sys/fs/cgroup/sandbox";
+const PIDS_PARAM: &str = "husk.pids_max=";
+
+static READY: AtomicBool = AtomicBool::new(false);
+static NEXT: AtomicU64 = AtomicU64::new(1);
+/// Cgroups that still had processes when their program was collected;
+/// removal is retried when the next one is created.
+static STALE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Mounts cgroup2 and creates the sandbox cgroup; returns its pids limit.
+/// The limit is `husk.pids_max=` from the kernel command line, or three
+/// quarters of the kernel's thread limit, so the agent always has room.
+pub fn setup(cmdline: &str) -> io::Result<u64> {
+    crate::sys::mount(
+        "cgroup2",
+        ROOT,
+        "cgroup2",
+        crate::sys::NOSUID_NODEV_NOEXEC,
+        "",
+    )?;
+    std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+pids")?;
+    match std::fs::create_dir(SANDBOX) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    let threads_max: u64 = std::fs::read_to_string("/proc/sys/kernel/threads-max")?
+        .trim()
+        .parse()
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
+    let limit = cmdline
+        .split_whitespace()
+        .find_map(|p| p.strip_prefix(PIDS_PARAM))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(threads_max * 3 / 4)
+        .max(1);
+    std::fs::write(format!("{SANDBOX}/pids.max"), limit.to_string())?;
+    std::fs::write(format!("{SANDBOX}/cgroup.subtree_control"), "+pids")?;
+    READY.store(true, Ordering::SeqCst);
+    Ok(limit)
+}
+
+/// The cgroup of one program.
+#[derive(Debug)]
+pub struct Cgroup {
+    path: String,
+    /// `cgroup.procs`, for the child to move itself into before exec.
+    pub procs: CString,
+}
+
+impl Cgroup {
+    /// Creates a fresh cgroup, with its own pids limit if asked. `None` when
+    /// the guest has no cgroup support (then only process groups are used).
+    pub fn create(pids_max: Option<u32>) -> io::Result<Option<Cgroup>> {
+        if !READY.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        STALE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p| std::fs::remove_dir(p).is_err());
+        let path = format!("{SANDBOX}/p{}", NEXT.fetch_add(1, Ordering::SeqCst));
+        std::fs::create_dir(&path)?;
+        let cgroup = Cgroup {
+            procs: crate::cstring(&format!("{path}/cgroup.procs"))?,
+            path,
+        };
+        if let Some(max) = pids_max {
+            std::fs::write(format!("{}/pids.max", cgroup.path), max.max(1).to_string())?;
+        }
+        Ok(Some(cgroup))
+    }
+
+    /// SIGKILLs every process in the cgroup.
+    pub fn kill(&self) -> io::Result<()> {
+        std::fs::write(format!("{}/cgroup.kill", self.path), "1")
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        if std::fs::remove_dir(&self.path).is_err() {
+            // Still populated (a daemon the program left behind) or dying.
+            STALE
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(std::mem::take(&mut self.path));
+        }
+    }
+}

@@ -1,0 +1,640 @@
+//! Programs the agent starts: how they are forked, where their output is
+//! kept, and the table of those not yet collected.
+//!
+//! Every program has a waiter thread (its exit, its timeout) and one pump
+//! thread per output pipe (or one for its PTY). Pumps put output into the
+//! program's buffer. While a client is attached, a full buffer makes the
+//! pump wait, so the program waits for the client; with nobody attached
+//! the oldest output is dropped and counted instead, so a background
+//! program can never fill the guest's memory.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{ErrorKind as IoErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use husk_protocol::{
+    ExecRequest, ExitReport, ProcessInfo, Stream, Termination, WindowSize, OUTPUT_BUFFER,
+};
+
+use crate::cgroup::Cgroup;
+use crate::reaper;
+
+const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
+/// After the program exits, how long its output may stay open (a child it
+/// left behind holding the pipe) before the output is declared finished.
+const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+const CHUNK: usize = 32 << 10;
+/// Programs kept at once, running or ended but not collected.
+pub const MAX_PROCESSES: usize = 64;
+/// Stdin chunks queued for a program that is slow to read them.
+const STDIN_QUEUE: usize = 16;
+
+/// How a program ended, once it has.
+#[derive(Debug, Clone, Copy)]
+pub struct Ended {
+    pub report: ExitReport,
+    pub timed_out: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct Output {
+    pub chunks: VecDeque<(Stream, Vec<u8>)>,
+    pub buffered: usize,
+    pub lost: u64,
+    /// Lost bytes not yet reported to an attached client.
+    pub unreported_lost: u64,
+    /// Generation of the attached client; 0 when nobody is attached.
+    pub attached: u64,
+    next_attach: u64,
+    pumps_open: usize,
+    pub ended: Option<Ended>,
+    /// Set once the program has ended and its output is complete.
+    pub finished: bool,
+}
+
+#[derive(Debug)]
+pub struct Process {
+    pub pid: libc::pid_t,
+    pub argv: Vec<String>,
+    pub background: bool,
+    pub timeout_ms: Option<u64>,
+    cgroup: Option<Cgroup>,
+    stdin: Mutex<Option<mpsc::SyncSender<Vec<u8>>>>,
+    /// The PTY master, for resizes and for ^D as the end of input.
+    pty: Option<File>,
+    output: Mutex<Output>,
+    pub changed: Condvar,
+}
+
+impl Process {
+    pub fn output(&self) -> MutexGuard<'_, Output> {
+        self.output.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for a change (new output, exit, detach) or `limit`.
+    pub fn wait_change<'a>(
+        &self,
+        guard: MutexGuard<'a, Output>,
+        limit: Duration,
+    ) -> MutexGuard<'a, Output> {
+        self.changed
+            .wait_timeout(guard, limit)
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+    }
+
+    /// Takes over the output: any earlier client is detached.
+    pub fn attach(&self) -> u64 {
+        let mut out = self.output();
+        out.next_attach += 1;
+        out.attached = out.next_attach;
+        self.changed.notify_all();
+        out.attached
+    }
+
+    pub fn detach(&self, generation: u64) {
+        let mut out = self.output();
+        if out.attached == generation {
+            out.attached = 0;
+            // The pump may be waiting for room that nobody will make now.
+            self.changed.notify_all();
+        }
+    }
+
+    /// Sends `signal` to the program's process group; SIGKILL also empties
+    /// its cgroup, reaching processes that left the group.
+    pub fn signal(&self, signal: libc::c_int) -> std::io::Result<()> {
+        if signal == libc::SIGKILL {
+            if let Some(cgroup) = &self.cgroup {
+                if cgroup.kill().is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        // SAFETY: signalling the process group the program leads.
+        if unsafe { libc::kill(-self.pid, signal) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Queues more input; fails when stdin was not kept open or is closed.
+    pub fn write_stdin(&self, data: Vec<u8>) -> Result<(), &'static str> {
+        let sender = self.stdin.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match sender {
+            Some(tx) => tx.send(data).map_err(|_| "the program's stdin is closed"),
+            None => Err("the program's stdin is not open (start it with stdin_open)"),
+        }
+    }
+
+    /// Ends the input: closes the pipe, or sends ^D on a PTY.
+    pub fn close_stdin(&self) -> Result<(), &'static str> {
+        let sender = self.stdin.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match (sender, &self.pty) {
+            (Some(tx), Some(_)) => tx
+                .send(vec![4])
+                .map_err(|_| "the program's stdin is closed"),
+            (Some(_), None) => Ok(()), // dropping the sender closes the pipe
+            (None, _) => Err("the program's stdin is not open"),
+        }
+    }
+
+    pub fn resize(&self, size: WindowSize) -> Result<(), String> {
+        let Some(master) = &self.pty else {
+            return Err("the program has no terminal".into());
+        };
+        let ws = libc::winsize {
+            ws_row: size.rows,
+            ws_col: size.cols,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ reads a winsize from a valid pointer.
+        if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } != 0 {
+            return Err(std::io::Error::last_os_error().to_string());
+        }
+        Ok(())
+    }
+
+    pub fn info(&self) -> ProcessInfo {
+        let out = self.output();
+        ProcessInfo {
+            pid: self.pid,
+            argv: self.argv.clone(),
+            background: self.background,
+            exit: out.ended.map(|e| e.report.termination),
+            buffered: out.buffered as u64,
+            lost: out.lost,
+        }
+    }
+
+    /// Puts a chunk of output in the buffer (see the module docs).
+    fn push(&self, stream: Stream, data: Vec<u8>) {
+        let mut out = self.output();
+        while out.attached != 0 && out.buffered > 0 && out.buffered + data.len() > OUTPUT_BUFFER {
+            out = self.wait_change(out, Duration::from_secs(1));
+        }
+        while out.buffered > 0 && out.buffered + data.len() > OUTPUT_BUFFER {
+            if let Some((_, old)) = out.chunks.pop_front() {
+                out.buffered -= old.len();
+                out.lost += old.len() as u64;
+                out.unreported_lost += old.len() as u64;
+            }
+        }
+        out.buffered += data.len();
+        out.chunks.push_back((stream, data));
+        self.changed.notify_all();
+    }
+}
+
+/// Programs started and not yet collected, by pid.
+static TABLE: Mutex<Option<HashMap<libc::pid_t, Arc<Process>>>> = Mutex::new(None);
+
+fn table() -> MutexGuard<'static, Option<HashMap<libc::pid_t, Arc<Process>>>> {
+    TABLE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn find(pid: libc::pid_t) -> Option<Arc<Process>> {
+    table().as_ref().and_then(|t| t.get(&pid).cloned())
+}
+
+/// Forgets a program (collected, or its foreground client left).
+pub fn remove(pid: libc::pid_t) {
+    if let Some(t) = table().as_mut() {
+        t.remove(&pid);
+    }
+}
+
+pub fn list() -> Vec<ProcessInfo> {
+    let all: Vec<Arc<Process>> = table()
+        .as_ref()
+        .map(|t| t.values().cloned().collect())
+        .unwrap_or_default();
+    let mut infos: Vec<ProcessInfo> = all.iter().map(|p| p.info()).collect();
+    infos.sort_by_key(|i| i.pid);
+    infos
+}
+
+/// Makes room for one more program: evicts the ended background program
+/// with the lowest pid if the table is full. False if all are running.
+fn make_room() -> bool {
+    let mut guard = table();
+    let t = guard.get_or_insert_with(HashMap::new);
+    if t.len() < MAX_PROCESSES {
+        return true;
+    }
+    let oldest = t
+        .values()
+        .filter(|p| p.background && p.output().ended.is_some())
+        .map(|p| p.pid)
+        .min();
+    match oldest {
+        Some(pid) => {
+            t.remove(&pid);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Why a program could not be started.
+#[derive(Debug)]
+pub enum StartError {
+    /// The table is full of running programs.
+    Full,
+    Io(std::io::Error),
+}
+
+/// Starts `req` and registers it; its threads are running when this
+/// returns.
+pub fn start(req: &ExecRequest) -> Result<Arc<Process>, StartError> {
+    if !make_room() {
+        return Err(StartError::Full);
+    }
+    let cgroup = Cgroup::create(req.pids_max).map_err(StartError::Io)?;
+    let spawned = spawn(req, cgroup.as_ref()).map_err(StartError::Io)?;
+    let (stdin_tx, stdin_rx) = mpsc::sync_channel::<Vec<u8>>(STDIN_QUEUE);
+    let process = Arc::new(Process {
+        pid: spawned.pid,
+        argv: req.argv.clone(),
+        background: req.background,
+        timeout_ms: req.timeout_ms,
+        cgroup,
+        stdin: Mutex::new(req.stdin_open.then(|| stdin_tx.clone())),
+        pty: spawned.pty,
+        output: Mutex::new(Output {
+            pumps_open: spawned.outputs.len(),
+            ..Output::default()
+        }),
+        changed: Condvar::new(),
+    });
+    drop(stdin_tx); // without stdin_open, the writer ends after `req.stdin`
+    table()
+        .get_or_insert_with(HashMap::new)
+        .insert(process.pid, process.clone());
+
+    let initial = req.stdin.clone();
+    let mut input = spawned.input;
+    std::thread::spawn(move || {
+        // A program that does not read its input is not an error.
+        if input.write_all(&initial).is_ok() {
+            while let Ok(data) = stdin_rx.recv() {
+                if input.write_all(&data).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    for (stream, mut pipe) in spawned.outputs {
+        let p = process.clone();
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; CHUNK];
+            // A PTY master reads EIO once the terminal's last user is gone.
+            while let Ok(n @ 1..) = pipe.read(&mut buf) {
+                p.push(stream, buf[..n].to_vec());
+            }
+            p.output().pumps_open -= 1;
+            p.changed.notify_all();
+        });
+    }
+    let p = process.clone();
+    let deadline = req
+        .timeout_ms
+        .map(|ms| Instant::now() + Duration::from_millis(ms));
+    std::thread::spawn(move || wait_for_exit(&p, deadline));
+    Ok(process)
+}
+
+/// The waiter thread: the exit (or the timeout and kill), then the end of
+/// the output.
+fn wait_for_exit(p: &Process, deadline: Option<Instant>) {
+    let (exit, timed_out) = match reaper::wait(p.pid, deadline) {
+        Some(exit) => (exit, false),
+        None => {
+            let _ = p.signal(libc::SIGKILL);
+            match reaper::wait(p.pid, None) {
+                Some(exit) => (exit, true),
+                None => return,
+            }
+        }
+    };
+    let grace = Instant::now() + OUTPUT_GRACE;
+    let mut out = p.output();
+    out.ended = Some(Ended {
+        report: report(&exit),
+        timed_out,
+    });
+    p.changed.notify_all();
+    while out.pumps_open > 0 {
+        let left = grace.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        out = p.wait_change(out, left);
+    }
+    out.finished = true;
+    p.changed.notify_all();
+}
+
+fn report(exit: &reaper::Exit) -> ExitReport {
+    let micros = |t: libc::timeval| t.tv_sec as u64 * 1_000_000 + t.tv_usec as u64;
+    let termination = if libc::WIFSIGNALED(exit.status) {
+        Termination::Signal(libc::WTERMSIG(exit.status))
+    } else {
+        Termination::Code(libc::WEXITSTATUS(exit.status))
+    };
+    ExitReport {
+        termination,
+        user_us: micros(exit.rusage.ru_utime),
+        system_us: micros(exit.rusage.ru_stime),
+        max_rss_kib: exit.rusage.ru_maxrss as u64,
+    }
+}
+
+/// A running program's descriptors.
+struct Spawned {
+    pid: libc::pid_t,
+    input: File,
+    outputs: Vec<(Stream, File)>,
+    pty: Option<File>,
+}
+
+fn owned(fd: libc::c_int) -> std::io::Result<File> {
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    Ok(File::from(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+fn pipe() -> std::io::Result<(File, File)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills two descriptors.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((owned(fds[0])?, owned(fds[1])?))
+}
+
+/// A new PTY of `size`: (master, slave).
+fn openpty(size: WindowSize) -> std::io::Result<(File, File)> {
+    // SAFETY: posix_openpt returns a new descriptor or -1.
+    let master =
+        owned(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
+    let fd = master.as_raw_fd();
+    let mut name = [0 as libc::c_char; 64];
+    // SAFETY: `fd` is a PTY master; ptsname_r writes at most `name.len()` bytes.
+    let rc = unsafe {
+        if libc::grantpt(fd) != 0 || libc::unlockpt(fd) != 0 {
+            -1
+        } else {
+            libc::ptsname_r(fd, name.as_mut_ptr(), name.len())
+        }
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: ptsname_r NUL-terminated `name`.
+    let slave = owned(unsafe {
+        libc::open(
+            name.as_ptr(),
+            libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+        )
+    })?;
+    let ws = libc::winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize from a valid pointer.
+    unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) };
+    Ok((master, slave))
+}
+
+fn cstring(s: &str) -> std::io::Result<CString> {
+    CString::new(s).map_err(|_| std::io::Error::from(IoErrorKind::InvalidInput))
+}
+
+/// Forks and execs `req` in a new process group (a new session on a PTY),
+/// in `cgroup`, with pipes or a PTY for its stdio. Written out instead of
+/// std's Command because Command reaps a child whose exec failed with
+/// waitpid, which races PID 1's reap-everything loop (std then panics).
+/// Here the exec error comes back through a close-on-exec pipe and the
+/// reaper owns every exit.
+fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned> {
+    let Some(program) = req.argv.first() else {
+        return Err(IoErrorKind::InvalidInput.into());
+    };
+    let argv: Vec<CString> = req
+        .argv
+        .iter()
+        .map(|a| cstring(a))
+        .collect::<Result<_, _>>()?;
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("HOME".into(), "/root".into()),
+    ];
+    if req.pty.is_some() {
+        env.push(("TERM".into(), "xterm".into()));
+    }
+    for (k, v) in &req.env {
+        env.retain(|(key, _)| key != k);
+        env.push((k.clone(), v.clone()));
+    }
+    let envp: Vec<CString> = env
+        .iter()
+        .map(|(k, v)| cstring(&format!("{k}={v}")))
+        .collect::<Result<_, _>>()?;
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map_or(DEFAULT_PATH, |(_, v)| v.as_str());
+    let candidates: Vec<CString> = if program.contains('/') {
+        vec![cstring(program)?]
+    } else {
+        path.split(':')
+            .filter(|d| !d.is_empty())
+            .map(|d| cstring(&format!("{d}/{program}")))
+            .collect::<Result<_, _>>()?
+    };
+    let cwd = cstring(req.cwd.as_deref().unwrap_or("/"))?;
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
+    envp_ptrs.push(std::ptr::null());
+
+    // The child's stdio, and the parent's ends of it.
+    let (child_io, input, outputs, pty) = match req.pty {
+        Some(size) => {
+            let (master, slave) = openpty(size)?;
+            let reader = master.try_clone()?;
+            let writer = master.try_clone()?;
+            (
+                vec![slave],
+                writer,
+                vec![(Stream::Stdout, reader)],
+                Some(master),
+            )
+        }
+        None => {
+            let (in_r, in_w) = pipe()?;
+            let (out_r, out_w) = pipe()?;
+            let (err_r, err_w) = pipe()?;
+            let outputs = vec![(Stream::Stdout, out_r), (Stream::Stderr, err_r)];
+            (vec![in_r, out_w, err_w], in_w, outputs, None)
+        }
+    };
+    finish_spawn(
+        &child_io,
+        input,
+        outputs,
+        pty,
+        (&candidates, &argv_ptrs, &envp_ptrs, &cwd),
+        req,
+        cgroup,
+    )
+}
+
+type ExecArgs<'a> = (
+    &'a [CString],
+    &'a [*const libc::c_char],
+    &'a [*const libc::c_char],
+    &'a CString,
+);
+
+/// The fork itself. `child_io` is [stdin, stdout, stderr] for pipes, or
+/// [terminal] for a PTY.
+fn finish_spawn(
+    child_io: &[File],
+    input: File,
+    outputs: Vec<(Stream, File)>,
+    pty: Option<File>,
+    (candidates, argv_ptrs, envp_ptrs, cwd): ExecArgs<'_>,
+    req: &ExecRequest,
+    cgroup: Option<&Cgroup>,
+) -> std::io::Result<Spawned> {
+    let (exec_r, exec_w) = pipe()?;
+    let fds: [libc::c_int; 3] = match child_io {
+        [tty] => [tty.as_raw_fd(); 3],
+        [i, o, e] => [i.as_raw_fd(), o.as_raw_fd(), e.as_raw_fd()],
+        _ => return Err(IoErrorKind::InvalidInput.into()),
+    };
+    let on_pty = pty.is_some();
+    let report = exec_w.as_raw_fd();
+    let user = req.user;
+    let procs = cgroup.map(|c| c.procs.as_ptr());
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `empty` is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut empty) };
+    let (pid, ()) = reaper::spawn_watched(|| {
+        // SAFETY: after fork the child only makes async-signal-safe calls on
+        // memory prepared before the fork, then execs or _exits.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if pid == 0 {
+            // SAFETY: see above.
+            unsafe {
+                child(
+                    fds, on_pty, procs, user, cwd, candidates, argv_ptrs, envp_ptrs, report, &empty,
+                )
+            }
+        }
+        Ok((pid, ()))
+    })?;
+    drop(exec_w);
+    let mut exec_r = exec_r;
+    let mut errno = [0u8; 4];
+    match exec_r.read(&mut errno) {
+        // The pipe closed on exec: the program is running.
+        Ok(0) => Ok(Spawned {
+            pid,
+            input,
+            outputs,
+            pty,
+        }),
+        _ => {
+            // The child exits with 127; take its exit so nothing waits for it.
+            let _ = reaper::wait(pid, None);
+            Err(std::io::Error::from_raw_os_error(i32::from_ne_bytes(errno)))
+        }
+    }
+}
+
+/// The child between fork and exec. Reports the errno of the first step
+/// that failed through `report`, then exits.
+///
+/// # Safety
+/// Must only be called in a freshly forked child; every pointer must stay
+/// valid (they point into the parent's memory, copied by fork).
+#[allow(clippy::too_many_arguments)]
+unsafe fn child(
+    [stdin, stdout, stderr]: [libc::c_int; 3],
+    on_pty: bool,
+    procs: Option<*const libc::c_char>,
+    user: Option<husk_protocol::User>,
+    cwd: &CString,
+    candidates: &[CString],
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+    report: libc::c_int,
+    empty: &libc::sigset_t,
+) -> ! {
+    // SAFETY: async-signal-safe calls on valid arguments (caller's contract).
+    unsafe {
+        let fail = |errno: libc::c_int| -> ! {
+            libc::write(report, (&errno as *const i32).cast(), 4);
+            libc::_exit(127)
+        };
+        let errno = || *libc::__errno_location();
+        libc::sigprocmask(libc::SIG_SETMASK, empty, std::ptr::null_mut());
+        // Rust ignores SIGPIPE; programs expect the default.
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        if let Some(procs) = procs {
+            let fd = libc::open(procs, libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                fail(errno());
+            }
+            libc::close(fd);
+        }
+        if on_pty {
+            libc::setsid();
+            if libc::ioctl(stdin, libc::TIOCSCTTY, 0) != 0 {
+                fail(errno());
+            }
+        } else {
+            libc::setpgid(0, 0);
+        }
+        libc::dup2(stdin, 0);
+        libc::dup2(stdout, 1);
+        libc::dup2(stderr, 2);
+        if let Some(u) = user {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(u.gid) != 0
+                || libc::setuid(u.uid) != 0
+            {
+                fail(errno());
+            }
+        }
+        if libc::chdir(cwd.as_ptr()) != 0 {
+            fail(errno());
+        }
+        let mut first = 0;
+        for candidate in candidates {
+            libc::execve(candidate.as_ptr(), argv.as_ptr(), envp.as_ptr());
+            let e = errno();
+            // Like execvp: a permission problem beats "not found".
+            if first == 0 || e != libc::ENOENT {
+                first = e;
+            }
+        }
+        fail(first)
+    }
+}
