@@ -21,10 +21,12 @@ use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
 use crate::devices::virtio::net::{NetDevice, Tap, TapError};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::VsockDevice;
+use crate::persist::{self, PersistError, SavedDevice};
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
 use crate::vstate::vcpu::{Vcpu, VcpuError};
+use crate::vstate::vcpu_state::msrs_to_save;
 use crate::vstate::vm::{Vm, VmError};
 use crate::Vmm;
 
@@ -63,6 +65,12 @@ pub enum BuildError {
     Tap(#[from] TapError),
     #[error("cannot create the event loop: {0}")]
     EventLoop(String),
+    #[error("cannot list the MSRs to snapshot: {0}")]
+    VcpuState(crate::vstate::vcpu_state::StateError),
+    #[error(transparent)]
+    Persist(#[from] PersistError),
+    #[error("cannot restore the snapshot: {0}")]
+    Restore(String),
 }
 
 /// Builds a VM ready to boot `config.kernel`, marking host phases on `timeline`.
@@ -97,26 +105,33 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
     let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
-    let pio = legacy_devices(&vm, console, &reset_evt)?;
+    let serial_irq = serial_irq(&vm)?;
+    let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, console)));
+    let pio = legacy_devices(serial.clone(), &reset_evt)?;
     let mut mmio = MmioDeviceManager::new();
     for drive in &config.drives {
         let disk = Disk::open(&drive.path, &drive.mode)?;
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
         let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
-        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, block)?;
+        let parts = (vm.fd(), &mem, &mut events);
+        mmio.attach_virtio(parts, Some(&mut cmdline), block, None)?;
     }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
         let device = Arc::new(Mutex::new(device));
-        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, device)?;
+        let saved = SavedDevice::Vsock { cid: vsock.cid };
+        let parts = (vm.fd(), &mem, &mut events);
+        mmio.attach_virtio(parts, Some(&mut cmdline), device, Some(saved))?;
     }
     if let Some(net) = &config.net {
         let tap = Tap::open(&net.tap)?;
         let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
         let device = Arc::new(Mutex::new(device));
-        mmio.attach_virtio(vm.fd(), &mem, &mut events, &mut cmdline, device)?;
+        let parts = (vm.fd(), &mem, &mut events);
+        mmio.attach_virtio(parts, Some(&mut cmdline), device, None)?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
+    let devices = std::mem::take(&mut mmio.devices);
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
 
     let supported = Vcpu::supported_cpuid(&kvm)?;
@@ -127,33 +142,172 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         vcpus.push(vcpu);
     }
     timeline.mark(Phase::VcpusReady);
+    let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
 
     Ok(Vmm {
         id: config.id.clone(),
         vm,
         mem,
+        mem_size_mib: config.memory.size_mib,
+        pvm,
         vcpus,
+        handles: Vec::new(),
+        paused: false,
+        msr_indices,
+        serial,
+        devices,
         reset_evt,
         facts,
         timeline,
         events,
         buses,
+        api: None,
     })
 }
 
-/// The port-I/O devices: COM1 (interrupting through an irqfd on IRQ 4) and
-/// the i8042 whose reset line signals `reset_evt`.
-fn legacy_devices(vm: &Vm, console: ConsoleWriter, reset_evt: &EventFd) -> Result<Bus, BuildError> {
-    let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+/// What a restored VM needs besides its snapshot: its own identity.
+#[derive(Debug, Clone)]
+pub struct RestoreConfig {
+    pub id: String,
+    pub snapshot: std::path::PathBuf,
+    /// The clone's own vsock (CID and socket); required when the snapshot
+    /// has a vsock device.
+    pub vsock: Option<crate::config::VsockConfig>,
+    pub serial: crate::config::SerialOutput,
+    pub kvm_device: std::path::PathBuf,
+}
+
+/// Builds a VM from a snapshot: memory mapped copy-on-write from its file,
+/// KVM, device and vCPU state restored, ready to resume where it paused.
+/// Every check (format, checksum, memory size, device set, host kind) is
+/// done before a vCPU exists.
+pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
+    let (state, memory_file) = persist::read(&config.snapshot)?;
+    let pvm = kvm::is_pvm_host();
+    if state.pvm != pvm {
+        let kind = |p| {
+            if p {
+                "an emulating (PVM) host"
+            } else {
+                "a hardware KVM host"
+            }
+        };
+        return Err(PersistError::HostKind {
+            taken: kind(state.pvm),
+            here: kind(pvm),
+        }
+        .into());
+    }
+    let wants_vsock = state
+        .devices
+        .iter()
+        .any(|d| matches!(d.device, SavedDevice::Vsock { .. }));
+    match (wants_vsock, &config.vsock) {
+        (true, None) => return Err(BuildError::Restore(
+            "the snapshot has a vsock device: give this clone its own with --vsock cid=N,path=SOCKET".into(),
+        )),
+        (false, Some(_)) => return Err(BuildError::Restore(
+            "the snapshot has no vsock device; a restored VM cannot gain one".into(),
+        )),
+        _ => {}
+    }
+    let console_out = config.serial.open()?;
+    timeline.mark(Phase::StateLoaded);
+
+    let kvm = kvm::open_kvm(&config.kvm_device)?;
+    let vcpu_count = u8::try_from(state.vcpus.len())
+        .map_err(|_| BuildError::Restore("too many vCPUs in the snapshot".into()))?;
+    kvm::check_vcpu_count(&kvm, vcpu_count)?;
+    let vm = Vm::new(&kvm)?;
+    timeline.mark(Phase::VmCreated);
+
+    let mem = memory::map_snapshot_file(&memory_file, state.mem_size_mib)?;
+    vm.register_memory(&kvm, &mem)?;
+    timeline.mark(Phase::MemoryReady);
+
+    vm.restore_state(&state.vm)
+        .map_err(|e| BuildError::Restore(e.to_string()))?;
+    let mut events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
+    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
+    let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
+    let serial = SerialDevice::restore(serial_irq(&vm)?, console, &state.serial)
+        .map_err(|e| BuildError::Restore(e.to_string()))?;
+    let serial = Arc::new(Mutex::new(serial));
+    let pio = legacy_devices(serial.clone(), &reset_evt)?;
+    let mut mmio = MmioDeviceManager::new();
+    for saved in &state.devices {
+        let transport = match &saved.device {
+            SavedDevice::Vsock { .. } => {
+                let Some(vsock) = &config.vsock else {
+                    return Err(BuildError::Restore("no vsock configuration".into()));
+                };
+                let device = Arc::new(Mutex::new(VsockDevice::new(vsock.cid, &vsock.uds_path)?));
+                let parts = (vm.fd(), &mem, &mut events);
+                let saved = SavedDevice::Vsock { cid: vsock.cid };
+                mmio.attach_virtio(parts, None, device, Some(saved))?
+            }
+        };
+        transport
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .restore(&saved.transport)
+            .map_err(|e| BuildError::Restore(format!("{:?}: {e}", saved.device)))?;
+    }
+    let devices = std::mem::take(&mut mmio.devices);
+    let buses = (Arc::new(pio), Arc::new(mmio.bus));
+    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+        vcpus.push(Vcpu::restore(&vm, index as u8, buses.clone(), vcpu_state)?);
+    }
+    for attached in &devices {
+        attached
+            .transport
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .restored();
+    }
+    timeline.mark(Phase::VcpusReady);
+    let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
+
+    Ok(Vmm {
+        id: config.id.clone(),
+        vm,
+        mem,
+        mem_size_mib: state.mem_size_mib,
+        pvm,
+        vcpus,
+        handles: Vec::new(),
+        paused: false,
+        msr_indices,
+        serial,
+        devices,
+        reset_evt,
+        facts,
+        timeline,
+        events,
+        buses,
+        api: None,
+    })
+}
+
+/// The serial port's interrupt: an irqfd on IRQ 4.
+fn serial_irq(vm: &Vm) -> Result<EventFd, BuildError> {
+    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     vm.fd()
-        .register_irqfd(&serial_irq, SERIAL_IRQ)
+        .register_irqfd(&irq, SERIAL_IRQ)
         .map_err(BuildError::Irqfd)?;
+    Ok(irq)
+}
+
+/// The port-I/O devices: COM1 and the i8042 whose reset line signals
+/// `reset_evt`.
+fn legacy_devices(
+    serial: Arc<Mutex<SerialDevice>>,
+    reset_evt: &EventFd,
+) -> Result<Bus, BuildError> {
     let mut pio = Bus::new();
-    pio.insert(
-        u64::from(SERIAL_PORT),
-        8,
-        Arc::new(Mutex::new(SerialDevice::new(serial_irq, console))),
-    )?;
+    pio.insert(u64::from(SERIAL_PORT), 8, serial)?;
     let i8042_evt = reset_evt.try_clone().map_err(BuildError::EventFd)?;
     pio.insert(
         u64::from(I8042_DATA_PORT),

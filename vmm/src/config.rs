@@ -15,7 +15,14 @@ use crate::vstate::memory::MemoryConfig;
 /// the i8042 on reboot (the VMM's "guest is done" signal), reboot at once on
 /// panic (the VMM sees the panic line and exits non-zero), a quiet console
 /// (each byte is a VM exit) and no IO-APIC timer check (a busy-wait).
-pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet no_timer_check";
+/// `clocksource=kvm-clock`: the guest reads time through kvmclock, which a
+/// restore puts back with KVM_SET_CLOCK, so a clone's clock continues from
+/// its snapshot. With the TSC clocksource (the kernel's choice when the TSC
+/// is invariant) the clock of a restored guest jumps by the snapshot's age
+/// on the PVM hosts we build on, where restoring IA32_TSC does not move
+/// what the guest reads.
+pub const BASE_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 quiet no_timer_check clocksource=kvm-clock";
 
 /// Extra parameters on a PVM host, where the guest kernel runs through KVM's
 /// instruction emulator: turn off CPU features the emulator cannot execute.
@@ -287,7 +294,14 @@ impl VmConfig {
 
     /// Opens the serial console's destination.
     pub fn open_serial(&self) -> Result<Box<dyn Write + Send>, ConfigError> {
-        Ok(match &self.serial {
+        self.serial.open()
+    }
+}
+
+impl SerialOutput {
+    /// Opens the destination.
+    pub fn open(&self) -> Result<Box<dyn Write + Send>, ConfigError> {
+        Ok(match self {
             SerialOutput::Stdout => Box::new(std::io::stdout()),
             SerialOutput::Null => Box::new(std::io::sink()),
             SerialOutput::File(path) => Box::new(

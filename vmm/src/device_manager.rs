@@ -15,6 +15,7 @@ use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::virtio::mmio::{MmioTransport, MMIO_LEN};
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use crate::persist::SavedDevice;
 
 /// First GSI for virtio devices: 0-4 are the PIT, keyboard, cascade and COMs.
 const FIRST_VIRTIO_IRQ: u32 = 5;
@@ -39,10 +40,19 @@ pub enum DeviceManagerError {
     Cmdline(linux_loader::cmdline::Error),
 }
 
+/// One attached virtio device, for snapshots: what it is (`None` for
+/// devices snapshots do not support yet) and its transport.
+#[derive(Debug)]
+pub struct AttachedDevice {
+    pub saved: Option<SavedDevice>,
+    pub transport: Arc<Mutex<MmioTransport>>,
+}
+
 /// Hands out MMIO windows and interrupt lines, in order.
 #[derive(Debug, Default)]
 pub struct MmioDeviceManager {
     pub bus: Bus,
+    pub devices: Vec<AttachedDevice>,
     next_index: u32,
 }
 
@@ -52,15 +62,17 @@ impl MmioDeviceManager {
     }
 
     /// Attaches a virtio device: MMIO window, irqfd, ioeventfds, event-loop
-    /// subscription and command-line entry. Returns its MMIO base.
+    /// subscription and command-line entry (none on restore: the guest
+    /// found its devices when it booted). Slots are handed out in order, so
+    /// a restore that attaches the same devices in the same order gives
+    /// each the window and interrupt the guest knows. Returns the transport.
     pub fn attach_virtio<D>(
         &mut self,
-        vm: &VmFd,
-        mem: &GuestMemoryMmap,
-        events: &mut EventLoop,
-        cmdline: &mut Cmdline,
+        (vm, mem, events): (&VmFd, &GuestMemoryMmap, &mut EventLoop),
+        cmdline: Option<&mut Cmdline>,
         device: Arc<Mutex<D>>,
-    ) -> Result<u64, DeviceManagerError>
+        saved: Option<SavedDevice>,
+    ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError>
     where
         D: VirtioDevice + MutEventSubscriber + 'static,
     {
@@ -84,13 +96,19 @@ impl MmioDeviceManager {
         }
         let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
         let transport = MmioTransport::new(device.clone(), mem.clone(), interrupt, queue_evts);
-        self.bus
-            .insert(base, MMIO_LEN, Arc::new(Mutex::new(transport)))?;
+        let transport = Arc::new(Mutex::new(transport));
+        self.bus.insert(base, MMIO_LEN, transport.clone())?;
         events.add_subscriber(device);
-        cmdline
-            .add_virtio_mmio_device(MMIO_LEN, GuestAddress(base), irq, None)
-            .map_err(DeviceManagerError::Cmdline)?;
+        if let Some(cmdline) = cmdline {
+            cmdline
+                .add_virtio_mmio_device(MMIO_LEN, GuestAddress(base), irq, None)
+                .map_err(DeviceManagerError::Cmdline)?;
+        }
         self.next_index += 1;
-        Ok(base)
+        self.devices.push(AttachedDevice {
+            saved,
+            transport: transport.clone(),
+        });
+        Ok(transport)
     }
 }

@@ -4,12 +4,14 @@
 //! boot; [`Vmm::run`] starts the vCPUs and serves events until the guest
 //! powers off, fails, or the process is told to stop.
 
+pub mod api;
 pub mod arch;
 pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
 pub mod host;
+pub mod persist;
 pub mod resident;
 pub mod timeline;
 pub mod vstate;
@@ -27,7 +29,7 @@ use device_manager::EventLoop;
 use devices::serial::ConsoleFacts;
 use resident::ResidentMemory;
 use timeline::{Phase, Timeline};
-use vstate::vcpu::{StopReporter, Vcpu, VcpuError, VcpuStop};
+use vstate::vcpu::{StopReporter, Vcpu, VcpuError, VcpuHandle, VcpuStop};
 use vstate::vm::Vm;
 
 /// How a VM ended.
@@ -76,6 +78,12 @@ pub enum VmmError {
     EventFd(#[source] std::io::Error),
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    #[error("the VM must be paused first")]
+    NotPaused,
+    #[error("{0}")]
+    Unsupported(String),
+    #[error(transparent)]
+    Persist(#[from] persist::PersistError),
 }
 
 /// A built VM: its memory, vCPUs, devices and the events that end it.
@@ -85,7 +93,16 @@ pub struct Vmm {
     #[allow(dead_code)]
     pub(crate) vm: Vm,
     pub(crate) mem: GuestMemoryMmap,
+    pub(crate) mem_size_mib: u32,
+    pub(crate) pvm: bool,
+    /// Built, not yet started.
     pub(crate) vcpus: Vec<Vcpu>,
+    /// Started.
+    pub(crate) handles: Vec<VcpuHandle>,
+    pub(crate) paused: bool,
+    pub(crate) msr_indices: Arc<Vec<u32>>,
+    pub(crate) serial: Arc<Mutex<devices::serial::SerialDevice>>,
+    pub(crate) devices: Vec<device_manager::AttachedDevice>,
     pub(crate) reset_evt: EventFd,
     pub(crate) facts: Arc<Mutex<ConsoleFacts>>,
     pub(crate) timeline: Arc<Timeline>,
@@ -94,6 +111,8 @@ pub struct Vmm {
     // The MMIO bus owns the transports; kept here so devices live as long as the VM.
     #[allow(dead_code)]
     pub(crate) buses: (Arc<devices::bus::Bus>, Arc<devices::bus::Bus>),
+    /// Requests from the control socket, if there is one.
+    pub(crate) api: Option<api::Pending>,
 }
 
 impl fmt::Debug for Vmm {
@@ -133,6 +152,114 @@ impl Vmm {
         resident::measure(&guest)
     }
 
+    /// Serves a control socket at `path` (see [`api`]).
+    pub fn listen_api(&mut self, path: &std::path::Path) -> std::io::Result<()> {
+        let (server, pending) = api::ApiServer::bind(path)?;
+        self.events.add_subscriber(Arc::new(Mutex::new(server)));
+        self.api = Some(pending);
+        Ok(())
+    }
+
+    /// Stops every vCPU outside KVM_RUN.
+    pub fn pause(&mut self) -> Result<(), VmmError> {
+        if !self.paused {
+            for handle in &self.handles {
+                handle.pause()?;
+            }
+            self.paused = true;
+        }
+        Ok(())
+    }
+
+    pub fn resume(&mut self) -> Result<(), VmmError> {
+        if self.paused {
+            for handle in &self.handles {
+                handle.resume()?;
+            }
+            self.paused = false;
+        }
+        Ok(())
+    }
+
+    /// Writes a full snapshot of the paused VM to `dir`.
+    pub fn snapshot(&mut self, dir: &std::path::Path) -> Result<persist::WriteTimes, VmmError> {
+        if !self.paused {
+            return Err(VmmError::NotPaused);
+        }
+        let mut devices = Vec::with_capacity(self.devices.len());
+        for attached in &self.devices {
+            let Some(device) = attached.saved.clone() else {
+                return Err(VmmError::Unsupported(
+                    "snapshots of VMs with virtio-block or virtio-net are not supported yet".into(),
+                ));
+            };
+            let transport = lock(&attached.transport).save();
+            devices.push(persist::DeviceSnapshot { device, transport });
+        }
+        let vcpus = self
+            .handles
+            .iter()
+            .map(|h| h.save())
+            .collect::<Result<Vec<_>, _>>()?;
+        let state = persist::MicrovmState {
+            id: self.id.clone(),
+            mem_size_mib: self.mem_size_mib,
+            pvm: self.pvm,
+            vm: self
+                .vm
+                .save_state()
+                .map_err(|e| VmmError::Unsupported(e.to_string()))?,
+            vcpus,
+            serial: lock(&self.serial).save(),
+            devices,
+        };
+        Ok(persist::write(dir, &state, &self.mem)?)
+    }
+
+    /// Carries out one control request; returns the reply.
+    fn serve_request(&mut self, request: api::Request) -> serde_json::Value {
+        use std::time::Instant;
+        let started = Instant::now();
+        let result = match &request {
+            api::Request::Status => Ok(serde_json::json!({
+                "state": if self.paused { "paused" } else { "running" },
+            })),
+            api::Request::Pause => self
+                .pause()
+                .map(|()| serde_json::json!({ "pause_us": started.elapsed().as_micros() as u64 })),
+            api::Request::Resume => self.resume().map(|()| serde_json::json!({})),
+            api::Request::Snapshot(dir) => {
+                let was_running = !self.paused;
+                let result = self.pause().and_then(|()| {
+                    let paused = started.elapsed();
+                    let times = self.snapshot(dir)?;
+                    Ok(serde_json::json!({
+                        "dir": dir.display().to_string(),
+                        "pause_us": paused.as_micros() as u64,
+                        "memory_write_us": times.memory.as_micros() as u64,
+                        "state_write_us": times.state.as_micros() as u64,
+                        "state_bytes": times.state_bytes,
+                    }))
+                });
+                if was_running {
+                    if let Err(e) = self.resume() {
+                        tracing::error!("cannot resume after the snapshot: {e}");
+                    }
+                }
+                result
+            }
+        };
+        match result {
+            Ok(mut body) => {
+                body["ok"] = true.into();
+                body["id"] = self.id.clone().into();
+                body["total_us"] = (started.elapsed().as_micros() as u64).into();
+                body
+            }
+            Err(e) => serde_json::json!({ "ok": false, "error": e.to_string() }),
+        }
+    }
+
     /// Boots the guest and serves events until it ends. SIGTERM and SIGINT
     /// stop the VM; they are blocked in every thread and read from a signalfd.
     pub fn run(&mut self) -> Result<Outcome, VmmError> {
@@ -146,7 +273,8 @@ impl Vmm {
             };
             // vCPU threads are never joined: they sit in KVM_RUN until the
             // process exits, which tears the VM down with them.
-            vcpu.start(reporter, self.timeline.clone())?;
+            let handle = vcpu.start(reporter, self.timeline.clone(), self.msr_indices.clone())?;
+            self.handles.push(handle);
         }
 
         let watcher = Arc::new(Mutex::new(ExitWatcher {
@@ -167,6 +295,15 @@ impl Vmm {
                     self.timeline.mark(Phase::GuestExit);
                 }
                 return Ok(outcome);
+            }
+            let requests = self
+                .api
+                .as_ref()
+                .map(|p| std::mem::take(&mut *lock(p)))
+                .unwrap_or_default();
+            for (request, stream) in requests {
+                let reply = self.serve_request(request);
+                api::reply(stream, &reply);
             }
         }
     }

@@ -7,6 +7,8 @@ use std::time::Instant;
 /// Phases in the order they happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// Restore only: the snapshot's state read, checked and decoded.
+    StateLoaded,
     /// KVM opened and checked, VM and irqchip created.
     VmCreated,
     /// Guest memory allocated (and prefaulted) and registered.
@@ -25,7 +27,8 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in order.
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 8] = [
+        Phase::StateLoaded,
         Phase::VmCreated,
         Phase::MemoryReady,
         Phase::KernelLoaded,
@@ -38,6 +41,7 @@ impl Phase {
     /// The name used in the JSON report.
     pub fn name(self) -> &'static str {
         match self {
+            Phase::StateLoaded => "state_loaded",
             Phase::VmCreated => "vm_created",
             Phase::MemoryReady => "memory_ready",
             Phase::KernelLoaded => "kernel_loaded",
@@ -53,7 +57,7 @@ impl Phase {
 #[derive(Debug)]
 pub struct Timeline {
     start: Instant,
-    marks: [OnceLock<Instant>; 7],
+    marks: [OnceLock<Instant>; 8],
 }
 
 impl Default for Timeline {

@@ -1,4 +1,5 @@
-//! husk-vmm: boots one microVM and exits when it ends.
+//! husk-vmm: boots one microVM (or restores one from a snapshot) and exits
+//! when it ends.
 //!
 //! Exit status: 0 when the guest shut down (or SIGTERM/SIGINT stopped it),
 //! 1 when the guest failed (kernel panic, triple fault, KVM error),
@@ -10,7 +11,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use husk_vmm::builder::build_vm;
+use husk_vmm::builder::{build_vm, restore_vm, RestoreConfig};
 use husk_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
@@ -20,8 +21,16 @@ use husk_vmm::Outcome;
 #[command(name = "husk-vmm", version, about = "Boot one husk microVM")]
 struct Args {
     /// Guest kernel: an uncompressed vmlinux ELF (fastest) or a bzImage.
+    #[arg(long, required_unless_present = "restore")]
+    kernel: Option<PathBuf>,
+    /// Restore the snapshot in this directory instead of booting. The
+    /// clone's identity comes from --id, --vsock and --serial; the machine
+    /// (memory, vCPUs, devices) from the snapshot.
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "drives", "net", "hugepages"])]
+    restore: Option<PathBuf>,
+    /// Serve the control socket (status, pause, resume, snapshot DIR) here.
     #[arg(long)]
-    kernel: PathBuf,
+    api_sock: Option<PathBuf>,
     /// initramfs (newc cpio) to unpack as the root file system.
     #[arg(long)]
     initramfs: Option<PathBuf>,
@@ -71,18 +80,35 @@ struct Args {
     timeline: Option<PathBuf>,
 }
 
+/// What to start: a boot or a restore.
+enum Start {
+    Boot(Box<VmConfig>),
+    Restore(RestoreConfig),
+}
+
 impl Args {
-    fn into_config(self) -> (VmConfig, Option<PathBuf>) {
+    fn into_config(self) -> (Start, Option<PathBuf>, Option<PathBuf>) {
         let serial = match self.serial.as_str() {
             "stdout" => SerialOutput::Stdout,
             "null" => SerialOutput::Null,
             path => SerialOutput::File(path.into()),
         };
+        let id = self
+            .id
+            .unwrap_or_else(|| format!("vm-{}", std::process::id()));
+        if let Some(snapshot) = self.restore {
+            let config = RestoreConfig {
+                id,
+                snapshot,
+                vsock: self.vsock,
+                serial,
+                kvm_device: self.kvm_device,
+            };
+            return (Start::Restore(config), self.timeline, self.api_sock);
+        }
         let config = VmConfig {
-            id: self
-                .id
-                .unwrap_or_else(|| format!("vm-{}", std::process::id())),
-            kernel: self.kernel,
+            id,
+            kernel: self.kernel.unwrap_or_default(),
             initramfs: self.initramfs,
             extra_cmdline: self.cmdline,
             memory: MemoryConfig {
@@ -97,7 +123,7 @@ impl Args {
             vsock: self.vsock,
             net: self.net,
         };
-        (config, self.timeline)
+        (Start::Boot(Box::new(config)), self.timeline, self.api_sock)
     }
 }
 
@@ -112,17 +138,31 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let (config, timeline_path) = Args::parse().into_config();
-    let span = tracing::info_span!("vm", id = %config.id);
+    let (start, timeline_path, api_sock) = Args::parse().into_config();
+    let id = match &start {
+        Start::Boot(c) => c.id.clone(),
+        Start::Restore(c) => c.id.clone(),
+    };
+    let span = tracing::info_span!("vm", id = %id);
     let _entered = span.enter();
 
-    let mut vmm = match build_vm(&config, timeline.clone()) {
+    let built = match &start {
+        Start::Boot(config) => build_vm(config, timeline.clone()),
+        Start::Restore(config) => restore_vm(config, timeline.clone()),
+    };
+    let mut vmm = match built {
         Ok(vmm) => vmm,
         Err(e) => {
             tracing::error!("cannot start the VM: {e}");
             return ExitCode::from(2);
         }
     };
+    if let Some(path) = api_sock {
+        if let Err(e) = vmm.listen_api(&path) {
+            tracing::error!("cannot listen on {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
     let outcome = match vmm.run() {
         Ok(outcome) => outcome,
         Err(e) => {
@@ -150,6 +190,7 @@ fn timeline_table(report: &serde_json::Value) -> String {
     let mut out = String::from("boot timeline (ms since husk-vmm started)\n");
     let mut previous = 0u64;
     for (side, name) in [
+        ("host", "state_loaded"),
         ("host", "vm_created"),
         ("host", "memory_ready"),
         ("host", "kernel_loaded"),

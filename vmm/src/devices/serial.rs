@@ -112,6 +112,22 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The UART's registers and unread input, for snapshots (vm-superio's
+/// `SerialState`, which is not serializable itself).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialSnapshot {
+    pub baud_divisor_low: u8,
+    pub baud_divisor_high: u8,
+    pub interrupt_enable: u8,
+    pub interrupt_identification: u8,
+    pub line_control: u8,
+    pub line_status: u8,
+    pub modem_control: u8,
+    pub modem_status: u8,
+    pub scratch: u8,
+    pub in_buffer: Vec<u8>,
+}
+
 /// COM1 on the port-I/O bus.
 #[derive(Debug)]
 pub struct SerialDevice {
@@ -123,6 +139,43 @@ impl SerialDevice {
         SerialDevice {
             serial: Serial::new(EventFdTrigger(irq), out),
         }
+    }
+}
+
+impl SerialDevice {
+    pub fn save(&self) -> SerialSnapshot {
+        let s = self.serial.state();
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// A UART in the saved state, interrupting through `irq`.
+    pub fn restore(irq: EventFd, out: ConsoleWriter, s: &SerialSnapshot) -> io::Result<Self> {
+        let state = vm_superio::serial::SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        };
+        let serial = Serial::from_state(&state, EventFdTrigger(irq), NoEvents, out)
+            .map_err(|e| io::Error::other(format!("serial state: {e:?}")))?;
+        Ok(SerialDevice { serial })
     }
 }
 

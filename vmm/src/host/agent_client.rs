@@ -16,6 +16,9 @@ use husk_protocol::{
     FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
 };
 
+/// Longest wait for the guest to accept a connection and shake hands.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Errors talking to the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -189,7 +192,9 @@ impl AgentClient {
     pub fn connect(uds: &Path, timeout: Duration) -> Result<Self, ClientError> {
         let mut stream = UnixStream::connect(uds)
             .map_err(|e| ClientError::Connect(uds.display().to_string(), e))?;
-        stream.set_read_timeout(Some(timeout))?;
+        // A guest that does not answer the connection at all (no agent, a
+        // stopped guest) fails fast; requests then get `timeout`.
+        stream.set_read_timeout(Some(timeout.min(HANDSHAKE_TIMEOUT)))?;
         stream.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())?;
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
@@ -205,7 +210,10 @@ impl AgentClient {
             }),
         };
         match client.call(Body::Hello { version: VERSION })? {
-            Body::Hello { version: VERSION } => Ok(client),
+            Body::Hello { version: VERSION } => {
+                client.set_read_timeout(Some(timeout))?;
+                Ok(client)
+            }
             other => Err(ClientError::Unexpected(Box::new(other))),
         }
     }

@@ -1,8 +1,13 @@
 //! Guest memory: anonymous mappings, prefaulted by default so the guest never
 //! waits on the host's page allocator, optionally backed by huge pages.
 
+use std::fs::File;
+
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
+    GuestRegionMmap, WriteVolatile,
+};
 
 use crate::arch::x86_64::layout::{MMIO_GAP_END, MMIO_GAP_START};
 
@@ -29,6 +34,8 @@ pub enum MemoryError {
     Region(u64),
     #[error("cannot assemble guest memory: {0}")]
     Assemble(#[from] vm_memory::GuestRegionCollectionError),
+    #[error("guest memory file: {0}")]
+    File(String),
 }
 
 /// The guest RAM regions (start, size) for `size` bytes: below the MMIO gap
@@ -72,6 +79,50 @@ pub fn create_guest_memory(config: &MemoryConfig) -> Result<GuestMemoryMmap, Mem
         let region =
             GuestRegionMmap::new(mapping, GuestAddress(start)).ok_or(MemoryError::Region(start))?;
         regions.push(region);
+    }
+    Ok(GuestMemoryMmap::from_regions(regions)?)
+}
+
+/// Writes every region of guest memory to `file`, one after the other
+/// (the layout `map_snapshot_file` expects). The vCPUs must be paused.
+pub fn dump(mem: &GuestMemoryMmap, file: &mut File) -> std::io::Result<()> {
+    for region in mem.iter() {
+        let slice = region
+            .as_volatile_slice()
+            .map_err(|e| std::io::Error::other(format!("guest memory region: {e}")))?;
+        file.write_all_volatile(&slice)
+            .map_err(|e| std::io::Error::other(format!("writing guest memory: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Maps a snapshot's memory file as guest memory of `size_mib`, private
+/// and copy-on-write: pages load from the page cache when the guest first
+/// touches them, writes stay in this process, and every clone of one
+/// snapshot shares the file's clean pages. Nothing here is proportional
+/// to the memory size.
+pub fn map_snapshot_file(file: &File, size_mib: u32) -> Result<GuestMemoryMmap, MemoryError> {
+    let size = u64::from(size_mib) << 20;
+    let mut regions = Vec::new();
+    let mut offset = 0u64;
+    for (start, len) in ram_regions(size) {
+        let handle = file
+            .try_clone()
+            .map_err(|e| MemoryError::File(e.to_string()))?;
+        let mapping = MmapRegionBuilder::new(len as usize)
+            .with_file_offset(FileOffset::new(handle, offset))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|source| MemoryError::Map {
+                size_mib,
+                source,
+                hint: "",
+            })?;
+        let region =
+            GuestRegionMmap::new(mapping, GuestAddress(start)).ok_or(MemoryError::Region(start))?;
+        regions.push(region);
+        offset += len;
     }
     Ok(GuestMemoryMmap::from_regions(regions)?)
 }

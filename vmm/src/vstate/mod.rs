@@ -3,4 +3,5 @@
 pub mod kvm;
 pub mod memory;
 pub mod vcpu;
+pub mod vcpu_state;
 pub mod vm;

@@ -1,9 +1,10 @@
 //! vCPUs: creation, boot configuration and the run loop, one thread each.
 
 use std::fmt;
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
@@ -12,6 +13,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::arch::x86_64::{cpuid, regs};
 use crate::devices::bus::Bus;
 use crate::timeline::{Phase, Timeline};
+use crate::vstate::vcpu_state::VcpuState;
 use crate::vstate::vm::Vm;
 
 /// VM exits that reached the VMM (KVM_RUN returned), over all vCPUs. One VM
@@ -34,6 +36,120 @@ pub enum VcpuError {
     Regs { index: u8, source: regs::RegsError },
     #[error("cannot spawn the thread of vCPU {index}: {source}")]
     Spawn { index: u8, source: std::io::Error },
+    #[error("cannot restore vCPU {index}: {source}")]
+    State {
+        index: u8,
+        source: crate::vstate::vcpu_state::StateError,
+    },
+    #[error("vCPU {index} did not answer (it stopped, or is stuck): {what}")]
+    NoAnswer { index: u8, what: &'static str },
+    #[error("cannot save vCPU {index}: {message}")]
+    Save { index: u8, message: String },
+}
+
+/// What the VMM asks of a running vCPU thread.
+#[derive(Debug)]
+enum VcpuCommand {
+    Pause,
+    Resume,
+    Save,
+}
+
+#[derive(Debug)]
+enum VcpuReply {
+    Paused,
+    Resumed,
+    State(Box<Result<VcpuState, String>>),
+}
+
+/// The vCPU thread's side of the command channel.
+struct Control {
+    commands: Receiver<VcpuCommand>,
+    replies: Sender<VcpuReply>,
+    msr_indices: Arc<Vec<u32>>,
+}
+
+/// Signal that kicks a vCPU thread out of KVM_RUN (EINTR).
+fn kick_signal() -> libc::c_int {
+    vmm_sys_util::signal::SIGRTMIN()
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// Installs the (empty) kick handler once per process: without a handler
+/// the signal would kill the process.
+fn install_kick_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick) {
+            tracing::error!("cannot install the vCPU kick handler: {e}");
+        }
+    });
+}
+
+/// The VMM's side of a running vCPU.
+#[derive(Debug)]
+pub struct VcpuHandle {
+    index: u8,
+    commands: Sender<VcpuCommand>,
+    replies: Receiver<VcpuReply>,
+    thread: JoinHandle<()>,
+}
+
+/// How long a vCPU may take to answer, once kicked.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl VcpuHandle {
+    fn no_answer(&self, what: &'static str) -> VcpuError {
+        VcpuError::NoAnswer {
+            index: self.index,
+            what,
+        }
+    }
+
+    /// Stops the vCPU outside KVM_RUN. The signal is sent again until the
+    /// thread answers: one that arrives just before KVM_RUN is entered is
+    /// not lost for good that way.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        use vmm_sys_util::signal::Killable;
+        self.commands
+            .send(VcpuCommand::Pause)
+            .map_err(|_| self.no_answer("pause"))?;
+        let deadline = Instant::now() + ANSWER_TIMEOUT;
+        while Instant::now() < deadline {
+            let _ = self.thread.kill(kick_signal());
+            match self.replies.recv_timeout(Duration::from_millis(10)) {
+                Ok(VcpuReply::Paused) => return Ok(()),
+                Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        Err(self.no_answer("pause"))
+    }
+
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        self.commands
+            .send(VcpuCommand::Resume)
+            .map_err(|_| self.no_answer("resume"))?;
+        match self.replies.recv_timeout(ANSWER_TIMEOUT) {
+            Ok(VcpuReply::Resumed) => Ok(()),
+            _ => Err(self.no_answer("resume")),
+        }
+    }
+
+    /// The state of a paused vCPU.
+    pub fn save(&self) -> Result<VcpuState, VcpuError> {
+        self.commands
+            .send(VcpuCommand::Save)
+            .map_err(|_| self.no_answer("save"))?;
+        match self.replies.recv_timeout(ANSWER_TIMEOUT) {
+            Ok(VcpuReply::State(state)) => (*state).map_err(|message| VcpuError::Save {
+                index: self.index,
+                message,
+            }),
+            _ => Err(self.no_answer("save")),
+        }
+    }
 }
 
 /// Why a vCPU stopped running guest code.
@@ -134,30 +250,105 @@ impl Vcpu {
         })
     }
 
+    /// Creates vCPU `index` for a restore: its state comes from `state`.
+    pub fn restore(
+        vm: &Vm,
+        index: u8,
+        (pio, mmio): (Arc<Bus>, Arc<Bus>),
+        state: &VcpuState,
+    ) -> Result<Self, VcpuError> {
+        let fd = vm
+            .fd()
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Create { index, source })?;
+        state
+            .restore(&fd)
+            .map_err(|source| VcpuError::State { index, source })?;
+        Ok(Vcpu {
+            index,
+            fd,
+            pio,
+            mmio,
+        })
+    }
+
     /// Starts the vCPU on its own thread. The thread runs until the guest
-    /// stops this vCPU, then reports why.
+    /// stops this vCPU, then reports why; meanwhile the returned handle can
+    /// pause it, save its state and resume it.
     pub fn start(
         mut self,
         reporter: StopReporter,
         timeline: Arc<Timeline>,
-    ) -> Result<JoinHandle<()>, VcpuError> {
+        msr_indices: Arc<Vec<u32>>,
+    ) -> Result<VcpuHandle, VcpuError> {
+        install_kick_handler();
         let index = self.index;
-        std::thread::Builder::new()
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        let (reply_tx, reply_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .spawn(move || {
                 if index == 0 {
                     timeline.mark(Phase::FirstKvmRun);
                 }
-                let stop = self.run_until_stop();
+                let control = Control {
+                    commands: cmd_rx,
+                    replies: reply_tx,
+                    msr_indices,
+                };
+                let stop = self.run_until_stop(&control);
                 // The receiver only disappears when the VMM is exiting anyway.
                 let _ = reporter.tx.send((index, stop));
                 let _ = reporter.evt.write(1);
             })
-            .map_err(|source| VcpuError::Spawn { index, source })
+            .map_err(|source| VcpuError::Spawn { index, source })?;
+        Ok(VcpuHandle {
+            index,
+            commands: cmd_tx,
+            replies: reply_rx,
+            thread,
+        })
     }
 
-    fn run_until_stop(&mut self) -> VcpuStop {
+    /// Serves commands while paused; returns when resumed (or when the VMM
+    /// dropped the handle, which only happens as it exits).
+    fn paused(&mut self, control: &Control) {
+        let _ = control.replies.send(VcpuReply::Paused);
+        // Tell the guest's kvmclock it was stopped (no soft-lockup reports).
+        let _ = self.fd.kvmclock_ctrl();
+        while let Ok(command) = control.commands.recv() {
+            match command {
+                VcpuCommand::Pause => {
+                    let _ = control.replies.send(VcpuReply::Paused);
+                }
+                VcpuCommand::Save => {
+                    let state =
+                        VcpuState::save(&self.fd, &control.msr_indices).map_err(|e| e.to_string());
+                    let _ = control.replies.send(VcpuReply::State(Box::new(state)));
+                }
+                VcpuCommand::Resume => {
+                    let _ = control.replies.send(VcpuReply::Resumed);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn run_until_stop(&mut self, control: &Control) -> VcpuStop {
         loop {
+            while let Ok(command) = control.commands.try_recv() {
+                match command {
+                    VcpuCommand::Pause => self.paused(control),
+                    // Only meaningful while paused.
+                    VcpuCommand::Resume => {
+                        let _ = control.replies.send(VcpuReply::Resumed);
+                    }
+                    VcpuCommand::Save => {
+                        let refused = Err("the vCPU is running; pause it first".to_owned());
+                        let _ = control.replies.send(VcpuReply::State(Box::new(refused)));
+                    }
+                }
+            }
             let exit = self.fd.run();
             USERSPACE_EXITS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             match exit {

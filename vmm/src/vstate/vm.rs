@@ -1,8 +1,12 @@
 //! The KVM VM: address-space layout, in-kernel interrupt controllers and the
 //! PIT, and guest memory registration.
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Kvm, VmFd};
+use serde::{Deserialize, Serialize};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use crate::arch::x86_64::layout::KVM_TSS_ADDRESS;
@@ -25,6 +29,26 @@ pub enum VmError {
     },
     #[error("guest memory has more regions ({0}) than KVM has memory slots ({1})")]
     TooManyRegions(usize, usize),
+}
+
+/// The VM-wide state KVM holds: interrupt controllers, PIT and kvmclock.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VmState {
+    pub pic_master: kvm_irqchip,
+    pub pic_slave: kvm_irqchip,
+    pub ioapic: kvm_irqchip,
+    pub pit: kvm_pit_state2,
+    /// kvmclock when saved: restored as is, so the guest's clock continues
+    /// from the snapshot rather than jumping by the snapshot's age.
+    pub clock: kvm_clock_data,
+}
+
+/// A failed KVM call while saving or restoring the VM.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} failed: {source}")]
+pub struct VmStateError {
+    pub op: &'static str,
+    pub source: kvm_ioctls::Error,
 }
 
 /// A VM with its interrupt controllers.
@@ -67,6 +91,48 @@ impl Vm {
             // Vmm keeps alive for as long as the VM (and so KVM's use of it) exists.
             unsafe { self.fd.set_user_memory_region(region) }
                 .map_err(|source| VmError::MemoryRegion { slot, source })?;
+        }
+        Ok(())
+    }
+
+    /// Saves the VM-wide state (vCPUs paused).
+    pub fn save_state(&self) -> Result<VmState, VmStateError> {
+        let chip = |id| {
+            let mut chip = kvm_irqchip {
+                chip_id: id,
+                ..Default::default()
+            };
+            self.fd.get_irqchip(&mut chip).map(|()| chip)
+        };
+        let op = |op, source| VmStateError { op, source };
+        Ok(VmState {
+            pic_master: chip(KVM_IRQCHIP_PIC_MASTER).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
+            pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
+            ioapic: chip(KVM_IRQCHIP_IOAPIC).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
+            pit: self.fd.get_pit2().map_err(|e| op("KVM_GET_PIT2", e))?,
+            clock: self.fd.get_clock().map_err(|e| op("KVM_GET_CLOCK", e))?,
+        })
+    }
+
+    /// Restores the VM-wide state onto this (new) VM.
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmStateError> {
+        let op = |op, source| VmStateError { op, source };
+        self.fd
+            .set_pit2(&state.pit)
+            .map_err(|e| op("KVM_SET_PIT2", e))?;
+        // Only the clock value: flags such as KVM_CLOCK_TSC_STABLE are
+        // KVM's to report, not ours to set.
+        let clock = kvm_clock_data {
+            clock: state.clock.clock,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(|e| op("KVM_SET_CLOCK", e))?;
+        for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
+            self.fd
+                .set_irqchip(chip)
+                .map_err(|e| op("KVM_SET_IRQCHIP", e))?;
         }
         Ok(())
     }

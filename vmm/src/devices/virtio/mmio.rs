@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vm_memory::{GuestAddress, GuestMemoryMmap};
 
 use super::{ActiveQueues, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
@@ -346,6 +346,160 @@ impl MmioTransport {
     }
 }
 
+/// One queue's registers and ring positions, for snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueSnapshot {
+    pub max_size: u16,
+    pub size: u16,
+    pub ready: bool,
+    pub desc_table: u64,
+    pub avail_ring: u64,
+    pub used_ring: u64,
+    pub next_avail: u16,
+    pub next_used: u16,
+    pub event_idx_enabled: bool,
+}
+
+impl From<QueueState> for QueueSnapshot {
+    fn from(q: QueueState) -> Self {
+        QueueSnapshot {
+            max_size: q.max_size,
+            size: q.size,
+            ready: q.ready,
+            desc_table: q.desc_table,
+            avail_ring: q.avail_ring,
+            used_ring: q.used_ring,
+            next_avail: q.next_avail,
+            next_used: q.next_used,
+            event_idx_enabled: q.event_idx_enabled,
+        }
+    }
+}
+
+impl From<QueueSnapshot> for QueueState {
+    fn from(q: QueueSnapshot) -> Self {
+        QueueState {
+            max_size: q.max_size,
+            size: q.size,
+            ready: q.ready,
+            desc_table: q.desc_table,
+            avail_ring: q.avail_ring,
+            used_ring: q.used_ring,
+            next_avail: q.next_avail,
+            next_used: q.next_used,
+            event_idx_enabled: q.event_idx_enabled,
+        }
+    }
+}
+
+/// A transport's registers, and the device's queues if it is running.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TransportSnapshot {
+    pub status: u32,
+    pub driver_features: u64,
+    pub queue_select: u32,
+    pub device_features_select: u32,
+    pub driver_features_select: u32,
+    pub config_generation: u32,
+    pub interrupt_status: u32,
+    pub device_failed: bool,
+    /// The driver-visible queue registers.
+    pub queues: Vec<QueueSnapshot>,
+    /// The device's working copies (with ring positions) after DRIVER_OK.
+    pub active_queues: Vec<QueueSnapshot>,
+}
+
+impl MmioTransport {
+    /// Saves the transport; the device must be quiet (the VMM's event loop
+    /// is not running it).
+    pub fn save(&self) -> TransportSnapshot {
+        TransportSnapshot {
+            status: self.status,
+            driver_features: self.driver_features,
+            queue_select: self.queue_select,
+            device_features_select: self.device_features_select,
+            driver_features_select: self.driver_features_select,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            device_failed: self.interrupt.device_failed(),
+            queues: self.queues.iter().map(|q| q.state().into()).collect(),
+            active_queues: lock(&self.device)
+                .queue_states()
+                .into_iter()
+                .map(Into::into)
+                .collect(),
+        }
+    }
+
+    /// Puts a new transport (and its device) in the saved state. Every
+    /// queue is checked against guest memory as if the driver had just set
+    /// it up: a snapshot cannot point a device outside the guest.
+    pub fn restore(&mut self, s: &TransportSnapshot) -> Result<(), String> {
+        if s.queues.len() != self.queues.len() {
+            return Err(format!(
+                "the device has {} queues, the snapshot {}",
+                self.queues.len(),
+                s.queues.len()
+            ));
+        }
+        let to_queue = |q: &QueueSnapshot| {
+            Queue::try_from(QueueState::from(*q)).map_err(|e| format!("invalid queue: {e:?}"))
+        };
+        let queues = s
+            .queues
+            .iter()
+            .map(to_queue)
+            .collect::<Result<Vec<_>, _>>()?;
+        let running = s.status & STATUS_DRIVER_OK != 0 && !s.device_failed;
+        let active = s
+            .active_queues
+            .iter()
+            .map(to_queue)
+            .collect::<Result<Vec<_>, _>>()?;
+        if running {
+            if active.len() != queues.len() {
+                return Err("a running device without its queues".into());
+            }
+            if let Some(i) = active.iter().position(|q| !q.is_valid(&self.mem)) {
+                return Err(format!("queue {i} is not inside guest memory"));
+            }
+        }
+        self.queues = queues;
+        self.status = s.status;
+        self.driver_features = s.driver_features;
+        self.queue_select = s.queue_select;
+        self.device_features_select = s.device_features_select;
+        self.driver_features_select = s.driver_features_select;
+        self.config_generation = s.config_generation;
+        self.interrupt.ack(u32::MAX);
+        self.interrupt.set_status(s.interrupt_status);
+        if s.device_failed {
+            self.interrupt.fail_device();
+        }
+        if running {
+            let active = ActiveQueues {
+                mem: self.mem.clone(),
+                queues: active,
+                interrupt: self.interrupt.clone(),
+                features: self.driver_features,
+            };
+            lock(&self.device)
+                .activate(active)
+                .map_err(|e| format!("the device refused its saved queues: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// Tells a restored, running device that the guest is about to run
+    /// again. Called once the vCPUs exist: an interrupt raised before
+    /// their local APICs are restored would be lost.
+    pub fn restored(&self) {
+        if self.status & STATUS_DRIVER_OK != 0 && !self.interrupt.device_failed() {
+            lock(&self.device).restored();
+        }
+    }
+}
+
 enum Ring {
     Desc,
     Avail,
@@ -421,6 +575,7 @@ mod tests {
         activated: Option<usize>,
         resets: u32,
         evts: Vec<EventFd>,
+        queues: Vec<virtio_queue::QueueState>,
     }
 
     impl VirtioDevice for FakeDevice {
@@ -442,11 +597,15 @@ mod tests {
         fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
         fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
             self.activated = Some(active.queues.len());
+            self.queues = active.queues.iter().map(|q| q.state()).collect();
             Ok(())
         }
         fn reset(&mut self) {
             self.activated = None;
             self.resets += 1;
+        }
+        fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+            self.queues.clone()
         }
     }
 
@@ -524,6 +683,53 @@ mod tests {
 
         assert_eq!(t.status(), 0xf);
         assert_eq!(device.lock().expect("lock").activated, Some(2));
+    }
+
+    fn running_transport() -> (MmioTransport, Arc<Mutex<FakeDevice>>) {
+        let (mut t, device) = transport();
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        setup_queue(&mut t, 0, 0x10000, 16);
+        setup_queue(&mut t, 1, 0x20000, 8);
+        write(&mut t, REG_STATUS, 0xf);
+        (t, device)
+    }
+
+    #[test]
+    fn a_saved_transport_restores_running_with_its_queues() {
+        let (t, _) = running_transport();
+        let saved = t.save();
+        let (mut fresh, device) = transport();
+
+        fresh.restore(&saved).expect("restore");
+
+        assert_eq!(fresh.save(), saved);
+        assert_eq!(device.lock().expect("lock").activated, Some(2));
+        assert_eq!(fresh.status(), 0xf);
+    }
+
+    #[test]
+    fn a_snapshot_cannot_point_a_queue_outside_guest_memory() {
+        let (t, _) = running_transport();
+        let mut saved = t.save();
+        saved.active_queues[1].desc_table = 1 << 40;
+        let (mut fresh, device) = transport();
+
+        let err = fresh.restore(&saved).expect_err("outside memory");
+
+        assert!(err.contains("queue 1"), "{err}");
+        assert_eq!(device.lock().expect("lock").activated, None);
+    }
+
+    #[test]
+    fn a_snapshot_with_another_queue_count_is_refused() {
+        let (t, _) = running_transport();
+        let mut saved = t.save();
+        saved.queues.pop();
+        let (mut fresh, _) = transport();
+
+        let err = fresh.restore(&saved).expect_err("queue count");
+
+        assert!(err.contains("2 queues"), "{err}");
     }
 
     #[test]

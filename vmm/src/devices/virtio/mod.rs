@@ -76,6 +76,12 @@ impl VirtioInterrupt {
         self.status.load(Ordering::SeqCst)
     }
 
+    /// Sets the status bits without raising the line (restore: the line's
+    /// state is part of the interrupt controller's).
+    pub fn set_status(&self, bits: u32) {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+    }
+
     /// The driver acknowledged `bits`.
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);
@@ -146,6 +152,17 @@ pub trait VirtioDevice: Send {
     fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError>;
     /// Stops the device and forgets its queues (the driver wrote status 0).
     fn reset(&mut self);
+    /// The device's own copies of its queues while active, with their ring
+    /// positions (for snapshots); empty when not active.
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState>;
+    /// A restored device was activated with its saved queues: tell the
+    /// driver whatever it must know (vsock: its connections are gone).
+    fn restored(&mut self) {}
+}
+
+/// The saved queue states of `active`, if any.
+pub fn active_queue_states(active: Option<&ActiveQueues>) -> Vec<virtio_queue::QueueState> {
+    active.map_or_else(Vec::new, |a| a.queues.iter().map(|q| q.state()).collect())
 }
 
 /// Copies `config[offset..]` into `data`; bytes beyond the config read as 0.

@@ -171,6 +171,10 @@ impl VirtioDevice for BlockDevice {
     fn reset(&mut self) {
         self.active = None;
     }
+
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        crate::devices::virtio::active_queue_states(self.active.as_ref())
+    }
 }
 
 impl MutEventSubscriber for BlockDevice {

@@ -222,6 +222,10 @@ impl VirtioDevice for NetDevice {
         self.active = None;
         self.pending_rx = None;
     }
+
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        crate::devices::virtio::active_queue_states(self.active.as_ref())
+    }
 }
 
 impl MutEventSubscriber for NetDevice {

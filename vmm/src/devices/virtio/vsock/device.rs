@@ -17,6 +17,9 @@ use crate::devices::virtio::{
 
 const RX: usize = 0;
 const TX: usize = 1;
+const EVENT: usize = 2;
+/// virtio_vsock_event id: the transport was reset (virtio 1.2, 5.10.6.7).
+const EVENT_TRANSPORT_RESET: u32 = 0;
 const QUEUE_SIZE: u16 = 256;
 /// Guest CIDs 0-2 are reserved (hypervisor, loopback, host).
 pub const MIN_GUEST_CID: u64 = 3;
@@ -133,6 +136,38 @@ impl VirtioDevice for VsockDevice {
 
     fn reset(&mut self) {
         self.active = None;
+    }
+
+    /// After a restore the guest's connections point at host sockets that
+    /// no longer exist, and its CID may have changed: a transport reset
+    /// makes the driver drop every connection and read the CID again.
+    fn restored(&mut self) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        let mem = active.mem.clone();
+        let queue = &mut active.queues[EVENT];
+        let sent = match pop_chain(queue, &mem) {
+            Ok(Some((head, descriptors))) => {
+                let event = EVENT_TRANSPORT_RESET.to_le_bytes();
+                let written = descriptors
+                    .iter()
+                    .find(|d| d.is_write_only() && d.len() >= 4)
+                    .and_then(|d| vm_memory::Bytes::write_slice(&mem, &event, d.addr()).ok())
+                    .map_or(0, |()| 4);
+                return_chain(queue, &mem, head, written).is_ok() && written == 4
+            }
+            _ => false,
+        };
+        if sent {
+            active.interrupt.trigger(INT_VRING);
+        } else {
+            tracing::warn!("vsock: no event buffer from the guest; its old connections stay");
+        }
+    }
+
+    fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
+        crate::devices::virtio::active_queue_states(self.active.as_ref())
     }
 }
 

@@ -1,0 +1,192 @@
+//! Snapshots: what a paused VM is made of, written to a directory, and read
+//! back with every check done before a guest runs.
+//!
+//! A snapshot directory holds two files:
+//! - `state`: the [`MicrovmState`] (postcard) in the husk-snapshot framing
+//!   (magic, format version, CRC-64), so a truncated, corrupt or foreign
+//!   file is refused;
+//! - `memory`: guest RAM, region after region, mapped copy-on-write by
+//!   every restore (so it must never be rewritten while clones run).
+//!
+//! Both are written under temporary names, fsynced, then renamed, `state`
+//! last: a VMM killed mid-snapshot leaves no directory that restores as if
+//! it were complete.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use vm_memory::GuestMemoryMmap;
+
+use crate::devices::serial::SerialSnapshot;
+use crate::devices::virtio::mmio::TransportSnapshot;
+use crate::vstate::vcpu_state::VcpuState;
+use crate::vstate::vm::VmState;
+
+pub const STATE_FILE: &str = "state";
+pub const MEMORY_FILE: &str = "memory";
+
+/// Which device a transport carried.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SavedDevice {
+    /// virtio-vsock; the CID is the snapshotted VM's (a clone gets its own).
+    Vsock { cid: u64 },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct DeviceSnapshot {
+    pub device: SavedDevice,
+    pub transport: TransportSnapshot,
+}
+
+/// Everything but guest RAM.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct MicrovmState {
+    pub id: String,
+    pub mem_size_mib: u32,
+    /// Whether the guest was set up for an emulating (PVM) host; a
+    /// snapshot only restores on the same kind of host.
+    pub pvm: bool,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+    pub serial: SerialSnapshot,
+    /// In MMIO slot order.
+    pub devices: Vec<DeviceSnapshot>,
+}
+
+/// Errors writing or reading a snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error(
+        "{0} already holds a snapshot (snapshots are never overwritten: clones may map its memory)"
+    )]
+    Exists(PathBuf),
+    #[error("{0} holds no snapshot state file ({STATE_FILE})")]
+    NoState(PathBuf),
+    #[error("cannot {what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("snapshot state {path}: {source}")]
+    Format {
+        path: PathBuf,
+        source: husk_snapshot::SnapshotError,
+    },
+    #[error("snapshot state {0} does not decode (written by another husk?): {1}")]
+    Decode(PathBuf, postcard::Error),
+    #[error("cannot encode the snapshot state: {0}")]
+    Encode(postcard::Error),
+    #[error("snapshot memory {path} holds {found} bytes, the state says {expected}")]
+    MemorySize {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
+    #[error("the snapshot was taken on {taken} and cannot restore on {here}")]
+    HostKind {
+        taken: &'static str,
+        here: &'static str,
+    },
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> PersistError + 'a {
+    move |source| PersistError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// How long each part of writing a snapshot took.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteTimes {
+    pub memory: Duration,
+    pub state: Duration,
+    pub state_bytes: usize,
+}
+
+/// Writes `state` and `mem` to `dir` (created if missing).
+pub fn write(
+    dir: &Path,
+    state: &MicrovmState,
+    mem: &GuestMemoryMmap,
+) -> Result<WriteTimes, PersistError> {
+    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    let state_path = dir.join(STATE_FILE);
+    let memory_path = dir.join(MEMORY_FILE);
+    if state_path.exists() || memory_path.exists() {
+        return Err(PersistError::Exists(dir.to_path_buf()));
+    }
+    let tag = std::process::id();
+    let memory_tmp = dir.join(format!(".{MEMORY_FILE}.{tag}.tmp"));
+    let state_tmp = dir.join(format!(".{STATE_FILE}.{tag}.tmp"));
+    let result = (|| {
+        let started = Instant::now();
+        let mut file = File::create(&memory_tmp).map_err(io("create", &memory_tmp))?;
+        crate::vstate::memory::dump(mem, &mut file).map_err(io("write", &memory_tmp))?;
+        file.sync_all().map_err(io("sync", &memory_tmp))?;
+        let memory = started.elapsed();
+
+        let started = Instant::now();
+        let bytes = postcard::to_stdvec(state).map_err(PersistError::Encode)?;
+        let mut file = File::create(&state_tmp).map_err(io("create", &state_tmp))?;
+        husk_snapshot::write_snapshot(&mut file, &bytes).map_err(|source| {
+            PersistError::Format {
+                path: state_tmp.clone(),
+                source,
+            }
+        })?;
+        file.flush().map_err(io("write", &state_tmp))?;
+        file.sync_all().map_err(io("sync", &state_tmp))?;
+        std::fs::rename(&memory_tmp, &memory_path).map_err(io("rename", &memory_tmp))?;
+        std::fs::rename(&state_tmp, &state_path).map_err(io("rename", &state_tmp))?;
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("sync", dir))?;
+        Ok(WriteTimes {
+            memory,
+            state: started.elapsed(),
+            state_bytes: bytes.len(),
+        })
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&memory_tmp);
+        let _ = std::fs::remove_file(&state_tmp);
+    }
+    result
+}
+
+/// Reads and checks `dir`'s state and opens its memory file. Nothing here
+/// reads guest memory: the cost does not grow with the guest's size.
+pub fn read(dir: &Path) -> Result<(MicrovmState, File), PersistError> {
+    let state_path = dir.join(STATE_FILE);
+    let memory_path = dir.join(MEMORY_FILE);
+    let mut file = match File::open(&state_path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(PersistError::NoState(dir.to_path_buf()))
+        }
+        other => other.map_err(io("open", &state_path))?,
+    };
+    let (_, bytes) =
+        husk_snapshot::read_snapshot(&mut file).map_err(|source| PersistError::Format {
+            path: state_path.clone(),
+            source,
+        })?;
+    let state: MicrovmState =
+        postcard::from_bytes(&bytes).map_err(|e| PersistError::Decode(state_path.clone(), e))?;
+    let memory = File::open(&memory_path).map_err(io("open", &memory_path))?;
+    let found = memory.metadata().map_err(io("stat", &memory_path))?.len();
+    let expected = u64::from(state.mem_size_mib) << 20;
+    if found != expected {
+        return Err(PersistError::MemorySize {
+            path: memory_path,
+            found,
+            expected,
+        });
+    }
+    Ok((state, memory))
+}
