@@ -250,6 +250,33 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 return Some(error(id, ErrorKind::Invalid, msg));
             }
         },
+        Body::Restored {
+            unix_ns,
+            hostname,
+            entropy,
+        } => {
+            let valid = !hostname.is_empty()
+                && hostname.len() <= 64
+                && hostname
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+            if !valid {
+                let msg = format!("`{hostname}` is not a valid hostname");
+                return Some(error(id, ErrorKind::Invalid, msg));
+            }
+            let steps = [
+                ("set the clock", crate::sys::set_clock(unix_ns)),
+                ("set the hostname", crate::sys::set_hostname(&hostname)),
+                ("add entropy", crate::sys::add_entropy(&entropy)),
+            ];
+            for (what, result) in steps {
+                if let Err(e) = result {
+                    let msg = format!("cannot {what} after the restore: {e}");
+                    return Some(error(id, ErrorKind::Internal, msg));
+                }
+            }
+            Body::Done
+        }
         Body::Stat { path } => return Some(crate::files::stat(id, &path)),
         Body::Mkdir { path } => return Some(crate::files::mkdir(id, &path)),
         Body::Remove { path, recursive } => {

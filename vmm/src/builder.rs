@@ -317,6 +317,12 @@ fn legacy_devices(
     Ok(pio)
 }
 
+/// Fills `buf` from the host kernel's RNG.
+fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
 /// Writes the final command line (with every device on it) and the zero page.
 fn write_cmdline_and_zero_page(
     mem: &GuestMemoryMmap,
@@ -337,11 +343,22 @@ fn write_cmdline_and_zero_page(
     }
     load_cmdline(mem, GuestAddress(CMDLINE_START), cmdline).map_err(BuildError::Cmdline)?;
     let e820 = boot::e820_map(regions);
+    let mut seed = [0u8; boot::RNG_SEED_LEN];
+    // A VM without a seed still boots; its RNG becomes ready later (or
+    // when the host seeds it through the agent).
+    let setup_data = match getrandom(&mut seed) {
+        Ok(()) => Some(boot::write_rng_seed(mem, &seed)?),
+        Err(e) => {
+            tracing::warn!("no RNG seed for the guest: {e}");
+            None
+        }
+    };
     let zero_page = boot::build_zero_page(&ZeroPage {
         kernel,
         cmdline_len,
         initramfs,
         e820: &e820,
+        setup_data,
     });
     boot::write_zero_page(mem, &zero_page)?;
     Ok(())

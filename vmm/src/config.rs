@@ -21,8 +21,11 @@ use crate::vstate::memory::MemoryConfig;
 /// is invariant) the clock of a restored guest jumps by the snapshot's age
 /// on the PVM hosts we build on, where restoring IA32_TSC does not move
 /// what the guest reads.
-pub const BASE_CMDLINE: &str =
-    "console=ttyS0 reboot=k panic=-1 quiet no_timer_check clocksource=kvm-clock";
+///
+/// `random.trust_bootloader=on`: the RNG seed the VMM passes in
+/// `setup_data` makes the guest's RNG ready at boot.
+pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet no_timer_check \
+     clocksource=kvm-clock random.trust_bootloader=on";
 
 /// Extra parameters on a PVM host, where the guest kernel runs through KVM's
 /// instruction emulator: turn off CPU features the emulator cannot execute.

@@ -24,7 +24,8 @@
 //! | `Pong { uptime_ms }` | guest → host | reply to `Ping`: guest CLOCK_BOOTTIME in ms |
 //! | `Health` | host → guest | guest clocks, memory, load and process count |
 //! | `HealthInfo(Health)` | guest → host | reply to `Health` |
-//! | `SetClock { unix_ns }` | host → guest | set the guest's wall clock (after a restore) |
+//! | `SetClock { unix_ns }` | host → guest | set the guest's wall clock |
+//! | `Restored { unix_ns, hostname, entropy }` | host → guest | a clone's first message after a restore: wall clock, its own hostname, fresh randomness |
 //! | `Exec(ExecRequest)` | host → guest | start a program (argv, no shell); foreground or background |
 //! | `Started { pid }` | guest → host | the program is running (first reply to `Exec`) |
 //! | `Output { stream, data }` | guest → host | a chunk of the program's stdout or stderr, as it runs |
@@ -109,44 +110,110 @@ pub struct Frame {
 /// The messages.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Body {
-    Hello { version: u32 },
+    Hello {
+        version: u32,
+    },
     Ping,
-    Pong { uptime_ms: u64 },
+    Pong {
+        uptime_ms: u64,
+    },
     Health,
     HealthInfo(Health),
-    SetClock { unix_ns: i64 },
+    SetClock {
+        unix_ns: i64,
+    },
+    Restored {
+        unix_ns: i64,
+        hostname: String,
+        entropy: Vec<u8>,
+    },
     Exec(ExecRequest),
-    Started { pid: i32 },
-    Output { stream: Stream, data: Vec<u8> },
-    Lost { bytes: u64 },
+    Started {
+        pid: i32,
+    },
+    Output {
+        stream: Stream,
+        data: Vec<u8>,
+    },
+    Lost {
+        bytes: u64,
+    },
     Exited(ExitReport),
-    Stdin { pid: i32, data: Vec<u8> },
-    StdinClose { pid: i32 },
-    Resize { pid: i32, rows: u16, cols: u16 },
-    Signal { pid: i32, signal: i32 },
+    Stdin {
+        pid: i32,
+        data: Vec<u8>,
+    },
+    StdinClose {
+        pid: i32,
+    },
+    Resize {
+        pid: i32,
+        rows: u16,
+        cols: u16,
+    },
+    Signal {
+        pid: i32,
+        signal: i32,
+    },
     Processes,
     ProcessList(Vec<ProcessInfo>),
-    Attach { pid: i32 },
-    Wait { pid: i32 },
-    ReadFile { path: String },
-    WriteFile { path: String, mode: u32 },
-    FileChunk { data: Vec<u8> },
-    FileEnd { size: u64 },
+    Attach {
+        pid: i32,
+    },
+    Wait {
+        pid: i32,
+    },
+    ReadFile {
+        path: String,
+    },
+    WriteFile {
+        path: String,
+        mode: u32,
+    },
+    FileChunk {
+        data: Vec<u8>,
+    },
+    FileEnd {
+        size: u64,
+    },
     FileCommit,
-    Written { size: u64 },
-    Stat { path: String },
+    Written {
+        size: u64,
+    },
+    Stat {
+        path: String,
+    },
     StatInfo(FileStat),
-    List { path: String },
-    Entries { entries: Vec<DirEntry>, more: bool },
-    Mkdir { path: String },
-    Remove { path: String, recursive: bool },
-    Rename { from: String, to: String },
-    Watch { path: String, recursive: bool },
+    List {
+        path: String,
+    },
+    Entries {
+        entries: Vec<DirEntry>,
+        more: bool,
+    },
+    Mkdir {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Rename {
+        from: String,
+        to: String,
+    },
+    Watch {
+        path: String,
+        recursive: bool,
+    },
     Watching,
     FsEvents(Vec<FsEvent>),
     Cancel,
     Done,
-    Error { kind: ErrorKind, message: String },
+    Error {
+        kind: ErrorKind,
+        message: String,
+    },
 }
 
 /// The guest's state, for health checks.

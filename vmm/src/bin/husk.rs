@@ -11,6 +11,14 @@
 //!     husk cp <host path> <vm>:<guest path>
 //!     husk ping <vm>
 //!     husk health <vm>
+//!     husk pause|resume <api>
+//!     husk snapshot <api> <dir>
+//!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME]
+//!
+//! `<api>` is the VM's control socket (husk-vmm --api-sock). `restore`
+//! starts each clone as its own background husk-vmm, waits until its agent
+//! answers, gives it its post-restore identity (clock, hostname `NAME-i`,
+//! fresh randomness), and prints one line per clone with its sockets.
 //!
 //! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>).
 //! `exec` streams the program's stdout and stderr to its own as they come
@@ -107,6 +115,139 @@ enum Command {
     Ping { vm: PathBuf },
     /// Print the guest's clock, memory, load and process count.
     Health { vm: PathBuf },
+    /// Stop the VM's vCPUs (its control socket).
+    Pause { api: PathBuf },
+    /// Let a paused VM run again.
+    Resume { api: PathBuf },
+    /// Write a full snapshot of the VM to DIR (a running VM is paused for it).
+    Snapshot { api: PathBuf, dir: PathBuf },
+    /// Start clones of the snapshot in DIR, each its own husk-vmm.
+    Restore {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        clones: u32,
+        /// Where each clone's sockets, console and log go (default: DIR).
+        #[arg(long)]
+        run_dir: Option<PathBuf>,
+        /// Clone names (and hostnames) are NAME-0, NAME-1, ...
+        #[arg(long, default_value = "clone")]
+        name: String,
+    },
+}
+
+/// Sends one control request; prints the reply; fails if it says so.
+fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
+    use std::io::BufRead;
+    let mut stream = std::os::unix::net::UnixStream::connect(api)
+        .map_err(|e| ClientError::Connect(api.display().to_string(), e))?;
+    stream.write_all(format!("{request}\n").as_bytes())?;
+    let mut line = String::new();
+    std::io::BufReader::new(stream).read_line(&mut line)?;
+    let ok = serde_json::from_str::<serde_json::Value>(&line)
+        .ok()
+        .and_then(|v| v["ok"].as_bool())
+        .unwrap_or(false);
+    if ok {
+        print!("{line}");
+        Ok(0)
+    } else {
+        eprint!("husk: {line}");
+        Ok(HUSK_FAILED)
+    }
+}
+
+/// One clone being started.
+struct Clone {
+    name: String,
+    child: std::process::Child,
+    vsock: PathBuf,
+    api: PathBuf,
+    log: PathBuf,
+    started: std::time::Instant,
+}
+
+fn restore(
+    dir: &std::path::Path,
+    clones: u32,
+    run_dir: PathBuf,
+    name: &str,
+) -> Result<u8, ClientError> {
+    use std::os::unix::process::CommandExt;
+    let vmm = std::env::var_os("HUSK_VMM").map_or_else(
+        || std::env::current_exe().map(|e| e.with_file_name("husk-vmm")),
+        |p| Ok(PathBuf::from(p)),
+    )?;
+    std::fs::create_dir_all(&run_dir)?;
+    let mut started = Vec::new();
+    for i in 0..clones {
+        let name = format!("{name}-{i}");
+        let vsock = run_dir.join(format!("{name}.vsock"));
+        let api = run_dir.join(format!("{name}.api"));
+        let log = run_dir.join(format!("{name}.log"));
+        let child = std::process::Command::new(&vmm)
+            .arg("--restore")
+            .arg(dir)
+            .args(["--id", &name])
+            .arg("--vsock")
+            .arg(format!("cid={},path={}", 3 + i, vsock.display()))
+            .arg("--api-sock")
+            .arg(&api)
+            .arg("--serial")
+            .arg(run_dir.join(format!("{name}.console")))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            // Its own process group: the clone outlives this command.
+            .process_group(0)
+            .spawn()?;
+        started.push(Clone {
+            name,
+            child,
+            vsock,
+            api,
+            log,
+            started: std::time::Instant::now(),
+        });
+    }
+    let mut failed = false;
+    for mut clone in started {
+        let deadline = clone.started + Duration::from_secs(120);
+        let ready = loop {
+            if let Ok(Some(status)) = clone.child.try_wait() {
+                let log = std::fs::read_to_string(&clone.log).unwrap_or_default();
+                break Err(format!("husk-vmm exited ({status}): {}", log.trim()));
+            }
+            // Short tries, so an early exit of husk-vmm is noticed.
+            let attempt = (std::time::Instant::now() + Duration::from_secs(1)).min(deadline);
+            match AgentClient::connect_when_ready(&clone.vsock, attempt, READ_TIMEOUT) {
+                Ok(mut client) => {
+                    let answered = clone.started.elapsed();
+                    break client
+                        .restored(&clone.name)
+                        .map(|()| answered)
+                        .map_err(|e| e.to_string());
+                }
+                Err(_) if std::time::Instant::now() < deadline => {}
+                Err(e) => break Err(format!("the agent did not answer: {e}")),
+            }
+        };
+        match ready {
+            Ok(answered) => println!(
+                "{} pid={} vsock={} api={} agent_ms={:.1} ready_ms={:.1}",
+                clone.name,
+                clone.child.id(),
+                clone.vsock.display(),
+                clone.api.display(),
+                answered.as_secs_f64() * 1000.0,
+                clone.started.elapsed().as_secs_f64() * 1000.0
+            ),
+            Err(e) => {
+                failed = true;
+                eprintln!("husk: {}: {e}", clone.name);
+            }
+        }
+    }
+    Ok(if failed { HUSK_FAILED } else { 0 })
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -368,6 +509,21 @@ fn run(args: Args) -> Result<u8, ClientError> {
                     println!("{:?} {}{slash}", e.kind, e.path);
                 }
             }
+        }
+        Command::Pause { api } => control(&api, "pause"),
+        Command::Resume { api } => control(&api, "resume"),
+        Command::Snapshot { api, dir } => {
+            let dir = std::path::absolute(&dir)?;
+            control(&api, &format!("snapshot {}", dir.display()))
+        }
+        Command::Restore {
+            dir,
+            clones,
+            run_dir,
+            name,
+        } => {
+            let run_dir = run_dir.unwrap_or_else(|| dir.clone());
+            restore(&dir, clones, run_dir, &name)
         }
         Command::Cp { from, to } => match (guest_side(&from), guest_side(&to)) {
             (Some((vm, path)), None) => {

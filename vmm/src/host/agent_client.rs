@@ -218,6 +218,30 @@ impl AgentClient {
         }
     }
 
+    /// Connects once the agent answers, trying until `deadline`: while the
+    /// guest boots (no socket, no listener yet) or right after a restore
+    /// (the guest drops connections made before it has seen the transport
+    /// reset, without a word), attempts fail or go unanswered. Each attempt
+    /// waits a little longer for the handshake, from 100 ms up to 5 s.
+    pub fn connect_when_ready(
+        uds: &Path,
+        deadline: std::time::Instant,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let mut patience = Duration::from_millis(100);
+        loop {
+            match Self::connect(uds, patience) {
+                Ok(mut client) => {
+                    client.set_read_timeout(Some(timeout))?;
+                    return Ok(client);
+                }
+                Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+                Err(ClientError::Connect(..)) => std::thread::sleep(Duration::from_millis(2)),
+                Err(_) => patience = (patience * 2).min(Duration::from_secs(5)),
+            }
+        }
+    }
+
     /// Bounds each read from the agent (`None`: wait for ever, e.g. for a
     /// silent program that has its own timeout).
     pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), ClientError> {
@@ -285,6 +309,22 @@ impl AgentClient {
         let unix_ns = i64::try_from(since.as_nanos())
             .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
         self.expect_done(Body::SetClock { unix_ns })
+    }
+
+    /// A clone's post-restore step: sets its wall clock to now, gives it
+    /// `hostname`, and fresh randomness from the host, so clones of one
+    /// snapshot share neither time, name nor random state.
+    pub fn restored(&mut self, hostname: &str) -> Result<(), ClientError> {
+        let mut entropy = vec![0u8; 64];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut entropy)?;
+        let unix_ns = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
+        self.expect_done(Body::Restored {
+            unix_ns,
+            hostname: hostname.to_owned(),
+            entropy,
+        })
     }
 
     /// Starts a foreground program; read its output with `next_event`.

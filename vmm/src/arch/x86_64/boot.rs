@@ -231,6 +231,8 @@ pub struct ZeroPage<'a> {
     pub cmdline_len: usize,
     pub initramfs: Option<(GuestAddress, u64)>,
     pub e820: &'a [E820Entry],
+    /// Address of the first `setup_data` entry, if any.
+    pub setup_data: Option<u64>,
 }
 
 /// Builds `struct boot_params` (the "zero page").
@@ -258,7 +260,27 @@ pub fn build_zero_page(zp: &ZeroPage) -> boot_params {
         };
     }
     params.e820_entries = zp.e820.len().min(params.e820_table.len()) as u8;
+    params.hdr.setup_data = zp.setup_data.unwrap_or(0);
     params
+}
+
+/// `setup_data` type of a random seed for the kernel's RNG.
+const SETUP_RNG_SEED: u32 = 9;
+/// Bytes of seed handed to the guest at boot.
+pub const RNG_SEED_LEN: usize = 32;
+
+/// Writes a `setup_data` entry carrying `seed` (SETUP_RNG_SEED) at
+/// SETUP_DATA_START and returns its address for the zero page. With
+/// `random.trust_bootloader=on` the kernel credits it, so the guest's RNG is
+/// ready at boot (getrandom never blocks) although it has no entropy source.
+pub fn write_rng_seed(mem: &GuestMemoryMmap, seed: &[u8; RNG_SEED_LEN]) -> Result<u64, BootError> {
+    let mut entry = Vec::with_capacity(16 + RNG_SEED_LEN);
+    entry.extend(0u64.to_le_bytes()); // next: none
+    entry.extend(SETUP_RNG_SEED.to_le_bytes());
+    entry.extend((RNG_SEED_LEN as u32).to_le_bytes());
+    entry.extend(seed);
+    mem.write_slice(&entry, GuestAddress(SETUP_DATA_START))?;
+    Ok(SETUP_DATA_START)
 }
 
 /// Writes the zero page to its fixed address.
@@ -411,6 +433,7 @@ mod tests {
             cmdline_len: 42,
             initramfs: Some((GuestAddress(0x700_0000), 0x1234)),
             e820: &e820,
+            setup_data: Some(SETUP_DATA_START),
         });
 
         assert_eq!({ params.hdr.boot_flag }, 0xaa55);
@@ -424,6 +447,24 @@ mod tests {
         assert_eq!(params.e820_entries, 3);
         assert_eq!({ params.e820_table[2].addr }, MIB);
         assert_eq!({ params.e820_table[2].size }, 127 * MIB);
+        assert_eq!({ params.hdr.setup_data }, SETUP_DATA_START);
+    }
+
+    #[test]
+    fn rng_seed_is_a_setup_data_entry() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory");
+
+        let addr = write_rng_seed(&mem, &[7; RNG_SEED_LEN]).expect("write");
+
+        let mut entry = [0u8; 16 + RNG_SEED_LEN];
+        mem.read_slice(&mut entry, GuestAddress(addr))
+            .expect("read");
+        assert_eq!(&entry[..8], &[0; 8], "no next entry");
+        assert_eq!(u32::from_le_bytes(entry[8..12].try_into().expect("4")), 9);
+        assert_eq!(u32::from_le_bytes(entry[12..16].try_into().expect("4")), 32);
+        assert_eq!(&entry[16..], &[7; RNG_SEED_LEN]);
+        // Clear of the command line it follows.
+        assert!(addr >= CMDLINE_START + CMDLINE_MAX_SIZE as u64);
     }
 
     #[test]

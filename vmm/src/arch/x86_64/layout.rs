@@ -31,6 +31,8 @@ pub const PDE_START: u64 = 0xb000;
 pub const CMDLINE_START: u64 = 0x20000;
 /// x86 `COMMAND_LINE_SIZE`, including the terminating NUL.
 pub const CMDLINE_MAX_SIZE: usize = 2048;
+/// The boot-time `setup_data` list (an RNG seed), right after the command line.
+pub const SETUP_DATA_START: u64 = CMDLINE_START + CMDLINE_MAX_SIZE as u64;
 /// Start of the extended BIOS data area; base memory ends here.
 pub const EBDA_START: u64 = 0x9fc00;
 /// The MP floating pointer and configuration table.

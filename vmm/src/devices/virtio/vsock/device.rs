@@ -32,6 +32,10 @@ pub struct VsockDevice {
     /// Configuration space: guest_cid (le64).
     config: [u8; 8],
     active: Option<ActiveQueues>,
+    /// After a restore: the transport reset was sent and the guest has not
+    /// yet handed its event buffer back. Until it does, nothing goes to the
+    /// guest: it would drop new connections along with the old ones.
+    awaiting_reset: bool,
 }
 
 impl VsockDevice {
@@ -44,6 +48,7 @@ impl VsockDevice {
             queue_evts,
             config: cid.to_le_bytes(),
             active: None,
+            awaiting_reset: false,
         })
     }
 
@@ -64,7 +69,7 @@ impl VsockDevice {
                 return_chain(&mut active.queues[TX], &mem, head, 0)?;
                 used = true;
             }
-            while self.muxer.has_rx() {
+            while self.muxer.has_rx() && !self.awaiting_reset {
                 let Some((head, descriptors)) = pop_chain(&mut active.queues[RX], &mem)? else {
                     break;
                 };
@@ -136,6 +141,7 @@ impl VirtioDevice for VsockDevice {
 
     fn reset(&mut self) {
         self.active = None;
+        self.awaiting_reset = false;
     }
 
     /// After a restore the guest's connections point at host sockets that
@@ -160,6 +166,7 @@ impl VirtioDevice for VsockDevice {
             _ => false,
         };
         if sent {
+            self.awaiting_reset = true;
             active.interrupt.trigger(INT_VRING);
         } else {
             tracing::warn!("vsock: no event buffer from the guest; its old connections stay");
@@ -182,6 +189,11 @@ impl MutEventSubscriber for VsockDevice {
         match self.queue_evts.get(token as usize) {
             Some(evt) => {
                 let _ = evt.read();
+                // The guest refills the event queue once it has handled
+                // the transport reset (reset its sockets, read the CID).
+                if token as usize == EVENT {
+                    self.awaiting_reset = false;
+                }
             }
             None => self.muxer.on_event(token, events.event_set(), ops),
         }

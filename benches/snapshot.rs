@@ -1,0 +1,214 @@
+//! Snapshot and restore, measured from the host:
+//!
+//!     cargo bench --bench snapshot          (HUSK_BENCH_SIZES=128,1024 HUSK_BENCH_RESTORES=20)
+//!
+//! For each guest size: boot once, take a full snapshot (pause, memory and
+//! state write times from the control socket), then restore it N times one
+//! after the other. Each restore is split into husk-vmm's own host phases
+//! (from its `main`: state loaded, VM created, memory mapped, vCPUs and
+//! devices restored, first KVM_RUN) and the end-to-end time from spawning
+//! the process to the agent answering a ping (which adds process start and
+//! the guest's side: vsock transport reset, page faults, the agent's reply).
+//! Then 10 clones run at once and their resident memory is read from
+//! /proc/PID/smaps_rollup: shared (the snapshot's page cache) versus
+//! private (what each clone wrote).
+//!
+//! On an emulating (PVM) host the guest's side of each number is inflated
+//! (every page fault and instruction of the guest kernel is emulated); the
+//! host phases run at full speed.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use husk_vmm::host::agent_client::AgentClient;
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn percentile(samples: &[f64], p: f64) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() - 1) as f64 * p).round() as usize]
+}
+
+fn control(api: &Path, request: &str) -> serde_json::Value {
+    let mut stream = UnixStream::connect(api).expect("control socket");
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .expect("request");
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).expect("reply");
+    serde_json::from_str(&line).expect("JSON")
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}
+
+fn restore(snapshot: &Path, dir: &Path, name: &str, timeline: Option<&Path>) -> (Killed, PathBuf) {
+    let uds = dir.join(format!("{name}.vsock"));
+    let mut cmd = Command::new(common::vmm_binary());
+    cmd.arg("--restore")
+        .arg(snapshot)
+        .args(["--id", name, "--serial", "null"])
+        .arg("--vsock")
+        .arg(format!("cid=5,path={}", uds.display()));
+    if let Some(t) = timeline {
+        cmd.arg("--timeline").arg(t);
+    }
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("husk-vmm --restore");
+    (Killed(child), uds)
+}
+
+fn smaps_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn bench_size(mem_mib: u32, restores: usize) {
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let d = dir.as_path();
+    let uds = d.join("base.vsock");
+    let api = d.join("base.api");
+    let mut cmd = common::guest_command(&[
+        "--mem-mib",
+        &mem_mib.to_string(),
+        "--vsock",
+        &format!("cid=3,path={}", uds.display()),
+        "--api-sock",
+        api.to_str().expect("utf-8"),
+        "--serial",
+        "null",
+    ]);
+    cmd.stdin(Stdio::null()).stdout(Stdio::null());
+    let base = Killed(cmd.spawn().expect("husk-vmm"));
+    let mut client =
+        AgentClient::connect_when_ready(&uds, Instant::now() + common::BOOT_TIMEOUT, TIMEOUT)
+            .expect("agent");
+    client.ping().expect("ping");
+    drop(client);
+    let snapshot = d.join("snap");
+    let reply = control(&api, &format!("snapshot {}", snapshot.display()));
+    assert_eq!(reply["ok"], true, "{reply}");
+    drop(base);
+    println!("\n{mem_mib} MiB guest");
+    println!(
+        "  snapshot: pause {:.2} ms, memory write {:.1} ms, state write {:.2} ms ({} bytes), total {:.1} ms",
+        reply["pause_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        reply["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        reply["state_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        reply["state_bytes"],
+        reply["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+    );
+
+    let phases = [
+        "state_loaded",
+        "vm_created",
+        "memory_ready",
+        "vcpus_ready",
+        "first_kvm_run",
+    ];
+    let mut host: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
+    let mut end_to_end = Vec::new();
+    for i in 0..restores {
+        let timeline = d.join(format!("r{i}.json"));
+        let started = Instant::now();
+        let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline));
+        while !uds.exists() {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
+            .expect("restored agent");
+        client.ping().expect("ping");
+        end_to_end.push(started.elapsed().as_secs_f64() * 1000.0);
+        drop(client);
+        drop(vmm);
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&timeline).expect("timeline"))
+                .expect("JSON");
+        for (k, name) in phases.iter().enumerate() {
+            host[k].push(report["phases_us"][name].as_f64().unwrap_or(f64::NAN) / 1000.0);
+        }
+    }
+    println!("  restore, {restores} runs (ms)        p50       p99");
+    for (k, name) in phases.iter().enumerate() {
+        println!(
+            "    host  {name:<14}  {:>9.2} {:>9.2}",
+            percentile(&host[k], 0.5),
+            percentile(&host[k], 0.99)
+        );
+    }
+    println!(
+        "    spawn -> agent ping answered {:>7.1} {:>9.1}",
+        percentile(&end_to_end, 0.5),
+        percentile(&end_to_end, 0.99)
+    );
+
+    // Ten clones at once: what each costs in memory.
+    let clones: Vec<_> = (0..10)
+        .map(|i| restore(&snapshot, d, &format!("c{i}"), None))
+        .collect();
+    for (_, uds) in &clones {
+        while !uds.exists() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut client = AgentClient::connect_when_ready(uds, Instant::now() + TIMEOUT, TIMEOUT)
+            .expect("clone agent");
+        client.ping().expect("ping");
+    }
+    let pids: Vec<u32> = clones.iter().map(|(k, _)| k.0.id()).collect();
+    let mean =
+        |field: &str| pids.iter().map(|&p| smaps_kib(p, field)).sum::<u64>() / pids.len() as u64;
+    println!(
+        "  10 clones alive, per clone: RSS {} KiB = shared {} KiB + private {} KiB (PSS {} KiB)",
+        mean("Rss:"),
+        mean("Shared_Clean:") + mean("Shared_Dirty:"),
+        mean("Private_Clean:") + mean("Private_Dirty:"),
+        mean("Pss:"),
+    );
+}
+
+fn main() {
+    let sizes: Vec<u32> = std::env::var("HUSK_BENCH_SIZES")
+        .unwrap_or_else(|_| "128,1024".into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let restores: usize = std::env::var("HUSK_BENCH_RESTORES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let start = Instant::now();
+    let version = Command::new(common::vmm_binary())
+        .arg("--version")
+        .output()
+        .expect("husk-vmm --version");
+    assert!(version.status.success());
+    println!(
+        "process start baseline: spawn + exit of `husk-vmm --version` {:.2} ms",
+        start.elapsed().as_secs_f64() * 1000.0
+    );
+    for size in sizes {
+        bench_size(size, restores);
+    }
+}

@@ -1,0 +1,394 @@
+//! Snapshots of a real guest: one boot for the whole file, one snapshot of
+//! it, then restores. Clones share the snapshot but nothing they write;
+//! their clocks continue from the snapshot however old it is; bad snapshots
+//! are refused before any guest runs; a snapshot cut short by a kill never
+//! restores.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::*;
+use husk_protocol::{ExecRequest, Termination};
+use husk_vmm::host::agent_client::AgentClient;
+use vmm_sys_util::tempdir::TempDir;
+
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
+/// A restored guest answers within seconds even here; this is a bound for
+/// a loaded CI machine, not an expectation.
+const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A husk-vmm that is killed when the test lets go of it.
+struct Vmm(Child);
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The snapshot every test here starts from.
+struct Base {
+    _dir: TempDir,
+    snapshot: PathBuf,
+    /// Guest uptime (CLOCK_BOOTTIME) just before the snapshot.
+    uptime_ms: u64,
+    taken: Instant,
+    /// A background program running when the snapshot was taken.
+    sleeper: i32,
+}
+
+fn sh(script: &str) -> ExecRequest {
+    ExecRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Sends one control request, returns the reply line.
+fn control(api: &Path, request: &str) -> serde_json::Value {
+    let mut stream = UnixStream::connect(api).expect("control socket");
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .expect("request");
+    let mut line = String::new();
+    BufReader::new(stream).read_line(&mut line).expect("reply");
+    serde_json::from_str(&line).expect("JSON reply")
+}
+
+fn wait_for_socket(path: &Path) {
+    let deadline = Instant::now() + BOOT_TIMEOUT;
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Boots once: a file in tmpfs, a background program, then a snapshot.
+fn base() -> &'static Base {
+    static BASE: OnceLock<Base> = OnceLock::new();
+    BASE.get_or_init(|| {
+        let dir = TempDir::new().expect("tempdir");
+        let uds = dir.as_path().join("base.vsock");
+        let api = dir.as_path().join("base.api");
+        let mut cmd = guest_command(&[
+            "--vsock",
+            &format!("cid=3,path={}", uds.display()),
+            "--api-sock",
+            api.to_str().expect("utf-8"),
+            "--serial",
+            "null",
+        ]);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null());
+        let _vmm = Vmm(cmd.spawn().expect("husk-vmm"));
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        let mut client =
+            AgentClient::connect_when_ready(&uds, deadline, READ_TIMEOUT).expect("agent");
+        client
+            .write_file("/tmp/file", 0o644, &b"base"[..])
+            .expect("write");
+        let sleeper = client
+            .spawn(sh("while true; do sleep 1; done"))
+            .expect("spawn");
+        let uptime_ms = client.ping().expect("ping");
+        let snapshot = dir.as_path().join("snap");
+        let reply = control(&api, &format!("snapshot {}", snapshot.display()));
+        assert_eq!(reply["ok"], true, "{reply}");
+        Base {
+            _dir: dir,
+            snapshot,
+            uptime_ms,
+            taken: Instant::now(),
+            sleeper,
+        }
+    })
+}
+
+/// Restores `snapshot` as clone `name` with vsock CID `cid`.
+fn restore(snapshot: &Path, dir: &Path, name: &str, cid: u32) -> (Vmm, PathBuf, PathBuf) {
+    let uds = dir.join(format!("{name}.vsock"));
+    let api = dir.join(format!("{name}.api"));
+    let child = Command::new(vmm_binary())
+        .arg("--restore")
+        .arg(snapshot)
+        .args(["--id", name, "--serial", "null"])
+        .arg("--vsock")
+        .arg(format!("cid={cid},path={}", uds.display()))
+        .arg("--api-sock")
+        .arg(&api)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("husk-vmm --restore");
+    (Vmm(child), uds, api)
+}
+
+fn connect(uds: &Path) -> AgentClient {
+    wait_for_socket(uds);
+    AgentClient::connect_when_ready(uds, Instant::now() + RESTORE_TIMEOUT, READ_TIMEOUT)
+        .expect("the restored agent answers")
+}
+
+fn sha(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    text(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[test]
+fn clones_share_a_snapshot_but_not_what_they_write() {
+    let base = base();
+    let files = [base.snapshot.join("state"), base.snapshot.join("memory")];
+    let before: Vec<String> = files.iter().map(|f| sha(f)).collect();
+    let run = TempDir::new().expect("tempdir");
+
+    let clones: Vec<_> = (0..3)
+        .map(|i| restore(&base.snapshot, run.as_path(), &format!("clone-{i}"), 10 + i))
+        .collect();
+    let mut seen = Vec::new();
+    for (i, (_, uds, _)) in clones.iter().enumerate() {
+        let name = format!("clone-{i}");
+        let mut client = connect(uds);
+        let uptime = client.ping().expect("ping");
+        client.restored(&name).expect("post-restore step");
+        let file = client
+            .exec(sh("cat /tmp/file"))
+            .expect("read the snapshot's file");
+        let programs = client.processes().expect("ps");
+        client
+            .write_file("/tmp/file", 0o644, name.as_bytes())
+            .expect("write its own change");
+        seen.push((name, uptime, text(&file.stdout), programs));
+    }
+    // Every clone now holds only its own change.
+    let mut after_writes = Vec::new();
+    for (_, uds, _) in &clones {
+        let mut client = connect(uds);
+        let out = client
+            .exec(sh("cat /tmp/file; echo; hostname"))
+            .expect("exec");
+        after_writes.push((text(&out.stdout), out.report.termination));
+    }
+    drop(clones);
+    let after: Vec<String> = files.iter().map(|f| sha(f)).collect();
+
+    for (name, uptime, file, programs) in &seen {
+        assert_eq!(file, "base", "{name} sees the snapshot's tmpfs");
+        let sleeper = programs.iter().find(|p| p.pid == base.sleeper);
+        assert!(
+            sleeper.is_some_and(|p| p.exit.is_none()),
+            "{name}: the background program runs on: {programs:?}"
+        );
+        // The clock continues from the snapshot (this one is seconds old).
+        assert!(
+            *uptime >= base.uptime_ms,
+            "{name}: {uptime} < {}",
+            base.uptime_ms
+        );
+    }
+    for (i, (out, termination)) in after_writes.iter().enumerate() {
+        assert_eq!(out, &format!("clone-{i}\nclone-{i}\n"));
+        assert_eq!(*termination, Termination::Code(0));
+    }
+    assert_eq!(before, after, "restores never write to the snapshot");
+}
+
+#[test]
+fn an_old_snapshot_resumes_its_clock_where_it_stopped() {
+    let base = base();
+    // The snapshot must be more than two minutes old.
+    let age = Duration::from_secs(125);
+    if let Some(left) = age.checked_sub(base.taken.elapsed()) {
+        std::thread::sleep(left);
+    }
+    let age = base.taken.elapsed();
+    let run = TempDir::new().expect("tempdir");
+
+    let (_vmm, uds, _) = restore(&base.snapshot, run.as_path(), "old", 20);
+    let started = Instant::now();
+    let mut client = connect(&uds);
+    let uptime = client.ping().expect("ping");
+    let answered = started.elapsed();
+    client.restored("old").expect("post-restore step");
+    let health = client.health().expect("health");
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .expect("clock")
+        .as_nanos() as i64;
+
+    // Guest time passed since the snapshot: at most the time this restore
+    // took, never the snapshot's age.
+    let guest_passed = Duration::from_millis(uptime.saturating_sub(base.uptime_ms));
+    assert!(uptime >= base.uptime_ms);
+    assert!(
+        guest_passed < answered + Duration::from_secs(30) && guest_passed < age / 2,
+        "guest clock moved {guest_passed:?} for a snapshot {age:?} old (restore took {answered:?})"
+    );
+    // And the wall clock is the host's after the post-restore step.
+    assert!(
+        (health.unix_ns - host_now).abs() < 30_000_000_000,
+        "guest wall clock {} vs host {host_now}",
+        health.unix_ns
+    );
+}
+
+/// A copy of the base snapshot in `dir` whose state file `edit` changes;
+/// the memory file is linked, not copied.
+fn variant(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let base = base();
+    let out = dir.join(name);
+    std::fs::create_dir(&out).expect("mkdir");
+    let mut state = std::fs::read(base.snapshot.join("state")).expect("state");
+    edit(&mut state);
+    std::fs::write(out.join("state"), state).expect("write state");
+    std::fs::hard_link(base.snapshot.join("memory"), out.join("memory")).expect("link memory");
+    out
+}
+
+/// Runs a restore that must be refused; returns its log.
+fn refused(snapshot: &Path, vsock: Option<&Path>) -> String {
+    let mut cmd = Command::new(vmm_binary());
+    cmd.arg("--restore").arg(snapshot);
+    if let Some(uds) = vsock {
+        cmd.arg("--vsock")
+            .arg(format!("cid=30,path={}", uds.display()));
+    }
+    let started = Instant::now();
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .expect("husk-vmm --restore");
+    let log = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{log}");
+    // Refused while checking: no vCPU ran, so nothing took guest time.
+    assert!(started.elapsed() < Duration::from_secs(10), "{log}");
+    assert!(!text(&out.stdout).contains("first_kvm_run"));
+    log
+}
+
+#[test]
+fn bad_snapshots_are_refused_before_any_guest_runs() {
+    let dir = TempDir::new().expect("tempdir");
+    let uds = dir.as_path().join("x.vsock");
+    let d = dir.as_path();
+
+    let truncated = refused(
+        &variant(d, "truncated", |s| s.truncate(s.len() / 2)),
+        Some(&uds),
+    );
+    let corrupt = refused(
+        &variant(d, "corrupt", |s| {
+            let mid = s.len() / 2;
+            s[mid] ^= 0x55;
+        }),
+        Some(&uds),
+    );
+    let version = refused(&variant(d, "version", |s| s[8] = 9), Some(&uds));
+    let magic = refused(&variant(d, "magic", |s| s[0] = b'X'), Some(&uds));
+    let small_memory = {
+        let v = variant(d, "memory", |_| {});
+        std::fs::remove_file(v.join("memory")).expect("unlink");
+        let f = std::fs::File::create(v.join("memory")).expect("memory");
+        f.set_len(64 << 20).expect("set_len");
+        refused(&v, Some(&uds))
+    };
+    let no_vsock = refused(&base().snapshot, None);
+    let missing = refused(&d.join("nothing-here"), Some(&uds));
+
+    assert!(truncated.contains("truncated"), "{truncated}");
+    assert!(corrupt.contains("CRC64"), "{corrupt}");
+    assert!(version.contains("format 9.x is not supported"), "{version}");
+    assert!(magic.contains("not a husk snapshot"), "{magic}");
+    assert!(
+        small_memory.contains("holds 67108864 bytes, the state says 134217728"),
+        "{small_memory}"
+    );
+    assert!(
+        no_vsock.contains("give this clone its own with --vsock"),
+        "{no_vsock}"
+    );
+    assert!(
+        missing.contains("holds no snapshot state file"),
+        "{missing}"
+    );
+}
+
+#[test]
+fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    let (vmm, uds, api) = restore(&base.snapshot, run.as_path(), "parent", 40);
+    let mut client = connect(&uds);
+    client.restored("parent").expect("post-restore step");
+    client
+        .write_file("/tmp/generation", 0o644, &b"second"[..])
+        .expect("write");
+
+    // A snapshot of a restored VM, into a directory that has one already.
+    let again = control(&api, &format!("snapshot {}", base.snapshot.display()));
+    let second = run.as_path().join("second");
+    let reply = control(&api, &format!("snapshot {}", second.display()));
+    // Kill the VMM while it writes a third one.
+    let third = run.as_path().join("third");
+    let mut stream = UnixStream::connect(&api).expect("control socket");
+    stream
+        .write_all(format!("snapshot {}\n", third.display()).as_bytes())
+        .expect("request");
+    std::thread::sleep(Duration::from_millis(20));
+    drop(vmm);
+    let mut rest = String::new();
+    let _ = stream.read_to_string(&mut rest);
+    let leftovers: Vec<String> = std::fs::read_dir(&third)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    let third_restore = refused(&third, Some(&run.as_path().join("t.vsock")));
+
+    let (_child, child_uds, _) = restore(&second, run.as_path(), "grandchild", 41);
+    let mut grandchild = connect(&child_uds);
+    let generation = grandchild
+        .exec(sh("cat /tmp/generation /tmp/file"))
+        .expect("exec");
+
+    assert_eq!(again["ok"], false, "{again}");
+    assert!(
+        again["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("already holds a snapshot")),
+        "{again}"
+    );
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(rest.is_empty(), "the killed VMM answered: {rest}");
+    assert!(
+        !leftovers.iter().any(|f| f == "state"),
+        "a killed snapshot left a state file: {leftovers:?}"
+    );
+    assert!(
+        third_restore.contains("holds no snapshot state file"),
+        "{third_restore}"
+    );
+    assert_eq!(text(&generation.stdout), "secondbase");
+}
