@@ -30,4 +30,4 @@ lint:
 
 bench:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
-	cargo bench --locked --bench boot_timeline --bench devices --bench agent
+	cargo bench --locked --bench boot_timeline --bench devices --bench agent --bench snapshot

@@ -88,6 +88,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
 
     let mem = memory::create_guest_memory(&config.memory)?;
     vm.register_memory(&kvm, &mem)?;
+    vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
     let regions = memory::ram_regions(u64::from(config.memory.size_mib) << 20);
@@ -223,6 +224,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
 
     let mem = memory::map_snapshot_file(&memory_file, state.mem_size_mib)?;
     vm.register_memory(&kvm, &mem)?;
+    vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
     vm.restore_state(&state.vm)

@@ -9,9 +9,9 @@ use std::time::Instant;
 pub enum Phase {
     /// Restore only: the snapshot's state read, checked and decoded.
     StateLoaded,
-    /// KVM opened and checked, VM and irqchip created.
+    /// KVM opened and checked, VM created.
     VmCreated,
-    /// Guest memory allocated (and prefaulted) and registered.
+    /// Guest memory allocated (and prefaulted) or mapped, registered; irqchip and PIT created.
     MemoryReady,
     /// Kernel, initramfs, command line, zero page and MP table in memory.
     KernelLoaded,

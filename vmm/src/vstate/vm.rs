@@ -58,18 +58,27 @@ pub struct Vm {
 }
 
 impl Vm {
-    /// Creates the VM, its IOAPIC/PIC/LAPICs and the PIT.
+    /// Creates the VM. Its interrupt controllers come after its memory
+    /// (`create_devices`): KVM registers a memory slot ~60x faster on a VM
+    /// without them (0.1 ms instead of 6-7 ms for 128 MiB, measured on the
+    /// PVM build hosts), which is most of a restore's host time.
     pub fn new(kvm: &Kvm) -> Result<Self, VmError> {
         let fd = kvm.create_vm().map_err(VmError::Create)?;
-        fd.set_tss_address(KVM_TSS_ADDRESS as usize)
+        Ok(Vm { fd })
+    }
+
+    /// Creates the IOAPIC/PIC/LAPICs and the PIT (after the memory).
+    pub fn create_devices(&self) -> Result<(), VmError> {
+        self.fd
+            .set_tss_address(KVM_TSS_ADDRESS as usize)
             .map_err(VmError::TssAddress)?;
-        fd.create_irq_chip().map_err(VmError::Irqchip)?;
+        self.fd.create_irq_chip().map_err(VmError::Irqchip)?;
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
-        fd.create_pit2(pit).map_err(VmError::Pit)?;
-        Ok(Vm { fd })
+        self.fd.create_pit2(pit).map_err(VmError::Pit)?;
+        Ok(())
     }
 
     /// Registers every guest memory region with KVM, one slot each.
