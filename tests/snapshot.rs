@@ -392,3 +392,91 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
     );
     assert_eq!(text(&generation.stdout), "secondbase");
 }
+
+/// The data extents of a sparse file: (offset, length).
+fn data_extents(path: &Path) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).expect("open");
+    let size = file.metadata().expect("stat").len() as i64;
+    let fd = file.as_raw_fd();
+    let mut extents = Vec::new();
+    let mut at = 0i64;
+    while at < size {
+        // SAFETY: lseek on our own descriptor.
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        extents.push((data as u64, (hole - data) as u64));
+        at = hole;
+    }
+    extents
+}
+
+#[test]
+fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    let (_vmm, uds, api) = restore(&base.snapshot, run.as_path(), "differ", 50);
+    let mut client = connect(&uds);
+    client.restored("differ").expect("post-restore step");
+    client
+        .write_file("/tmp/after-base", 0o644, &b"written after the base"[..])
+        .expect("write");
+    drop(client);
+
+    // Both taken while paused, so they describe the same machine.
+    let paused = control(&api, "pause");
+    let diff = run.as_path().join("diff");
+    let full = run.as_path().join("full");
+    let diff_reply = control(&api, &format!("snapshot-diff {}", diff.display()));
+    let full_reply = control(&api, &format!("snapshot {}", full.display()));
+    let second_diff = run.as_path().join("diff2");
+    let empty_reply = control(&api, &format!("snapshot-diff {}", second_diff.display()));
+    control(&api, "resume");
+
+    // base + the diff's pages must equal the full snapshot, byte for byte.
+    let mut merged = std::fs::read(base.snapshot.join("memory")).expect("base memory");
+    let diff_memory = std::fs::read(diff.join("memory")).expect("diff memory");
+    let extents = data_extents(&diff.join("memory"));
+    for &(offset, len) in &extents {
+        let (a, b) = (offset as usize, (offset + len) as usize);
+        merged[a..b].copy_from_slice(&diff_memory[a..b]);
+    }
+    let full_memory = std::fs::read(full.join("memory")).expect("full memory");
+    let same = merged == full_memory;
+    drop((merged, diff_memory, full_memory));
+
+    let (_restored, restored_uds, _) = restore(&diff, run.as_path(), "from-diff", 51);
+    let mut restored = connect(&restored_uds);
+    let seen = restored
+        .exec(sh("cat /tmp/after-base; echo; cat /tmp/file"))
+        .expect("exec");
+
+    assert_eq!(paused["ok"], true, "{paused}");
+    assert_eq!(diff_reply["ok"], true, "{diff_reply}");
+    assert_eq!(full_reply["ok"], true, "{full_reply}");
+    let diff_bytes = diff_reply["memory_bytes"].as_u64().expect("bytes");
+    let full_bytes = full_reply["memory_bytes"].as_u64().expect("bytes");
+    assert!(
+        diff_bytes > 0 && diff_bytes < full_bytes / 2,
+        "a diff of {diff_bytes} bytes against {full_bytes}"
+    );
+    let on_disk: u64 = extents.iter().map(|e| e.1).sum();
+    assert!(
+        on_disk <= diff_bytes + (1 << 20),
+        "{on_disk} bytes of data on disk"
+    );
+    assert!(same, "base + diff differs from the full snapshot");
+    // Nothing ran between the full snapshot and this diff: (almost) empty.
+    assert_eq!(empty_reply["ok"], true, "{empty_reply}");
+    assert!(
+        empty_reply["memory_bytes"]
+            .as_u64()
+            .is_some_and(|b| b < diff_bytes),
+        "{empty_reply}"
+    );
+    assert_eq!(text(&seen.stdout), "written after the base\nbase");
+}

@@ -24,12 +24,14 @@ static STALE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 /// The limit is `husk.pids_max=` from the kernel command line, or three
 /// quarters of the kernel's thread limit, so the agent always has room.
 pub fn setup(cmdline: &str) -> io::Result<u64> {
+    // favordynmods: moving a task into a cgroup (every exec does) then
+    // skips an RCU grace period, which costs about a second here.
     crate::sys::mount(
         "cgroup2",
         ROOT,
         "cgroup2",
         crate::sys::NOSUID_NODEV_NOEXEC,
-        "",
+        "favordynmods",
     )?;
     std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+pids")?;
     match std::fs::create_dir(SANDBOX) {

@@ -7,6 +7,7 @@
 //! | `pause` | `{"ok":true,"pause_us":N}`: every vCPU is out of KVM_RUN |
 //! | `resume` | `{"ok":true}` |
 //! | `snapshot DIR` | `{"ok":true,...timings}`: a full snapshot in DIR (see `persist`); a running VM is paused for it and resumed after |
+//! | `snapshot-diff DIR` | the same, with only the pages written since the last snapshot (or the restore) |
 //!
 //! Failures answer `{"ok":false,"error":"..."}`. Requests are carried out
 //! on the VMM's main thread between device events, so devices are quiet
@@ -31,6 +32,7 @@ pub enum Request {
     Pause,
     Resume,
     Snapshot(PathBuf),
+    SnapshotDiff(PathBuf),
 }
 
 impl std::str::FromStr for Request {
@@ -45,9 +47,12 @@ impl std::str::FromStr for Request {
             ("pause", true) => Ok(Request::Pause),
             ("resume", true) => Ok(Request::Resume),
             ("snapshot", false) => Ok(Request::Snapshot(PathBuf::from(arg))),
-            ("snapshot", true) => Err("snapshot needs a directory: `snapshot DIR`".into()),
+            ("snapshot-diff", false) => Ok(Request::SnapshotDiff(PathBuf::from(arg))),
+            ("snapshot" | "snapshot-diff", true) => {
+                Err(format!("{verb} needs a directory: `{verb} DIR`"))
+            }
             _ => Err(format!(
-                "unknown request `{line}` (status, pause, resume, snapshot DIR)"
+                "unknown request `{line}` (status, pause, resume, snapshot DIR, snapshot-diff DIR)"
             )),
         }
     }

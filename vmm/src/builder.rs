@@ -2,9 +2,10 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::load_cmdline;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::boot::{self, BootError, ZeroPage};
@@ -149,6 +150,8 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         id: config.id.clone(),
         vm,
         mem,
+        last_snapshot: None,
+        dirty_logging: false,
         mem_size_mib: config.memory.size_mib,
         pvm,
         vcpus,
@@ -163,6 +166,8 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         events,
         buses,
         api: None,
+        api_server: None,
+        device_thread: None,
     })
 }
 
@@ -183,7 +188,7 @@ pub struct RestoreConfig {
 /// Every check (format, checksum, memory size, device set, host kind) is
 /// done before a vCPU exists.
 pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
-    let (state, memory_file) = persist::read(&config.snapshot)?;
+    let (state, layers) = persist::read(&config.snapshot)?;
     let pvm = kvm::is_pvm_host();
     if state.pvm != pvm {
         let kind = |p| {
@@ -222,8 +227,13 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     let vm = Vm::new(&kvm)?;
     timeline.mark(Phase::VmCreated);
 
-    let mem = memory::map_snapshot_file(&memory_file, state.mem_size_mib)?;
+    let mem = memory::map_snapshot_file(&layers[0].file, state.mem_size_mib)?;
+    for layer in &layers[1..] {
+        memory::overlay(&mem, &layer.file, layer.runs.as_deref().unwrap_or_default())?;
+    }
     vm.register_memory(&kvm, &mem)?;
+    // Diffs of this clone are relative to the snapshot it came from.
+    vm.set_dirty_logging(&mem, true)?;
     vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
@@ -272,10 +282,13 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     timeline.mark(Phase::VcpusReady);
     let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
 
+    let last_snapshot = std::fs::canonicalize(&config.snapshot).ok();
     Ok(Vmm {
         id: config.id.clone(),
         vm,
         mem,
+        last_snapshot,
+        dirty_logging: true,
         mem_size_mib: state.mem_size_mib,
         pvm,
         vcpus,
@@ -290,6 +303,8 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
         events,
         buses,
         api: None,
+        api_server: None,
+        device_thread: None,
     })
 }
 

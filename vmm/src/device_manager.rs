@@ -5,10 +5,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventManager, MutEventSubscriber, SubscriberOps};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use linux_loader::cmdline::Cmdline;
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};

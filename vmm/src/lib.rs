@@ -21,8 +21,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
-use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
 use device_manager::EventLoop;
@@ -80,6 +81,8 @@ pub enum VmmError {
     Vcpu(#[from] VcpuError),
     #[error("the VM must be paused first")]
     NotPaused,
+    #[error("cannot start a thread: {0}")]
+    Thread(#[source] std::io::Error),
     #[error("{0}")]
     Unsupported(String),
     #[error(transparent)]
@@ -93,6 +96,11 @@ pub struct Vmm {
     #[allow(dead_code)]
     pub(crate) vm: Vm,
     pub(crate) mem: GuestMemoryMmap,
+    /// The snapshot the next diff is relative to: the last one taken, or
+    /// the one this VM was restored from.
+    pub(crate) last_snapshot: Option<std::path::PathBuf>,
+    /// KVM logs dirty pages (on from the first snapshot, or from a restore).
+    pub(crate) dirty_logging: bool,
     pub(crate) mem_size_mib: u32,
     pub(crate) pvm: bool,
     /// Built, not yet started.
@@ -113,6 +121,9 @@ pub struct Vmm {
     pub(crate) buses: (Arc<devices::bus::Bus>, Arc<devices::bus::Bus>),
     /// Requests from the control socket, if there is one.
     pub(crate) api: Option<api::Pending>,
+    pub(crate) api_server: Option<Arc<Mutex<api::ApiServer>>>,
+    /// The devices' event loop once the VM runs (see [`DeviceThread`]).
+    pub(crate) device_thread: Option<DeviceThread>,
 }
 
 impl fmt::Debug for Vmm {
@@ -155,16 +166,20 @@ impl Vmm {
     /// Serves a control socket at `path` (see [`api`]).
     pub fn listen_api(&mut self, path: &std::path::Path) -> std::io::Result<()> {
         let (server, pending) = api::ApiServer::bind(path)?;
-        self.events.add_subscriber(Arc::new(Mutex::new(server)));
+        self.api_server = Some(Arc::new(Mutex::new(server)));
         self.api = Some(pending);
         Ok(())
     }
 
-    /// Stops every vCPU outside KVM_RUN.
+    /// Stops every vCPU outside KVM_RUN, then the devices: while paused
+    /// nothing touches guest memory and host I/O for the guest waits.
     pub fn pause(&mut self) -> Result<(), VmmError> {
         if !self.paused {
             for handle in &self.handles {
                 handle.pause()?;
+            }
+            if let Some(devices) = &self.device_thread {
+                devices.stop()?;
             }
             self.paused = true;
         }
@@ -173,6 +188,9 @@ impl Vmm {
 
     pub fn resume(&mut self) -> Result<(), VmmError> {
         if self.paused {
+            if let Some(devices) = &self.device_thread {
+                devices.go();
+            }
             for handle in &self.handles {
                 handle.resume()?;
             }
@@ -181,8 +199,13 @@ impl Vmm {
         Ok(())
     }
 
-    /// Writes a full snapshot of the paused VM to `dir`.
-    pub fn snapshot(&mut self, dir: &std::path::Path) -> Result<persist::WriteTimes, VmmError> {
+    /// Writes a snapshot of the paused VM to `dir`: all of its memory, or
+    /// (`diff`) only the pages written since the last snapshot.
+    pub fn snapshot(
+        &mut self,
+        dir: &std::path::Path,
+        diff: bool,
+    ) -> Result<persist::WriteTimes, VmmError> {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
@@ -196,6 +219,29 @@ impl Vmm {
             let transport = lock(&attached.transport).save();
             devices.push(persist::DeviceSnapshot { device, transport });
         }
+        let memory = match (diff, &self.last_snapshot) {
+            (true, Some(base)) if self.dirty_logging => {
+                let kvm_dirty = self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
+                persist::MemoryLayout::Diff {
+                    base: base.clone(),
+                    runs: vstate::memory::take_dirty(&self.mem, &kvm_dirty),
+                }
+            }
+            (true, _) => {
+                return Err(VmmError::Unsupported(
+                    "a diff snapshot needs an earlier snapshot of this VM (or a restored VM)"
+                        .into(),
+                ))
+            }
+            (false, _) => {
+                if self.dirty_logging {
+                    // Everything is in this one: start the next diff afresh.
+                    self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
+                }
+                vstate::memory::clear_dirty(&self.mem);
+                persist::MemoryLayout::Full
+            }
+        };
         let vcpus = self
             .handles
             .iter()
@@ -211,9 +257,27 @@ impl Vmm {
                 .map_err(|e| VmmError::Unsupported(e.to_string()))?,
             vcpus,
             serial: lock(&self.serial).save(),
+            memory,
             devices,
         };
-        Ok(persist::write(dir, &state, &self.mem)?)
+        match persist::write(dir, &state, &self.mem) {
+            Ok(times) => {
+                self.last_snapshot = std::fs::canonicalize(dir).ok();
+                if !self.dirty_logging {
+                    self.vm
+                        .set_dirty_logging(&self.mem, true)
+                        .map_err(dirty_error)?;
+                    self.dirty_logging = true;
+                }
+                Ok(times)
+            }
+            Err(e) => {
+                // The dirty pages were consumed: only a full snapshot is
+                // complete now.
+                self.last_snapshot = None;
+                Err(e.into())
+            }
+        }
     }
 
     /// Carries out one control request; returns the reply.
@@ -228,13 +292,16 @@ impl Vmm {
                 .pause()
                 .map(|()| serde_json::json!({ "pause_us": started.elapsed().as_micros() as u64 })),
             api::Request::Resume => self.resume().map(|()| serde_json::json!({})),
-            api::Request::Snapshot(dir) => {
+            api::Request::Snapshot(dir) | api::Request::SnapshotDiff(dir) => {
+                let diff = matches!(request, api::Request::SnapshotDiff(_));
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {
                     let paused = started.elapsed();
-                    let times = self.snapshot(dir)?;
+                    let times = self.snapshot(dir, diff)?;
                     Ok(serde_json::json!({
                         "dir": dir.display().to_string(),
+                        "diff": diff,
+                        "memory_bytes": times.memory_bytes,
                         "pause_us": paused.as_micros() as u64,
                         "memory_write_us": times.memory.as_micros() as u64,
                         "state_write_us": times.state.as_micros() as u64,
@@ -277,6 +344,13 @@ impl Vmm {
             self.handles.push(handle);
         }
 
+        // Devices get their own thread; this one keeps the control loop.
+        let control = EventLoop::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
+        let devices = std::mem::replace(&mut self.events, control);
+        self.device_thread = Some(DeviceThread::start(devices)?);
+        if let Some(server) = self.api_server.take() {
+            self.events.add_subscriber(server);
+        }
         let watcher = Arc::new(Mutex::new(ExitWatcher {
             signals,
             stop_evt,
@@ -307,6 +381,100 @@ impl Vmm {
             }
         }
     }
+}
+
+/// The devices' event loop, on its own thread so that a pause can stop it
+/// between events: a snapshot then sees every device and queue at rest.
+#[derive(Debug)]
+pub(crate) struct DeviceThread {
+    gate: Arc<(Mutex<Gate>, std::sync::Condvar)>,
+    wake: EventFd,
+}
+
+#[derive(Debug, Default)]
+struct Gate {
+    stop_requested: bool,
+    stopped: bool,
+}
+
+/// Wakes the device loop out of its wait so it can see a stop request.
+struct Waker(EventFd);
+
+impl MutEventSubscriber for Waker {
+    fn init(&mut self, ops: &mut EventOps) {
+        if let Err(e) = ops.add(Events::new(&self.0, EventSet::IN)) {
+            tracing::error!("cannot watch the device loop's wake eventfd: {e:?}");
+        }
+    }
+
+    fn process(&mut self, _events: Events, _ops: &mut EventOps) {
+        let _ = self.0.read();
+    }
+}
+
+impl DeviceThread {
+    fn start(mut events: EventLoop) -> Result<Self, VmmError> {
+        let wake = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
+        let waker = Waker(wake.try_clone().map_err(VmmError::EventFd)?);
+        events.add_subscriber(Arc::new(Mutex::new(waker)));
+        let gate = Arc::new((Mutex::new(Gate::default()), std::sync::Condvar::new()));
+        let thread_gate = gate.clone();
+        std::thread::Builder::new()
+            .name("devices".into())
+            .spawn(move || loop {
+                {
+                    let (state, changed) = &*thread_gate;
+                    let mut state = lock(state);
+                    if state.stop_requested {
+                        state.stopped = true;
+                        changed.notify_all();
+                        while state.stop_requested {
+                            state = changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                        }
+                        state.stopped = false;
+                    }
+                }
+                if let Err(e) = events.run() {
+                    tracing::error!("the device event loop failed: {e:?}");
+                    return;
+                }
+            })
+            .map_err(VmmError::Thread)?;
+        Ok(DeviceThread { gate, wake })
+    }
+
+    /// Waits until the device loop is parked between events.
+    fn stop(&self) -> Result<(), VmmError> {
+        let (state, changed) = &*self.gate;
+        let mut state = lock(state);
+        state.stop_requested = true;
+        let _ = self.wake.write(1);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !state.stopped {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                state.stop_requested = false;
+                return Err(VmmError::Unsupported(
+                    "the device loop did not stop within 5 s".into(),
+                ));
+            }
+            state = changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn go(&self) {
+        let (state, changed) = &*self.gate;
+        lock(state).stop_requested = false;
+        changed.notify_all();
+    }
+}
+
+fn dirty_error(e: vstate::vm::VmError) -> VmmError {
+    VmmError::Unsupported(format!("dirty page tracking: {e}"))
 }
 
 fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

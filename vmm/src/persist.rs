@@ -11,14 +11,20 @@
 //! Both are written under temporary names, fsynced, then renamed, `state`
 //! last: a VMM killed mid-snapshot leaves no directory that restores as if
 //! it were complete.
+//!
+//! A diff snapshot's `memory` holds only the pages written since the
+//! snapshot it names as its base (KVM's dirty log for the guest's writes,
+//! the VMM's bitmap for its own), at their offsets in an otherwise sparse
+//! file. A restore maps the base's memory (itself possibly a diff, up to
+//! [`MAX_CHAIN`] deep) and the diff's pages over it.
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use serde::{Deserialize, Serialize};
-use vm_memory::GuestMemoryMmap;
 
 use crate::devices::serial::SerialSnapshot;
 use crate::devices::virtio::mmio::TransportSnapshot;
@@ -27,6 +33,29 @@ use crate::vstate::vm::VmState;
 
 pub const STATE_FILE: &str = "state";
 pub const MEMORY_FILE: &str = "memory";
+/// Longest chain of diff snapshots a restore follows.
+pub const MAX_CHAIN: usize = 16;
+
+/// What a snapshot's memory file holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemoryLayout {
+    /// All of guest RAM.
+    Full,
+    /// Only `runs` (file offset, length): the pages written since the
+    /// snapshot in `base` (an absolute path), which holds the rest.
+    Diff {
+        base: PathBuf,
+        runs: Vec<(u64, u64)>,
+    },
+}
+
+/// One memory file of a restore, base first: all of it (`runs: None`) or
+/// only its runs over what came before.
+#[derive(Debug)]
+pub struct MemoryLayer {
+    pub file: File,
+    pub runs: Option<Vec<(u64, u64)>>,
+}
 
 /// Which device a transport carried.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +81,7 @@ pub struct MicrovmState {
     pub vm: VmState,
     pub vcpus: Vec<VcpuState>,
     pub serial: SerialSnapshot,
+    pub memory: MemoryLayout,
     /// In MMIO slot order.
     pub devices: Vec<DeviceSnapshot>,
 }
@@ -86,6 +116,12 @@ pub enum PersistError {
         found: u64,
         expected: u64,
     },
+    #[error("diff snapshot {dir}: its base {base} {problem}")]
+    Base {
+        dir: PathBuf,
+        base: PathBuf,
+        problem: String,
+    },
     #[error("the snapshot was taken on {taken} and cannot restore on {here}")]
     HostKind {
         taken: &'static str,
@@ -105,6 +141,8 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
 #[derive(Debug, Clone, Copy, Default)]
 pub struct WriteTimes {
     pub memory: Duration,
+    /// Guest memory bytes written (all of it, or a diff's pages).
+    pub memory_bytes: u64,
     pub state: Duration,
     pub state_bytes: usize,
 }
@@ -127,7 +165,11 @@ pub fn write(
     let result = (|| {
         let started = Instant::now();
         let mut file = File::create(&memory_tmp).map_err(io("create", &memory_tmp))?;
-        crate::vstate::memory::dump(mem, &mut file).map_err(io("write", &memory_tmp))?;
+        match &state.memory {
+            MemoryLayout::Full => crate::vstate::memory::dump(mem, &mut file),
+            MemoryLayout::Diff { runs, .. } => crate::vstate::memory::dump_runs(mem, &file, runs),
+        }
+        .map_err(io("write", &memory_tmp))?;
         file.sync_all().map_err(io("sync", &memory_tmp))?;
         let memory = started.elapsed();
 
@@ -147,8 +189,13 @@ pub fn write(
         File::open(dir)
             .and_then(|d| d.sync_all())
             .map_err(io("sync", dir))?;
+        let memory_bytes = match &state.memory {
+            MemoryLayout::Full => u64::from(state.mem_size_mib) << 20,
+            MemoryLayout::Diff { runs, .. } => runs.iter().map(|r| r.1).sum(),
+        };
         Ok(WriteTimes {
             memory,
+            memory_bytes,
             state: started.elapsed(),
             state_bytes: bytes.len(),
         })
@@ -160,9 +207,62 @@ pub fn write(
     result
 }
 
-/// Reads and checks `dir`'s state and opens its memory file. Nothing here
-/// reads guest memory: the cost does not grow with the guest's size.
-pub fn read(dir: &Path) -> Result<(MicrovmState, File), PersistError> {
+/// Reads and checks `dir`'s state and opens its memory files (its own and,
+/// for a diff, its bases'). Nothing here reads guest memory: the cost does
+/// not grow with the guest's size.
+pub fn read(dir: &Path) -> Result<(MicrovmState, Vec<MemoryLayer>), PersistError> {
+    let (state, file) = read_one(dir)?;
+    let mut layers = Vec::new();
+    let mut layout = state.memory.clone();
+    let mut current = dir.to_path_buf();
+    let mut top = Some(file);
+    loop {
+        match layout {
+            MemoryLayout::Full => {
+                layers.push(MemoryLayer {
+                    file: top
+                        .take()
+                        .map_or_else(|| read_one(&current).map(|(_, f)| f), Ok)?,
+                    runs: None,
+                });
+                break;
+            }
+            MemoryLayout::Diff { base, runs } => {
+                let file = top
+                    .take()
+                    .map_or_else(|| read_one(&current).map(|(_, f)| f), Ok)?;
+                layers.push(MemoryLayer {
+                    file,
+                    runs: Some(runs),
+                });
+                let problem = |problem: String| PersistError::Base {
+                    dir: current.clone(),
+                    base: base.clone(),
+                    problem,
+                };
+                if layers.len() >= MAX_CHAIN {
+                    return Err(problem(format!("makes a chain longer than {MAX_CHAIN}")));
+                }
+                let (base_state, base_file) =
+                    read_one(&base).map_err(|e| problem(format!("cannot be used: {e}")))?;
+                if base_state.mem_size_mib != state.mem_size_mib {
+                    return Err(problem(format!(
+                        "has {} MiB of memory, the diff {}",
+                        base_state.mem_size_mib, state.mem_size_mib
+                    )));
+                }
+                current = base;
+                layout = base_state.memory;
+                top = Some(base_file);
+            }
+        }
+    }
+    layers.reverse();
+    Ok((state, layers))
+}
+
+/// Reads one directory's state and opens its memory file.
+fn read_one(dir: &Path) -> Result<(MicrovmState, File), PersistError> {
     let state_path = dir.join(STATE_FILE);
     let memory_path = dir.join(MEMORY_FILE);
     let mut file = match File::open(&state_path) {
@@ -187,6 +287,23 @@ pub fn read(dir: &Path) -> Result<(MicrovmState, File), PersistError> {
             found,
             expected,
         });
+    }
+    if let MemoryLayout::Diff { runs, .. } = &state.memory {
+        let page = 4096;
+        let bad = runs.iter().any(|&(off, len)| {
+            off % page != 0
+                || len % page != 0
+                || len == 0
+                || off.checked_add(len).is_none_or(|end| end > expected)
+        });
+        if bad {
+            return Err(PersistError::Format {
+                path: state_path,
+                source: husk_snapshot::SnapshotError::Truncated(
+                    "a diff run lies outside guest memory",
+                ),
+            });
+        }
     }
     Ok((state, memory))
 }

@@ -3,7 +3,8 @@
 //! (addr u64, len u32, flags u16); the rest fills guest memory from 0.
 
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use husk_vmm::vstate::memory::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress};
 
 pub const MEM_SIZE: usize = 1 << 16;
 
@@ -12,7 +13,7 @@ pub fn guest(data: &[u8]) -> Option<(GuestMemoryMmap, Vec<Descriptor>)> {
     let count = usize::from(count % 17);
     let table_len = count * 14;
     let table = rest.get(..table_len)?;
-    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).ok()?;
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).ok()?;
     let fill = &rest[table_len..];
     mem.write_slice(&fill[..fill.len().min(MEM_SIZE)], GuestAddress(0)).ok()?;
     let descriptors = table

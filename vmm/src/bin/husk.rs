@@ -12,7 +12,7 @@
 //!     husk ping <vm>
 //!     husk health <vm>
 //!     husk pause|resume <api>
-//!     husk snapshot <api> <dir>
+//!     husk snapshot <api> <dir> [--diff]
 //!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME]
 //!
 //! `<api>` is the VM's control socket (husk-vmm --api-sock). `restore`
@@ -119,8 +119,14 @@ enum Command {
     Pause { api: PathBuf },
     /// Let a paused VM run again.
     Resume { api: PathBuf },
-    /// Write a full snapshot of the VM to DIR (a running VM is paused for it).
-    Snapshot { api: PathBuf, dir: PathBuf },
+    /// Write a snapshot of the VM to DIR (a running VM is paused for it).
+    Snapshot {
+        api: PathBuf,
+        dir: PathBuf,
+        /// Only the pages written since the VM's last snapshot (or restore).
+        #[arg(long)]
+        diff: bool,
+    },
     /// Start clones of the snapshot in DIR, each its own husk-vmm.
     Restore {
         dir: PathBuf,
@@ -512,9 +518,10 @@ fn run(args: Args) -> Result<u8, ClientError> {
         }
         Command::Pause { api } => control(&api, "pause"),
         Command::Resume { api } => control(&api, "resume"),
-        Command::Snapshot { api, dir } => {
+        Command::Snapshot { api, dir, diff } => {
             let dir = std::path::absolute(&dir)?;
-            control(&api, &format!("snapshot {}", dir.display()))
+            let verb = if diff { "snapshot-diff" } else { "snapshot" };
+            control(&api, &format!("{verb} {}", dir.display()))
         }
         Command::Restore {
             dir,

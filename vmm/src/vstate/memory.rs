@@ -3,11 +3,18 @@
 
 use std::fs::File;
 
+use vm_memory::bitmap::{AtomicBitmap, NewBitmap};
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{
-    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion,
-    GuestRegionMmap, WriteVolatile,
-};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, WriteVolatile};
+
+/// Guest memory as the VMM holds it. Every write the VMM makes through it
+/// (used rings, received packets, block reads) is recorded in a bitmap, so
+/// a diff snapshot includes the pages devices wrote as well as those KVM's
+/// dirty log reports for the guest.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<AtomicBitmap>;
+type GuestRegionMmap = vm_memory::GuestRegionMmap<AtomicBitmap>;
+
+const PAGE: u64 = 4096;
 
 use crate::arch::x86_64::layout::{MMIO_GAP_END, MMIO_GAP_START};
 
@@ -66,16 +73,17 @@ pub fn create_guest_memory(config: &MemoryConfig) -> Result<GuestMemoryMmap, Mem
     let size = u64::from(config.size_mib) << 20;
     let mut regions = Vec::new();
     for (start, len) in ram_regions(size) {
-        let mapping = MmapRegionBuilder::new(len as usize)
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(flags)
-            .with_hugetlbfs(config.hugepages)
-            .build()
-            .map_err(|source| MemoryError::Map {
-                size_mib: config.size_mib,
-                source,
-                hint,
-            })?;
+        let mapping =
+            MmapRegionBuilder::new_with_bitmap(len as usize, AtomicBitmap::with_len(len as usize))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(flags)
+                .with_hugetlbfs(config.hugepages)
+                .build()
+                .map_err(|source| MemoryError::Map {
+                    size_mib: config.size_mib,
+                    source,
+                    hint,
+                })?;
         let region =
             GuestRegionMmap::new(mapping, GuestAddress(start)).ok_or(MemoryError::Region(start))?;
         regions.push(region);
@@ -109,22 +117,127 @@ pub fn map_snapshot_file(file: &File, size_mib: u32) -> Result<GuestMemoryMmap, 
         let handle = file
             .try_clone()
             .map_err(|e| MemoryError::File(e.to_string()))?;
-        let mapping = MmapRegionBuilder::new(len as usize)
-            .with_file_offset(FileOffset::new(handle, offset))
-            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
-            .build()
-            .map_err(|source| MemoryError::Map {
-                size_mib,
-                source,
-                hint: "",
-            })?;
+        let mapping =
+            MmapRegionBuilder::new_with_bitmap(len as usize, AtomicBitmap::with_len(len as usize))
+                .with_file_offset(FileOffset::new(handle, offset))
+                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+                .build()
+                .map_err(|source| MemoryError::Map {
+                    size_mib,
+                    source,
+                    hint: "",
+                })?;
         let region =
             GuestRegionMmap::new(mapping, GuestAddress(start)).ok_or(MemoryError::Region(start))?;
         regions.push(region);
         offset += len;
     }
     Ok(GuestMemoryMmap::from_regions(regions)?)
+}
+
+/// Maps a diff snapshot's pages over memory mapped from its base: each run
+/// (file offset, length) of `file` replaces the same range, still private
+/// and copy-on-write. Work is proportional to the number of runs, not to
+/// the memory size.
+pub fn overlay(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> Result<(), MemoryError> {
+    use std::os::fd::AsRawFd;
+    for &(offset, len) in runs {
+        let (host, _) = host_range(mem, offset, len).ok_or_else(|| {
+            MemoryError::File(format!("run {offset:#x}+{len:#x} is outside guest memory"))
+        })?;
+        // SAFETY: `host..host+len` lies inside one region's mapping, which
+        // `mem` owns; MAP_FIXED replaces those pages with the same kind of
+        // private mapping, so the region stays valid for its whole length.
+        let addr = unsafe {
+            libc::mmap(
+                host.cast(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(MemoryError::File(format!(
+                "cannot map run {offset:#x}+{len:#x}: {}",
+                std::io::Error::last_os_error()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The host address of `len` bytes at memory-file `offset` (regions are
+/// laid out one after the other in the file), if they sit in one region.
+fn host_range(mem: &GuestMemoryMmap, offset: u64, len: u64) -> Option<(*mut u8, u64)> {
+    let mut start = 0u64;
+    for region in mem.iter() {
+        let size = region.len();
+        if offset >= start && offset + len <= start + size {
+            // SAFETY: the offset is inside this region's mapping.
+            return Some((
+                unsafe { region.as_ptr().add((offset - start) as usize) },
+                offset - start,
+            ));
+        }
+        start += size;
+    }
+    None
+}
+
+/// The pages written since the last call, as memory-file runs (offset,
+/// length): KVM's dirty log for the guest's writes (`kvm_dirty`, one
+/// bitmap per region, as KVM_GET_DIRTY_LOG returns it) merged with the
+/// VMM's own bitmap, which is cleared.
+pub fn take_dirty(mem: &GuestMemoryMmap, kvm_dirty: &[Vec<u64>]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut file_start = 0u64;
+    for (i, region) in mem.iter().enumerate() {
+        let bitmap = std::ops::Deref::deref(region).bitmap();
+        let kvm = kvm_dirty.get(i);
+        let pages = region.len() / PAGE;
+        for page in 0..pages {
+            let by_kvm = kvm
+                .and_then(|b| b.get((page / 64) as usize))
+                .is_some_and(|w| w & (1 << (page % 64)) != 0);
+            if by_kvm || bitmap.is_bit_set(page as usize) {
+                let offset = file_start + page * PAGE;
+                match runs.last_mut() {
+                    Some((start, len)) if *start + *len == offset => *len += PAGE,
+                    _ => runs.push((offset, PAGE)),
+                }
+            }
+        }
+        bitmap.reset();
+        file_start += region.len();
+    }
+    runs
+}
+
+/// Forgets what the VMM wrote so far (a full snapshot has it all).
+pub fn clear_dirty(mem: &GuestMemoryMmap) {
+    for region in mem.iter() {
+        std::ops::Deref::deref(region).bitmap().reset();
+    }
+}
+
+/// Writes the runs of guest memory into `file` at their offsets (the file
+/// is sized to the whole memory; everything else stays a hole).
+pub fn dump_runs(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let total: u64 = mem.iter().map(|r| r.len()).sum();
+    file.set_len(total)?;
+    for &(offset, len) in runs {
+        let (host, _) = host_range(mem, offset, len)
+            .ok_or_else(|| std::io::Error::other(format!("run {offset:#x} is outside memory")))?;
+        // SAFETY: the range is inside a live region; the vCPUs are paused
+        // and devices run on this thread, so nothing writes it meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts(host, len as usize) };
+        file.write_all_at(bytes, offset)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -146,6 +259,64 @@ mod tests {
                 (MMIO_GAP_END, (4 << 30) - MMIO_GAP_START)
             ]
         );
+    }
+
+    fn memory(mib: u32) -> GuestMemoryMmap {
+        create_guest_memory(&MemoryConfig {
+            size_mib: mib,
+            prefault: false,
+            hugepages: false,
+        })
+        .expect("memory")
+    }
+
+    #[test]
+    fn dirty_pages_merge_the_vmm_bitmap_with_kvm_and_reset() {
+        let mem = memory(4);
+        mem.write_obj(1u8, GuestAddress(3 * PAGE + 7))
+            .expect("write");
+        mem.write_slice(&[2u8; 5000], GuestAddress(5 * PAGE))
+            .expect("write");
+        let kvm = vec![vec![1u64 << 9 | 1 << 10]];
+
+        let runs = take_dirty(&mem, &kvm);
+        let again = take_dirty(&mem, &[]);
+
+        assert_eq!(
+            runs,
+            vec![(3 * PAGE, PAGE), (5 * PAGE, 2 * PAGE), (9 * PAGE, 2 * PAGE)]
+        );
+        assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn a_diff_overlays_its_pages_on_the_base() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let mut base_file = File::create(dir.as_path().join("base")).expect("base");
+        let source = memory(4);
+        source
+            .write_slice(&[0xaa; 8192], GuestAddress(0))
+            .expect("write");
+        dump(&source, &mut base_file).expect("dump");
+        clear_dirty(&source);
+        source
+            .write_obj(0x55u8, GuestAddress(PAGE + 1))
+            .expect("write");
+        let runs = take_dirty(&source, &[]);
+        let diff_path = dir.as_path().join("diff");
+        let diff_file = File::create(&diff_path).expect("diff");
+        dump_runs(&source, &diff_file, &runs).expect("dump runs");
+
+        let base = File::open(dir.as_path().join("base")).expect("open");
+        let restored = map_snapshot_file(&base, 4).expect("map");
+        overlay(&restored, &File::open(&diff_path).expect("open"), &runs).expect("overlay");
+
+        let read = |addr| restored.read_obj::<u8>(GuestAddress(addr)).expect("read");
+        assert_eq!(
+            (read(0), read(PAGE), read(PAGE + 1), read(2 * PAGE)),
+            (0xaa, 0xaa, 0x55, 0)
+        );
+        assert_eq!(runs, vec![(PAGE, PAGE)]);
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! The KVM VM: address-space layout, in-kernel interrupt controllers and the
 //! PIT, and guest memory registration.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use kvm_bindings::{
     kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use serde::{Deserialize, Serialize};
-use vm_memory::{Address, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::x86_64::layout::KVM_TSS_ADDRESS;
 
@@ -27,6 +29,8 @@ pub enum VmError {
         slot: u32,
         source: kvm_ioctls::Error,
     },
+    #[error("KVM_GET_DIRTY_LOG failed: {0}")]
+    DirtyLog(kvm_ioctls::Error),
     #[error("guest memory has more regions ({0}) than KVM has memory slots ({1})")]
     TooManyRegions(usize, usize),
 }
@@ -102,6 +106,38 @@ impl Vm {
                 .map_err(|source| VmError::MemoryRegion { slot, source })?;
         }
         Ok(())
+    }
+
+    /// Turns KVM's dirty-page logging on or off for every memory slot.
+    pub fn set_dirty_logging(&self, mem: &GuestMemoryMmap, on: bool) -> Result<(), VmError> {
+        let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        for (slot, region) in mem.iter().enumerate() {
+            let slot = slot as u32;
+            let region = kvm_userspace_memory_region {
+                slot,
+                flags,
+                guest_phys_addr: region.start_addr().raw_value(),
+                memory_size: region.len(),
+                userspace_addr: region.as_ptr() as u64,
+            };
+            // SAFETY: the same live mapping as registered; only flags change.
+            unsafe { self.fd.set_user_memory_region(region) }
+                .map_err(|source| VmError::MemoryRegion { slot, source })?;
+        }
+        Ok(())
+    }
+
+    /// The pages the guest wrote since the last call, one bitmap per slot
+    /// (KVM clears its log as it returns it).
+    pub fn dirty_log(&self, mem: &GuestMemoryMmap) -> Result<Vec<Vec<u64>>, VmError> {
+        mem.iter()
+            .enumerate()
+            .map(|(slot, region)| {
+                self.fd
+                    .get_dirty_log(slot as u32, region.len() as usize)
+                    .map_err(VmError::DirtyLog)
+            })
+            .collect()
     }
 
     /// Saves the VM-wide state (vCPUs paused).

@@ -5,9 +5,10 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use linux_loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::{self, BzImage, Elf, KernelLoader};
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Address, Bytes, GuestAddress};
 
 use super::layout::*;
 
@@ -501,7 +502,7 @@ mod tests {
 
     #[test]
     fn initramfs_goes_to_top_of_low_memory() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (64 * MIB) as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (64 * MIB) as usize)])
             .expect("guest memory");
         let mut file = tempfile_with(&[7u8; 5000]);
 
@@ -514,7 +515,7 @@ mod tests {
 
     #[test]
     fn initramfs_overlapping_the_kernel_is_refused() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (64 * MIB) as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (64 * MIB) as usize)])
             .expect("guest memory");
         let mut file = tempfile_with(&vec![0u8; (8 * MIB) as usize]);
 
@@ -539,7 +540,7 @@ mod tests {
 
     #[test]
     fn bzimage_enters_at_its_64_bit_entry_point() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
             .expect("guest memory");
         let mut file = tempfile_with(&fake_bzimage(0x020f, XLF_KERNEL_64));
 
@@ -556,7 +557,7 @@ mod tests {
 
     #[test]
     fn bzimage_without_64_bit_entry_is_refused() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
             .expect("guest memory");
         let mut file = tempfile_with(&fake_bzimage(0x020f, 0));
 
@@ -567,7 +568,7 @@ mod tests {
 
     #[test]
     fn garbage_is_not_a_kernel() {
-        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), (16 * MIB) as usize)])
             .expect("guest memory");
         let mut file = tempfile_with(&[0x5a; 4096]);
 

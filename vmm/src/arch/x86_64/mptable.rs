@@ -1,7 +1,8 @@
 //! The Intel MultiProcessor Specification 1.4 table. Without ACPI, this is
 //! how Linux finds the vCPUs, the IOAPIC and how the ISA IRQs are routed.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use crate::vstate::memory::GuestMemoryMmap;
+use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::{APIC_ADDR, IOAPIC_ADDR, IRQ_MAX, MPTABLE_START};
 

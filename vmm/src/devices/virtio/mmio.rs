@@ -7,8 +7,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::{Queue, QueueState, QueueT};
-use vm_memory::{GuestAddress, GuestMemoryMmap};
+use vm_memory::GuestAddress;
 
 use super::{ActiveQueues, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::devices::bus::BusDevice;

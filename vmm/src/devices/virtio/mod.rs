@@ -13,8 +13,8 @@ pub mod vsock;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::EventFd;
 
 /// VIRTIO_F_VERSION_1: a modern (1.x) device. husk offers only modern devices.

@@ -1,8 +1,8 @@
 //! Taking chains off a virtqueue without trusting the driver.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::GuestMemoryMmap;
 
 /// The driver corrupted the queue (for example an available index that runs
 /// past the ring); the device must stop using it until reset.

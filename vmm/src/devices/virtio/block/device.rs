@@ -2,10 +2,11 @@
 
 use std::os::fd::AsRawFd;
 
+use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::QueueT;
-use vm_memory::{Bytes, GuestMemoryMmap};
+use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::disk::Disk;
@@ -200,13 +201,14 @@ mod tests {
     };
     use crate::devices::virtio::block::DiskMode;
     use crate::devices::virtio::VirtioInterrupt;
+    use crate::vstate::memory::GuestMemoryMmap;
     use std::sync::Arc;
     use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
     use virtio_queue::desc::split::Descriptor as SplitDescriptor;
     use virtio_queue::desc::RawDescriptor;
     use virtio_queue::mock::MockSplitQueue;
     use virtio_queue::Queue;
-    use vm_memory::{GuestAddress, GuestMemoryMmap};
+    use vm_memory::GuestAddress;
     use vmm_sys_util::tempdir::TempDir;
 
     const HEADER: u64 = 0x10_0000;

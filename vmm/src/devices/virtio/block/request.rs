@@ -2,8 +2,9 @@
 //! every descriptor, so each is checked: direction, length, and that it lies
 //! inside guest memory, before any byte moves.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, GuestMemoryMmap, Permissions};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemory, Permissions};
 
 use super::disk::{Disk, DiskError};
 use super::SECTOR_SIZE;

@@ -4,8 +4,9 @@
 
 use std::os::fd::AsRawFd;
 
+use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-use vm_memory::{Bytes, GuestMemoryMmap};
+use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::tap::{Tap, VNET_HDR_LEN};

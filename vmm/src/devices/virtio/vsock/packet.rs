@@ -2,8 +2,9 @@
 //! header followed by `len` bytes of payload, gathered from or scattered to
 //! a descriptor chain. Every field comes from the guest and is checked.
 
+use crate::vstate::memory::GuestMemoryMmap;
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestMemoryMmap};
+use vm_memory::Bytes;
 
 pub const HEADER_LEN: usize = 44;
 /// Largest payload accepted from or sent to the guest (Linux uses 64 KiB).
