@@ -20,8 +20,6 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,16 +32,6 @@ fn percentile(samples: &[f64], p: f64) -> f64 {
     let mut s = samples.to_vec();
     s.sort_by(|a, b| a.total_cmp(b));
     s[((s.len() - 1) as f64 * p).round() as usize]
-}
-
-fn control(api: &Path, request: &str) -> serde_json::Value {
-    let mut stream = UnixStream::connect(api).expect("control socket");
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .expect("request");
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).expect("reply");
-    serde_json::from_str(&line).expect("JSON")
 }
 
 struct Killed(Child);
@@ -108,7 +96,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
     client.ping().expect("ping");
     drop(client);
     let snapshot = d.join("snap");
-    let reply = control(&api, &format!("snapshot {}", snapshot.display()));
+    let reply = common::control(&api, &format!("snapshot {}", snapshot.display()));
     assert_eq!(reply["ok"], true, "{reply}");
     drop(base);
     println!("\n{mem_mib} MiB guest");

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -53,17 +53,6 @@ fn sh(script: &str) -> ExecRequest {
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
-}
-
-/// Sends one control request, returns the reply line.
-fn control(api: &Path, request: &str) -> serde_json::Value {
-    let mut stream = UnixStream::connect(api).expect("control socket");
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .expect("request");
-    let mut line = String::new();
-    BufReader::new(stream).read_line(&mut line).expect("reply");
-    serde_json::from_str(&line).expect("JSON reply")
 }
 
 fn wait_for_socket(path: &Path) {

@@ -252,3 +252,18 @@ pub fn shared_vm() -> &'static SharedVm {
         SharedVm { uds, serial }
     })
 }
+
+/// Sends one request to a VMM's control socket (`--api-sock`); returns
+/// its JSON reply.
+pub fn control(api: &Path, request: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(api).expect("control socket");
+    stream
+        .write_all(format!("{request}\n").as_bytes())
+        .expect("request");
+    let mut line = String::new();
+    std::io::BufReader::new(stream)
+        .read_line(&mut line)
+        .expect("reply");
+    serde_json::from_str(&line).expect("JSON reply")
+}

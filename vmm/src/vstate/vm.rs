@@ -91,26 +91,17 @@ impl Vm {
         if mem.num_regions() > slots {
             return Err(VmError::TooManyRegions(mem.num_regions(), slots));
         }
-        for (slot, region) in mem.iter().enumerate() {
-            let slot = slot as u32;
-            let region = kvm_userspace_memory_region {
-                slot,
-                flags: 0,
-                guest_phys_addr: region.start_addr().raw_value(),
-                memory_size: region.len(),
-                userspace_addr: region.as_ptr() as u64,
-            };
-            // SAFETY: the region is a live mapping owned by `mem`, which the
-            // Vmm keeps alive for as long as the VM (and so KVM's use of it) exists.
-            unsafe { self.fd.set_user_memory_region(region) }
-                .map_err(|source| VmError::MemoryRegion { slot, source })?;
-        }
-        Ok(())
+        self.set_slots(mem, 0)
     }
 
     /// Turns KVM's dirty-page logging on or off for every memory slot.
     pub fn set_dirty_logging(&self, mem: &GuestMemoryMmap, on: bool) -> Result<(), VmError> {
-        let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+        self.set_slots(mem, if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 })
+    }
+
+    /// Sets slot i to region i of `mem` with `flags` (a slot that exists
+    /// keeps its mapping; only its flags change).
+    fn set_slots(&self, mem: &GuestMemoryMmap, flags: u32) -> Result<(), VmError> {
         for (slot, region) in mem.iter().enumerate() {
             let slot = slot as u32;
             let region = kvm_userspace_memory_region {
@@ -120,7 +111,8 @@ impl Vm {
                 memory_size: region.len(),
                 userspace_addr: region.as_ptr() as u64,
             };
-            // SAFETY: the same live mapping as registered; only flags change.
+            // SAFETY: the region is a live mapping owned by `mem`, which the
+            // Vmm keeps alive for as long as the VM (and so KVM's use of it) exists.
             unsafe { self.fd.set_user_memory_region(region) }
                 .map_err(|source| VmError::MemoryRegion { slot, source })?;
         }
