@@ -9,7 +9,8 @@
 //! devices restored, first KVM_RUN) and the end-to-end time from spawning
 //! the process to the agent answering a ping (which adds process start and
 //! the guest's side: vsock transport reset, page faults, the agent's reply).
-//! Then 10 clones run at once and their resident memory is read from
+//! Then a diff snapshot of a clone that wrote a 1 MiB file (pages and
+//! time), and 10 clones at once, whose resident memory is read from
 //! /proc/PID/smaps_rollup: shared (the snapshot's page cache) versus
 //! private (what each clone wrote).
 //!
@@ -44,7 +45,13 @@ impl Drop for Killed {
     }
 }
 
-fn restore(snapshot: &Path, dir: &Path, name: &str, timeline: Option<&Path>) -> (Killed, PathBuf) {
+fn restore(
+    snapshot: &Path,
+    dir: &Path,
+    name: &str,
+    timeline: Option<&Path>,
+    api: Option<&Path>,
+) -> (Killed, PathBuf) {
     let uds = dir.join(format!("{name}.vsock"));
     let mut cmd = Command::new(common::vmm_binary());
     cmd.arg("--restore")
@@ -54,6 +61,9 @@ fn restore(snapshot: &Path, dir: &Path, name: &str, timeline: Option<&Path>) -> 
         .arg(format!("cid=5,path={}", uds.display()));
     if let Some(t) = timeline {
         cmd.arg("--timeline").arg(t);
+    }
+    if let Some(api) = api {
+        cmd.arg("--api-sock").arg(api);
     }
     let child = cmd
         .stdin(Stdio::null())
@@ -121,7 +131,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
     for i in 0..restores {
         let timeline = d.join(format!("r{i}.json"));
         let started = Instant::now();
-        let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline));
+        let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline), None);
         while !uds.exists() {
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -152,9 +162,28 @@ fn bench_size(mem_mib: u32, restores: usize) {
         percentile(&end_to_end, 0.99)
     );
 
+    // A diff snapshot of a clone after a little work: how much it writes.
+    {
+        let api = d.join("differ.api");
+        let (_differ, uds) = restore(&snapshot, d, "differ", None, Some(&api));
+        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
+            .expect("clone agent");
+        client
+            .write_file("/tmp/one-mebibyte", 0o644, &vec![7u8; 1 << 20][..])
+            .expect("write");
+        let diff = common::control(&api, &format!("snapshot-diff {}", d.join("diff").display()));
+        assert_eq!(diff["ok"], true, "{diff}");
+        println!(
+            "  diff snapshot of a clone that wrote a 1 MiB file: {:.1} MiB of pages, memory write {:.1} ms, total {:.1} ms",
+            diff["memory_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20),
+            diff["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
+            diff["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        );
+    }
+
     // Ten clones at once: what each costs in memory.
     let clones: Vec<_> = (0..10)
-        .map(|i| restore(&snapshot, d, &format!("c{i}"), None))
+        .map(|i| restore(&snapshot, d, &format!("c{i}"), None, None))
         .collect();
     for (_, uds) in &clones {
         while !uds.exists() {
