@@ -88,18 +88,12 @@ fn bench_size(mem_mib: u32, restores: usize) {
     let d = dir.as_path();
     let uds = d.join("base.vsock");
     let api = d.join("base.api");
-    let mut cmd = common::guest_command(&[
-        "--mem-mib",
-        &mem_mib.to_string(),
-        "--vsock",
-        &format!("cid=3,path={}", uds.display()),
-        "--api-sock",
-        api.to_str().expect("utf-8"),
-        "--serial",
-        "null",
-    ]);
-    cmd.stdin(Stdio::null()).stdout(Stdio::null());
-    let base = Killed(cmd.spawn().expect("husk-vmm"));
+    let mem = mem_mib.to_string();
+    let base = Killed(
+        common::agent_guest_command(&uds, &api, &["--mem-mib", &mem])
+            .spawn()
+            .expect("husk-vmm"),
+    );
     let mut client =
         AgentClient::connect_when_ready(&uds, Instant::now() + common::BOOT_TIMEOUT, TIMEOUT)
             .expect("agent");

@@ -74,16 +74,9 @@ fn base() -> &'static Base {
         let dir = TempDir::new().expect("tempdir");
         let uds = dir.as_path().join("base.vsock");
         let api = dir.as_path().join("base.api");
-        let mut cmd = guest_command(&[
-            "--vsock",
-            &format!("cid=3,path={}", uds.display()),
-            "--api-sock",
-            api.to_str().expect("utf-8"),
-            "--serial",
-            "null",
-        ]);
-        cmd.stdin(Stdio::null()).stdout(Stdio::null());
-        let _vmm = Vmm(cmd.spawn().expect("husk-vmm"));
+        let _vmm = Vmm(agent_guest_command(&uds, &api, &[])
+            .spawn()
+            .expect("husk-vmm"));
         let deadline = Instant::now() + BOOT_TIMEOUT;
         let mut client =
             AgentClient::connect_when_ready(&uds, deadline, READ_TIMEOUT).expect("agent");

@@ -123,6 +123,20 @@ pub fn guest_command(extra: &[&str]) -> Command {
     cmd
 }
 
+/// A quiet guest (console discarded) with a vsock device at `uds` and a
+/// control socket at `api`, plus `extra` husk-vmm arguments.
+pub fn agent_guest_command(uds: &Path, api: &Path, extra: &[&str]) -> Command {
+    let mut cmd = guest_command(extra);
+    cmd.arg("--vsock")
+        .arg(format!("cid=3,path={}", uds.display()))
+        .arg("--api-sock")
+        .arg(api)
+        .args(["--serial", "null"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
 /// Spawns `cmd` with captured output.
 pub fn spawn(mut cmd: Command) -> Child {
     cmd.stdin(Stdio::null())

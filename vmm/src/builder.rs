@@ -88,7 +88,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     timeline.mark(Phase::VmCreated);
 
     let mem = memory::create_guest_memory(&config.memory)?;
-    vm.register_memory(&kvm, &mem)?;
+    vm.register_memory(&kvm, &mem, false)?;
     vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
@@ -231,9 +231,9 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     for layer in &layers[1..] {
         memory::overlay(&mem, &layer.file, layer.runs.as_deref().unwrap_or_default())?;
     }
-    vm.register_memory(&kvm, &mem)?;
-    // Diffs of this clone are relative to the snapshot it came from.
-    vm.set_dirty_logging(&mem, true)?;
+    // Diffs of this clone are relative to the snapshot it came from, so
+    // KVM logs dirty pages from the first instruction.
+    vm.register_memory(&kvm, &mem, true)?;
     vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 

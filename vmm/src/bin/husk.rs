@@ -163,7 +163,7 @@ fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
 }
 
 /// One clone being started.
-struct Clone {
+struct Starting {
     name: String,
     child: std::process::Child,
     vsock: PathBuf,
@@ -206,7 +206,7 @@ fn restore(
             // Its own process group: the clone outlives this command.
             .process_group(0)
             .spawn()?;
-        started.push(Clone {
+        started.push(Starting {
             name,
             child,
             vsock,

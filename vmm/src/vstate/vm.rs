@@ -85,13 +85,19 @@ impl Vm {
         Ok(())
     }
 
-    /// Registers every guest memory region with KVM, one slot each.
-    pub fn register_memory(&self, kvm: &Kvm, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    /// Registers every guest memory region with KVM, one slot each, with
+    /// dirty-page logging on if asked (a restored VM logs from the start).
+    pub fn register_memory(
+        &self,
+        kvm: &Kvm,
+        mem: &GuestMemoryMmap,
+        dirty_logging: bool,
+    ) -> Result<(), VmError> {
         let slots = kvm.get_nr_memslots();
         if mem.num_regions() > slots {
             return Err(VmError::TooManyRegions(mem.num_regions(), slots));
         }
-        self.set_slots(mem, 0)
+        self.set_dirty_logging(mem, dirty_logging)
     }
 
     /// Turns KVM's dirty-page logging on or off for every memory slot.
