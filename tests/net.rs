@@ -1,10 +1,12 @@
 //! virtio-net with the real guest: the test builds its own network namespace
 //! with a TAP, boots the guest attached to it, gives the guest an address
-//! and exchanges TCP data with a server in the namespace.
+//! and exchanges TCP data with a server in the namespace. A snapshot of a
+//! guest with a network device restores into another namespace, on its
+//! own TAP, with its own MAC address.
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::process::Command;
@@ -23,8 +25,8 @@ struct Netns {
 }
 
 impl Netns {
-    fn new() -> Self {
-        let name = format!("husk-net-{}", std::process::id());
+    fn new(tag: &str) -> Self {
+        let name = format!("husk-net-{}-{tag}", std::process::id());
         let ns = Netns { name };
         ns.ip(&["netns", "add", &ns.name]);
         ns.ip(&[
@@ -105,7 +107,7 @@ fn serve_one() -> usize {
 
 #[test]
 fn guest_exchanges_tcp_data_with_a_server_through_the_tap() {
-    let netns = Netns::new();
+    let netns = Netns::new("boot");
     let server = netns.spawn_inside(serve_one);
     let script = format!(
         "ifconfig eth0 {GUEST_IP} netmask 255.255.255.0 up && \
@@ -131,4 +133,117 @@ fn guest_exchanges_tcp_data_with_a_server_through_the_tap() {
         run.dump()
     );
     assert_eq!(run.status.code(), Some(0), "{}", run.dump());
+}
+
+/// Accepts one connection, reads one line, answers `got <line>`; returns
+/// the line.
+fn echo_one_line() -> String {
+    let listener = TcpListener::bind((HOST_IP, PORT)).expect("bind in the namespace");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (stream, _) = loop {
+        match listener.accept() {
+            Ok(conn) => break conn,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) => panic!("the clone never connected: {e}"),
+        }
+    };
+    stream.set_nonblocking(false).expect("blocking");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .expect("timeout");
+    let mut line = String::new();
+    std::io::BufReader::new(&stream)
+        .read_line(&mut line)
+        .expect("read from the clone");
+    (&stream)
+        .write_all(format!("got {line}").as_bytes())
+        .expect("answer");
+    line
+}
+
+fn sh(script: &str) -> husk_protocol::ExecRequest {
+    husk_protocol::ExecRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+/// A husk-vmm that is killed when the test lets go of it.
+struct Vmm(std::process::Child);
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_clone_gets_its_own_tap_and_mac_and_keeps_its_network_setup() {
+    use husk_vmm::host::agent_client::AgentClient;
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let (uds, api) = (dir.as_path().join("b.vsock"), dir.as_path().join("b.api"));
+    let boot_ns = Netns::new("snap");
+    let clone_ns = Netns::new("clone");
+    let boot = agent_guest_command(&uds, &api, &["--net", "tap=tap0,mac=06:00:00:00:00:02"]);
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &boot_ns.name])
+        .arg(boot.get_program())
+        .args(boot.get_args())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    let base = Vmm(cmd.spawn().expect("husk-vmm"));
+    let deadline = Instant::now() + BOOT_TIMEOUT;
+    let timeout = Duration::from_secs(120);
+    let mut client = AgentClient::connect_when_ready(&uds, deadline, timeout).expect("agent");
+    let up = client
+        .exec(sh(&format!(
+            "ifconfig eth0 {GUEST_IP} netmask 255.255.255.0 up"
+        )))
+        .expect("configure eth0");
+    let snapshot = dir.as_path().join("snap");
+    let reply = control(&api, &format!("snapshot {}", snapshot.display()));
+    drop((client, base));
+
+    let server = clone_ns.spawn_inside(echo_one_line);
+    let clone_uds = dir.as_path().join("clone.vsock");
+    let clone = Vmm(Command::new("ip")
+        .args(["netns", "exec", &clone_ns.name, vmm_binary()])
+        .arg("--restore")
+        .arg(&snapshot)
+        .args([
+            "--serial",
+            "null",
+            "--net",
+            "tap=tap0,mac=06:00:00:00:00:99",
+        ])
+        .arg("--vsock")
+        .arg(format!("cid=7,path={}", clone_uds.display()))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("husk-vmm --restore"));
+    let mut client = AgentClient::connect_when_ready(&clone_uds, Instant::now() + timeout, timeout)
+        .expect("the clone's agent");
+    client
+        .restored("netclone", Some([6, 0, 0, 0, 0, 0x99]))
+        .expect("post-restore step");
+    let out = client
+        .exec(sh(&format!(
+            "cat /sys/class/net/eth0/address; echo hello-from-the-clone | nc {HOST_IP} {PORT}"
+        )))
+        .expect("exec");
+    let line = server.join().expect("server");
+    drop(clone);
+
+    assert_eq!(up.report.termination, husk_protocol::Termination::Code(0));
+    assert_eq!(reply["ok"], true, "{reply}");
+    assert_eq!(line, "hello-from-the-clone\n");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "06:00:00:00:00:99\ngot hello-from-the-clone\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -1,5 +1,7 @@
 //! Snapshots of a real guest: one boot for the whole file, one snapshot of
-//! it, then restores. Clones share the snapshot but nothing they write;
+//! it, then restores. The guest has a copy-on-write ext4 data drive
+//! mounted. Clones share the snapshot (memory and disk) but nothing they
+//! write;
 //! their clocks continue from the snapshot however old it is; bad snapshots
 //! are refused before any guest runs; a snapshot cut short by a kill never
 //! restores.
@@ -42,6 +44,23 @@ struct Base {
     taken: Instant,
     /// A background program running when the snapshot was taken.
     sleeper: i32,
+    /// The data drive's base image (which nothing may change).
+    disk_image: PathBuf,
+}
+
+/// The data drive's name, which restores give overlays by.
+const DRIVE: &str = "data";
+
+/// A fresh 16 MiB ext4 image.
+fn ext4_image(path: &Path) {
+    let file = std::fs::File::create(path).expect("image");
+    file.set_len(16 << 20).expect("size");
+    let status = Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(path)
+        .status()
+        .expect("run mkfs.ext4");
+    assert!(status.success(), "mkfs.ext4 failed");
 }
 
 fn sh(script: &str) -> ExecRequest {
@@ -67,14 +86,22 @@ fn wait_for_socket(path: &Path) {
     }
 }
 
-/// Boots once: a file in tmpfs, a background program, then a snapshot.
+/// Boots once: a file in tmpfs, a file on the mounted data drive, a
+/// background program, then a snapshot.
 fn base() -> &'static Base {
     static BASE: OnceLock<Base> = OnceLock::new();
     BASE.get_or_init(|| {
         let dir = TempDir::new().expect("tempdir");
         let uds = dir.as_path().join("base.vsock");
         let api = dir.as_path().join("base.api");
-        let _vmm = Vmm(agent_guest_command(&uds, &api, &[])
+        let disk_image = dir.as_path().join("data.ext4");
+        ext4_image(&disk_image);
+        let drive = format!(
+            "path={},overlay={},id={DRIVE}",
+            disk_image.display(),
+            dir.as_path().join("base.overlay").display()
+        );
+        let _vmm = Vmm(agent_guest_command(&uds, &api, &["--drive", &drive])
             .spawn()
             .expect("husk-vmm"));
         let deadline = Instant::now() + BOOT_TIMEOUT;
@@ -83,6 +110,16 @@ fn base() -> &'static Base {
         client
             .write_file("/tmp/file", 0o644, &b"base"[..])
             .expect("write");
+        let mounted = client
+            .exec(sh("mkdir -p /mnt && mount -t ext4 /dev/vda /mnt && \
+                      echo -n base-disk > /mnt/disk && sync"))
+            .expect("mount the data drive");
+        assert_eq!(
+            mounted.report.termination,
+            Termination::Code(0),
+            "{}",
+            text(&mounted.stderr)
+        );
         let sleeper = client
             .spawn(sh("while true; do sleep 1; done"))
             .expect("spawn");
@@ -96,18 +133,23 @@ fn base() -> &'static Base {
             uptime_ms,
             taken: Instant::now(),
             sleeper,
+            disk_image,
         }
     })
 }
 
-/// Restores `snapshot` as clone `name` with vsock CID `cid`.
+/// Restores `snapshot` as clone `name` with vsock CID `cid` and its own
+/// data drive overlay `dir/name.overlay`.
 fn restore(snapshot: &Path, dir: &Path, name: &str, cid: u32) -> (Vmm, PathBuf, PathBuf) {
     let uds = dir.join(format!("{name}.vsock"));
     let api = dir.join(format!("{name}.api"));
+    let overlay = dir.join(format!("{name}.overlay"));
     let child = Command::new(vmm_binary())
         .arg("--restore")
         .arg(snapshot)
         .args(["--id", name, "--serial", "null"])
+        .arg("--overlay")
+        .arg(format!("{DRIVE}={}", overlay.display()))
         .arg("--vsock")
         .arg(format!("cid={cid},path={}", uds.display()))
         .arg("--api-sock")
@@ -140,7 +182,12 @@ fn sha(path: &Path) -> String {
 #[test]
 fn clones_share_a_snapshot_but_not_what_they_write() {
     let base = base();
-    let files = [base.snapshot.join("state"), base.snapshot.join("memory")];
+    let files = [
+        base.snapshot.join("state"),
+        base.snapshot.join("memory"),
+        base.snapshot.join("drive-0"),
+        base.disk_image.clone(),
+    ];
     let before: Vec<String> = files.iter().map(|f| sha(f)).collect();
     let run = TempDir::new().expect("tempdir");
 
@@ -152,30 +199,52 @@ fn clones_share_a_snapshot_but_not_what_they_write() {
         let name = format!("clone-{i}");
         let mut client = connect(uds);
         let uptime = client.ping().expect("ping");
-        client.restored(&name).expect("post-restore step");
+        client.restored(&name, None).expect("post-restore step");
         let file = client
             .exec(sh("cat /tmp/file"))
             .expect("read the snapshot's file");
+        // Dropping the page cache makes the guest read the drive itself.
+        let disk = client
+            .exec(sh("echo 3 > /proc/sys/vm/drop_caches && cat /mnt/disk"))
+            .expect("read the snapshot's disk file");
         let programs = client.processes().expect("ps");
         client
             .write_file("/tmp/file", 0o644, name.as_bytes())
             .expect("write its own change");
-        seen.push((name, uptime, text(&file.stdout), programs));
+        let wrote = client
+            .exec(sh(&format!("echo -n {name} > /mnt/disk && sync")))
+            .expect("write its own disk change");
+        assert_eq!(wrote.report.termination, Termination::Code(0));
+        seen.push((
+            name,
+            uptime,
+            text(&file.stdout),
+            text(&disk.stdout),
+            programs,
+        ));
     }
     // Every clone now holds only its own change.
     let mut after_writes = Vec::new();
     for (_, uds, _) in &clones {
         let mut client = connect(uds);
         let out = client
-            .exec(sh("cat /tmp/file; echo; hostname"))
+            .exec(sh("cat /tmp/file; echo; hostname; \
+                      echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk"))
             .expect("exec");
         after_writes.push((text(&out.stdout), out.report.termination));
     }
     drop(clones);
+    let overlays: Vec<u64> = (0..3)
+        .map(|i| {
+            let path = run.as_path().join(format!("clone-{i}.overlay"));
+            data_extents(&path).iter().map(|e| e.1).sum()
+        })
+        .collect();
     let after: Vec<String> = files.iter().map(|f| sha(f)).collect();
 
-    for (name, uptime, file, programs) in &seen {
+    for (name, uptime, file, disk, programs) in &seen {
         assert_eq!(file, "base", "{name} sees the snapshot's tmpfs");
+        assert_eq!(disk, "base-disk", "{name} sees the snapshot's disk");
         let sleeper = programs.iter().find(|p| p.pid == base.sleeper);
         assert!(
             sleeper.is_some_and(|p| p.exit.is_none()),
@@ -189,10 +258,17 @@ fn clones_share_a_snapshot_but_not_what_they_write() {
         );
     }
     for (i, (out, termination)) in after_writes.iter().enumerate() {
-        assert_eq!(out, &format!("clone-{i}\nclone-{i}\n"));
+        assert_eq!(out, &format!("clone-{i}\nclone-{i}\nclone-{i}"));
         assert_eq!(*termination, Termination::Code(0));
     }
-    assert_eq!(before, after, "restores never write to the snapshot");
+    assert_eq!(
+        before, after,
+        "restores never write to the snapshot or its disk"
+    );
+    assert!(
+        overlays.iter().all(|&bytes| bytes > 0),
+        "each clone's disk writes are in its own overlay: {overlays:?}"
+    );
 }
 
 #[test]
@@ -211,7 +287,7 @@ fn an_old_snapshot_resumes_its_clock_where_it_stopped() {
     let mut client = connect(&uds);
     let uptime = client.ping().expect("ping");
     let answered = started.elapsed();
-    client.restored("old").expect("post-restore step");
+    client.restored("old", None).expect("post-restore step");
     let health = client.health().expect("health");
     let host_now = std::time::SystemTime::now()
         .duration_since(std::time::SystemTime::UNIX_EPOCH)
@@ -249,8 +325,13 @@ fn variant(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
 
 /// Runs a restore that must be refused; returns its log.
 fn refused(snapshot: &Path, vsock: Option<&Path>) -> String {
+    refused_with(snapshot, vsock, &[])
+}
+
+/// As [`refused`], with `extra` husk-vmm arguments.
+fn refused_with(snapshot: &Path, vsock: Option<&Path>, extra: &[&str]) -> String {
     let mut cmd = Command::new(vmm_binary());
-    cmd.arg("--restore").arg(snapshot);
+    cmd.arg("--restore").arg(snapshot).args(extra);
     if let Some(uds) = vsock {
         cmd.arg("--vsock")
             .arg(format!("cid=30,path={}", uds.display()));
@@ -296,6 +377,12 @@ fn bad_snapshots_are_refused_before_any_guest_runs() {
     };
     let no_vsock = refused(&base().snapshot, None);
     let missing = refused(&d.join("nothing-here"), Some(&uds));
+    let no_overlay = refused(&base().snapshot, Some(&uds));
+    let taken = d.join("taken.overlay");
+    std::fs::write(&taken, b"another clone's").expect("overlay");
+    let taken_arg = format!("{DRIVE}={}", taken.display());
+    let shared_overlay = refused_with(&base().snapshot, Some(&uds), &["--overlay", &taken_arg]);
+    let unknown_drive = refused_with(&base().snapshot, Some(&uds), &["--overlay", "nope=/tmp/x"]);
 
     assert!(truncated.contains("truncated"), "{truncated}");
     assert!(corrupt.contains("CRC64"), "{corrupt}");
@@ -313,6 +400,23 @@ fn bad_snapshots_are_refused_before_any_guest_runs() {
         missing.contains("holds no snapshot state file"),
         "{missing}"
     );
+    assert!(
+        no_overlay.contains("drive `data` is writable: give this clone its own new overlay"),
+        "{no_overlay}"
+    );
+    assert!(
+        shared_overlay.contains("already exists: each clone needs a new overlay"),
+        "{shared_overlay}"
+    );
+    assert_eq!(
+        std::fs::read(&taken).expect("overlay"),
+        b"another clone's",
+        "a refused restore leaves an existing overlay alone"
+    );
+    assert!(
+        unknown_drive.contains("no writable drive `nope`"),
+        "{unknown_drive}"
+    );
 }
 
 #[test]
@@ -321,7 +425,7 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
     let run = TempDir::new().expect("tempdir");
     let (vmm, uds, api) = restore(&base.snapshot, run.as_path(), "parent", 40);
     let mut client = connect(&uds);
-    client.restored("parent").expect("post-restore step");
+    client.restored("parent", None).expect("post-restore step");
     client
         .write_file("/tmp/generation", 0o644, &b"second"[..])
         .expect("write");
@@ -403,7 +507,7 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     let run = TempDir::new().expect("tempdir");
     let (_vmm, uds, api) = restore(&base.snapshot, run.as_path(), "differ", 50);
     let mut client = connect(&uds);
-    client.restored("differ").expect("post-restore step");
+    client.restored("differ", None).expect("post-restore step");
     client
         .write_file("/tmp/after-base", 0o644, &b"written after the base"[..])
         .expect("write");

@@ -254,6 +254,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             unix_ns,
             hostname,
             entropy,
+            mac,
         } => {
             let valid = !hostname.is_empty()
                 && hostname.len() <= 64
@@ -268,6 +269,10 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 ("set the clock", crate::sys::set_clock(unix_ns)),
                 ("set the hostname", crate::sys::set_hostname(&hostname)),
                 ("add entropy", crate::sys::add_entropy(&entropy)),
+                (
+                    "set the MAC address",
+                    mac.map_or(Ok(()), |mac| crate::sys::set_mac(&mac)),
+                ),
             ];
             for (what, result) in steps {
                 if let Err(e) = result {

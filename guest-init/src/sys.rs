@@ -109,6 +109,56 @@ pub fn set_hostname(name: &str) -> io::Result<()> {
     check(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) })
 }
 
+/// Gives the virtio-net interface the MAC address `mac` (a clone's own;
+/// the driver takes it while the link is up).
+pub fn set_mac(mac: &[u8; 6]) -> io::Result<()> {
+    const SIOCSIFHWADDR: libc::c_ulong = 0x8924;
+    const ARPHRD_ETHER: u16 = 1;
+    /// struct ifreq with ifr_hwaddr (40 bytes on 64-bit).
+    #[repr(C)]
+    struct IfreqHwaddr {
+        name: [u8; libc::IFNAMSIZ],
+        family: u16,
+        data: [u8; 14],
+        pad: [u8; 8],
+    }
+    let name = std::fs::read_dir("/sys/class/net")?
+        .filter_map(Result::ok)
+        .find(|entry| {
+            std::fs::read_link(entry.path().join("device/driver"))
+                .is_ok_and(|driver| driver.ends_with("virtio_net"))
+        })
+        .map(|entry| entry.file_name())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no virtio-net interface"))?;
+    let name = name.as_encoded_bytes();
+    let mut req = IfreqHwaddr {
+        name: [0; libc::IFNAMSIZ],
+        family: ARPHRD_ETHER,
+        data: [0; 14],
+        pad: [0; 8],
+    };
+    if name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "interface name too long",
+        ));
+    }
+    req.name[..name.len()].copy_from_slice(name);
+    req.data[..6].copy_from_slice(mac);
+    // SAFETY: a plain socket call; the descriptor is closed below.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: SIOCSIFHWADDR reads an ifreq; `req` is one, laid out as the
+    // kernel's, and lives across the call.
+    let rc = unsafe { libc::ioctl(sock, SIOCSIFHWADDR as _, &req) };
+    let result = check(rc);
+    // SAFETY: `sock` is ours.
+    unsafe { libc::close(sock) };
+    result
+}
+
 /// Milliseconds since the guest kernel booted.
 pub fn uptime_ms() -> u64 {
     // SAFETY: timespec is plain data.

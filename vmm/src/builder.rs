@@ -1,5 +1,6 @@
 //! The one place a VM's parts are wired together.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::vstate::memory::GuestMemoryMmap;
@@ -14,7 +15,7 @@ use crate::arch::x86_64::layout::{
 };
 use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::config::{ConfigError, VmConfig};
-use crate::device_manager::{DeviceManagerError, EventLoop, MmioDeviceManager};
+use crate::device_manager::{DeviceHandle, DeviceManagerError, EventLoop, MmioDeviceManager};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
@@ -116,21 +117,20 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
         let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), block, None)?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block))?;
     }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
         let device = Arc::new(Mutex::new(device));
-        let saved = SavedDevice::Vsock { cid: vsock.cid };
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), device, Some(saved))?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Vsock(device))?;
     }
     if let Some(net) = &config.net {
         let tap = Tap::open(&net.tap)?;
         let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), device, None)?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device))?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let devices = std::mem::take(&mut mmio.devices);
@@ -179,8 +179,115 @@ pub struct RestoreConfig {
     /// The clone's own vsock (CID and socket); required when the snapshot
     /// has a vsock device.
     pub vsock: Option<crate::config::VsockConfig>,
+    /// The clone's own TAP and MAC; required when the snapshot has
+    /// virtio-net.
+    pub net: Option<crate::config::NetConfig>,
+    /// The clone's own new overlay for each writable drive, by drive name.
+    pub overlays: Vec<(String, PathBuf)>,
     pub serial: crate::config::SerialOutput,
     pub kvm_device: std::path::PathBuf,
+}
+
+/// Files a restore created, removed again unless the restore succeeds.
+struct CreatedFiles(Vec<PathBuf>);
+
+impl CreatedFiles {
+    fn keep(mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for CreatedFiles {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Opens a restored VM's devices, in the snapshot's order, each with the
+/// clone's own identity: CID, TAP and MAC, drive overlays. Checks the
+/// device set against what the clone was given.
+fn restore_devices(
+    config: &RestoreConfig,
+    saved: &[persist::DeviceSnapshot],
+    created: &mut CreatedFiles,
+) -> Result<Vec<DeviceHandle>, BuildError> {
+    let restore_err = |m: String| BuildError::Restore(m);
+    let count = |f: fn(&SavedDevice) -> bool| saved.iter().filter(|d| f(&d.device)).count();
+    let vsocks = count(|d| matches!(d, SavedDevice::Vsock { .. }));
+    let nets = count(|d| matches!(d, SavedDevice::Net { .. }));
+    match (vsocks, &config.vsock) {
+        (0, Some(_)) => return Err(restore_err(
+            "the snapshot has no vsock device; a restored VM cannot gain one".into(),
+        )),
+        (1.., None) => return Err(restore_err(
+            "the snapshot has a vsock device: give this clone its own with --vsock cid=N,path=SOCKET".into(),
+        )),
+        _ => {}
+    }
+    match (nets, &config.net) {
+        (0, Some(_)) => return Err(restore_err(
+            "the snapshot has no network device; a restored VM cannot gain one".into(),
+        )),
+        (1.., None) => return Err(restore_err(
+            "the snapshot has a network device: give this clone its own with --net tap=NAME,mac=MAC".into(),
+        )),
+        _ => {}
+    }
+    for (name, _) in &config.overlays {
+        let writable = saved.iter().any(|d| {
+            matches!(&d.device, SavedDevice::Block { id, disk } if id == name && !disk.read_only)
+        });
+        if !writable {
+            return Err(restore_err(format!(
+                "the snapshot has no writable drive `{name}` to give an overlay"
+            )));
+        }
+    }
+    let mut devices = Vec::with_capacity(saved.len());
+    for device in saved {
+        let handle = match &device.device {
+            SavedDevice::Vsock { .. } => {
+                let vsock = config
+                    .vsock
+                    .as_ref()
+                    .ok_or_else(|| restore_err("no vsock".into()))?;
+                let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
+                DeviceHandle::Vsock(Arc::new(Mutex::new(device)))
+            }
+            SavedDevice::Net { .. } => {
+                let net = config
+                    .net
+                    .as_ref()
+                    .ok_or_else(|| restore_err("no net".into()))?;
+                let tap = Tap::open(&net.tap)?;
+                let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
+                DeviceHandle::Net(Arc::new(Mutex::new(device)))
+            }
+            SavedDevice::Block { id, disk } => {
+                let overlay = config
+                    .overlays
+                    .iter()
+                    .find(|(name, _)| name == id)
+                    .map(|(_, path)| path.as_path());
+                if overlay.is_none() && !disk.read_only {
+                    return Err(restore_err(format!(
+                        "drive `{id}` is writable: give this clone its own new overlay with --overlay {id}=FILE"
+                    )));
+                }
+                let opened = Disk::restore(disk, overlay)
+                    .map_err(|e| restore_err(format!("drive `{id}`: {e}")))?;
+                created.0.extend(overlay.map(Path::to_path_buf));
+                let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+                DeviceHandle::Block(Arc::new(Mutex::new(BlockDevice::new(
+                    opened, id, queue_evt,
+                ))))
+            }
+        };
+        devices.push(handle);
+    }
+    Ok(devices)
 }
 
 /// Builds a VM from a snapshot: memory mapped copy-on-write from its file,
@@ -204,19 +311,8 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
         }
         .into());
     }
-    let wants_vsock = state
-        .devices
-        .iter()
-        .any(|d| matches!(d.device, SavedDevice::Vsock { .. }));
-    match (wants_vsock, &config.vsock) {
-        (true, None) => return Err(BuildError::Restore(
-            "the snapshot has a vsock device: give this clone its own with --vsock cid=N,path=SOCKET".into(),
-        )),
-        (false, Some(_)) => return Err(BuildError::Restore(
-            "the snapshot has no vsock device; a restored VM cannot gain one".into(),
-        )),
-        _ => {}
-    }
+    let mut created = CreatedFiles(Vec::new());
+    let restored_devices = restore_devices(config, &state.devices, &mut created)?;
     let console_out = config.serial.open()?;
     timeline.mark(Phase::StateLoaded);
 
@@ -248,19 +344,9 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     let serial = Arc::new(Mutex::new(serial));
     let pio = legacy_devices(serial.clone(), &reset_evt)?;
     let mut mmio = MmioDeviceManager::new();
-    for saved in &state.devices {
-        let transport = match &saved.device {
-            SavedDevice::Vsock { .. } => {
-                let Some(vsock) = &config.vsock else {
-                    return Err(BuildError::Restore("no vsock configuration".into()));
-                };
-                let device = Arc::new(Mutex::new(VsockDevice::new(vsock.cid, &vsock.uds_path)?));
-                let parts = (vm.fd(), &mem, &mut events);
-                let saved = SavedDevice::Vsock { cid: vsock.cid };
-                mmio.attach_virtio(parts, None, device, Some(saved))?
-            }
-        };
-        transport
+    for (saved, handle) in state.devices.iter().zip(restored_devices) {
+        let parts = (vm.fd(), &mem, &mut events);
+        mmio.attach_virtio(parts, None, handle)?
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .restore(&saved.transport)
@@ -283,6 +369,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
 
     let last_snapshot = std::fs::canonicalize(&config.snapshot).ok();
+    created.keep();
     Ok(Vmm {
         id: config.id.clone(),
         vm,

@@ -219,6 +219,8 @@ pub enum ConfigError {
     Initramfs(PathBuf, #[source] std::io::Error),
     #[error("invalid drive `{0}`: {1}; expected path=FILE[,readonly][,overlay=FILE][,id=NAME]")]
     Drive(String, String),
+    #[error("two drives are named `{0}`; give each its own id=NAME")]
+    DuplicateDrive(String),
     #[error("invalid vsock `{0}`: {1}; expected cid=N,path=SOCKET")]
     Vsock(String, String),
     #[error("invalid net `{0}`: {1}; expected tap=NAME[,mac=XX:XX:XX:XX:XX:XX]")]
@@ -234,6 +236,11 @@ impl VmConfig {
             0 => return Err(ConfigError::ZeroVcpus),
             n if n > MAX_VCPUS => return Err(ConfigError::TooManyVcpus(n)),
             _ => {}
+        }
+        for (i, drive) in self.drives.iter().enumerate() {
+            if self.drives[..i].iter().any(|d| d.id == drive.id) {
+                return Err(ConfigError::DuplicateDrive(drive.id.clone()));
+            }
         }
         match self.memory.size_mib {
             n if n < MIN_MEM_MIB => Err(ConfigError::MemoryTooSmall(n)),

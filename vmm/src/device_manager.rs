@@ -14,9 +14,11 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
 use crate::devices::bus::{Bus, BusError};
+use crate::devices::virtio::block::BlockDevice;
 use crate::devices::virtio::mmio::{MmioTransport, MMIO_LEN};
+use crate::devices::virtio::net::NetDevice;
+use crate::devices::virtio::vsock::VsockDevice;
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
-use crate::persist::SavedDevice;
 
 /// First GSI for virtio devices: 0-4 are the PIT, keyboard, cascade and COMs.
 const FIRST_VIRTIO_IRQ: u32 = 5;
@@ -41,11 +43,37 @@ pub enum DeviceManagerError {
     Cmdline(linux_loader::cmdline::Error),
 }
 
-/// One attached virtio device, for snapshots: what it is (`None` for
-/// devices snapshots do not support yet) and its transport.
+/// A virtio device of each kind husk has: what snapshots save, by kind,
+/// without downcasting.
+#[derive(Debug, Clone)]
+pub enum DeviceHandle {
+    Block(Arc<Mutex<BlockDevice>>),
+    Net(Arc<Mutex<NetDevice>>),
+    Vsock(Arc<Mutex<VsockDevice>>),
+}
+
+impl DeviceHandle {
+    fn virtio(&self) -> Arc<Mutex<dyn VirtioDevice>> {
+        match self {
+            DeviceHandle::Block(d) => d.clone(),
+            DeviceHandle::Net(d) => d.clone(),
+            DeviceHandle::Vsock(d) => d.clone(),
+        }
+    }
+
+    fn subscriber(&self) -> Arc<Mutex<dyn MutEventSubscriber + Send>> {
+        match self {
+            DeviceHandle::Block(d) => d.clone(),
+            DeviceHandle::Net(d) => d.clone(),
+            DeviceHandle::Vsock(d) => d.clone(),
+        }
+    }
+}
+
+/// One attached virtio device and its transport.
 #[derive(Debug)]
 pub struct AttachedDevice {
-    pub saved: Option<SavedDevice>,
+    pub device: DeviceHandle,
     pub transport: Arc<Mutex<MmioTransport>>,
 }
 
@@ -67,16 +95,13 @@ impl MmioDeviceManager {
     /// found its devices when it booted). Slots are handed out in order, so
     /// a restore that attaches the same devices in the same order gives
     /// each the window and interrupt the guest knows. Returns the transport.
-    pub fn attach_virtio<D>(
+    pub fn attach_virtio(
         &mut self,
         (vm, mem, events): (&VmFd, &GuestMemoryMmap, &mut EventLoop),
         cmdline: Option<&mut Cmdline>,
-        device: Arc<Mutex<D>>,
-        saved: Option<SavedDevice>,
-    ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError>
-    where
-        D: VirtioDevice + MutEventSubscriber + 'static,
-    {
+        handle: DeviceHandle,
+    ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError> {
+        let device = handle.virtio();
         let irq = FIRST_VIRTIO_IRQ + self.next_index;
         if irq > u32::from(IRQ_MAX) {
             return Err(DeviceManagerError::NoIrq);
@@ -99,7 +124,7 @@ impl MmioDeviceManager {
         let transport = MmioTransport::new(device.clone(), mem.clone(), interrupt, queue_evts);
         let transport = Arc::new(Mutex::new(transport));
         self.bus.insert(base, MMIO_LEN, transport.clone())?;
-        events.add_subscriber(device);
+        events.add_subscriber(handle.subscriber());
         if let Some(cmdline) = cmdline {
             cmdline
                 .add_virtio_mmio_device(MMIO_LEN, GuestAddress(base), irq, None)
@@ -107,7 +132,7 @@ impl MmioDeviceManager {
         }
         self.next_index += 1;
         self.devices.push(AttachedDevice {
-            saved,
+            device: handle,
             transport: transport.clone(),
         });
         Ok(transport)

@@ -26,7 +26,7 @@ use event_manager::{EventOps, EventSet, Events, MutEventSubscriber, SubscriberOp
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
-use device_manager::EventLoop;
+use device_manager::{DeviceHandle, EventLoop};
 use devices::serial::ConsoleFacts;
 use resident::ResidentMemory;
 use timeline::{Phase, Timeline};
@@ -87,6 +87,8 @@ pub enum VmmError {
     Unsupported(String),
     #[error(transparent)]
     Persist(#[from] persist::PersistError),
+    #[error("drive {0}: {1}")]
+    Disk(String, #[source] devices::virtio::block::DiskError),
 }
 
 /// A built VM: its memory, vCPUs, devices and the events that end it.
@@ -209,12 +211,22 @@ impl Vmm {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
+        persist::prepare(dir)?;
         let mut devices = Vec::with_capacity(self.devices.len());
-        for attached in &self.devices {
-            let Some(device) = attached.saved.clone() else {
-                return Err(VmmError::Unsupported(
-                    "snapshots of VMs with virtio-block or virtio-net are not supported yet".into(),
-                ));
+        for (index, attached) in self.devices.iter().enumerate() {
+            let device = match &attached.device {
+                DeviceHandle::Vsock(d) => persist::SavedDevice::Vsock { cid: lock(d).cid() },
+                DeviceHandle::Net(d) => persist::SavedDevice::Net { mac: lock(d).mac() },
+                DeviceHandle::Block(d) => {
+                    let d = lock(d);
+                    let disk = d
+                        .save_disk(dir, &format!("drive-{index}"))
+                        .map_err(|e| VmmError::Disk(d.name().to_owned(), e))?;
+                    persist::SavedDevice::Block {
+                        id: d.name().to_owned(),
+                        disk,
+                    }
+                }
             };
             let transport = lock(&attached.transport).save();
             devices.push(persist::DeviceSnapshot { device, transport });

@@ -27,6 +27,7 @@ use crate::vstate::memory::GuestMemoryMmap;
 use serde::{Deserialize, Serialize};
 
 use crate::devices::serial::SerialSnapshot;
+use crate::devices::virtio::block::DiskSnapshot;
 use crate::devices::virtio::mmio::TransportSnapshot;
 use crate::vstate::vcpu_state::VcpuState;
 use crate::vstate::vm::VmState;
@@ -62,6 +63,11 @@ pub struct MemoryLayer {
 pub enum SavedDevice {
     /// virtio-vsock; the CID is the snapshotted VM's (a clone gets its own).
     Vsock { cid: u64 },
+    /// virtio-block: the drive's name and the files its contents are in.
+    Block { id: String, disk: DiskSnapshot },
+    /// virtio-net; the MAC is the snapshotted VM's (a clone gets its own,
+    /// and its own TAP).
+    Net { mac: [u8; 6] },
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -147,18 +153,25 @@ pub struct WriteTimes {
     pub state_bytes: usize,
 }
 
+/// Creates `dir` if missing and checks it holds no snapshot yet (devices
+/// write their own files into it before [`write`]).
+pub fn prepare(dir: &Path) -> Result<(), PersistError> {
+    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    if dir.join(STATE_FILE).exists() || dir.join(MEMORY_FILE).exists() {
+        return Err(PersistError::Exists(dir.to_path_buf()));
+    }
+    Ok(())
+}
+
 /// Writes `state` and `mem` to `dir` (created if missing).
 pub fn write(
     dir: &Path,
     state: &MicrovmState,
     mem: &GuestMemoryMmap,
 ) -> Result<WriteTimes, PersistError> {
-    std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+    prepare(dir)?;
     let state_path = dir.join(STATE_FILE);
     let memory_path = dir.join(MEMORY_FILE);
-    if state_path.exists() || memory_path.exists() {
-        return Err(PersistError::Exists(dir.to_path_buf()));
-    }
     let tag = std::process::id();
     let memory_tmp = dir.join(format!(".{MEMORY_FILE}.{tag}.tmp"));
     let state_tmp = dir.join(format!(".{STATE_FILE}.{tag}.tmp"));

@@ -25,7 +25,7 @@
 //! | `Health` | host → guest | guest clocks, memory, load and process count |
 //! | `HealthInfo(Health)` | guest → host | reply to `Health` |
 //! | `SetClock { unix_ns }` | host → guest | set the guest's wall clock |
-//! | `Restored { unix_ns, hostname, entropy }` | host → guest | a clone's first message after a restore: wall clock, its own hostname, fresh randomness |
+//! | `Restored { unix_ns, hostname, entropy, mac }` | host → guest | a clone's first message after a restore: wall clock, its own hostname, fresh randomness, its own MAC address |
 //! | `Exec(ExecRequest)` | host → guest | start a program (argv, no shell); foreground or background |
 //! | `Started { pid }` | guest → host | the program is running (first reply to `Exec`) |
 //! | `Output { stream, data }` | guest → host | a chunk of the program's stdout or stderr, as it runs |
@@ -88,7 +88,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Protocol version; the agent refuses other versions.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// The guest vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;
 /// Largest frame accepted, in bytes.
@@ -126,6 +126,8 @@ pub enum Body {
         unix_ns: i64,
         hostname: String,
         entropy: Vec<u8>,
+        /// The clone's MAC address for its network interface, if it has one.
+        mac: Option<[u8; 6]>,
     },
     Exec(ExecRequest),
     Started {

@@ -24,10 +24,15 @@ struct Args {
     #[arg(long, required_unless_present = "restore")]
     kernel: Option<PathBuf>,
     /// Restore the snapshot in this directory instead of booting. The
-    /// clone's identity comes from --id, --vsock and --serial; the machine
-    /// (memory, vCPUs, devices) from the snapshot.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "drives", "net", "hugepages"])]
+    /// clone's identity comes from --id, --vsock, --net, --overlay and
+    /// --serial; the machine (memory, vCPUs, devices) from the snapshot.
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "drives", "hugepages"])]
     restore: Option<PathBuf>,
+    /// With --restore: `NAME=FILE`, the clone's own overlay for the
+    /// snapshot's writable drive NAME. FILE must not exist yet; the clone's
+    /// writes go there, over the snapshot's copy of the drive. Repeatable.
+    #[arg(long = "overlay", requires = "restore", value_parser = parse_overlay)]
+    overlays: Vec<(String, PathBuf)>,
     /// Serve the control socket (status, pause, resume, snapshot DIR) here.
     #[arg(long)]
     api_sock: Option<PathBuf>,
@@ -101,6 +106,8 @@ impl Args {
                 id,
                 snapshot,
                 vsock: self.vsock,
+                net: self.net,
+                overlays: self.overlays,
                 serial,
                 kvm_device: self.kvm_device,
             };
@@ -124,6 +131,16 @@ impl Args {
             net: self.net,
         };
         (Start::Boot(Box::new(config)), self.timeline, self.api_sock)
+    }
+}
+
+/// `NAME=FILE`.
+fn parse_overlay(spec: &str) -> Result<(String, PathBuf), String> {
+    match spec.split_once('=') {
+        Some((name, file)) if !name.is_empty() && !file.is_empty() => {
+            Ok((name.to_owned(), PathBuf::from(file)))
+        }
+        _ => Err(format!("`{spec}` is not NAME=FILE")),
     }
 }
 

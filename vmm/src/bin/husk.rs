@@ -138,7 +138,21 @@ enum Command {
         /// Clone names (and hostnames) are NAME-0, NAME-1, ...
         #[arg(long, default_value = "clone")]
         name: String,
+        /// For a snapshot with a network device: each clone's TAP, `{n}`
+        /// standing for its index (`--tap husk{n}`). Each clone also gets
+        /// its own random MAC address.
+        #[arg(long)]
+        tap: Option<String>,
     },
+}
+
+/// What `husk restore` starts.
+struct Clones {
+    dir: PathBuf,
+    count: u32,
+    run_dir: PathBuf,
+    name: String,
+    tap: Option<String>,
 }
 
 /// Sends one control request; prints the reply; fails if it says so.
@@ -165,6 +179,7 @@ fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
 /// One clone being started.
 struct Starting {
     name: String,
+    mac: Option<[u8; 6]>,
     child: std::process::Child,
     vsock: PathBuf,
     api: PathBuf,
@@ -172,27 +187,69 @@ struct Starting {
     started: std::time::Instant,
 }
 
-fn restore(
-    dir: &std::path::Path,
-    clones: u32,
-    run_dir: PathBuf,
-    name: &str,
-) -> Result<u8, ClientError> {
+/// A random locally administered unicast MAC address.
+fn random_mac() -> std::io::Result<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut mac)?;
+    mac[0] = 0x06;
+    Ok(mac)
+}
+
+fn restore(spec: &Clones) -> Result<u8, ClientError> {
+    use husk_vmm::persist::SavedDevice;
     use std::os::unix::process::CommandExt;
     let vmm = std::env::var_os("HUSK_VMM").map_or_else(
         || std::env::current_exe().map(|e| e.with_file_name("husk-vmm")),
         |p| Ok(PathBuf::from(p)),
     )?;
-    std::fs::create_dir_all(&run_dir)?;
+    let (state, _) =
+        husk_vmm::persist::read(&spec.dir).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let writable_drives: Vec<&str> = state
+        .devices
+        .iter()
+        .filter_map(|d| match &d.device {
+            SavedDevice::Block { id, disk } if !disk.read_only => Some(id.as_str()),
+            _ => None,
+        })
+        .collect();
+    let has_net = state
+        .devices
+        .iter()
+        .any(|d| matches!(d.device, SavedDevice::Net { .. }));
+    if has_net && spec.tap.is_none() {
+        return Err(std::io::Error::other(
+            "the snapshot has a network device: give each clone a TAP with --tap NAME{n}",
+        )
+        .into());
+    }
+    std::fs::create_dir_all(&spec.run_dir)?;
     let mut started = Vec::new();
-    for i in 0..clones {
-        let name = format!("{name}-{i}");
+    for i in 0..spec.count {
+        let name = format!("{}-{i}", spec.name);
+        let run_dir = &spec.run_dir;
         let vsock = run_dir.join(format!("{name}.vsock"));
         let api = run_dir.join(format!("{name}.api"));
         let log = run_dir.join(format!("{name}.log"));
-        let child = std::process::Command::new(&vmm)
+        let mut cmd = std::process::Command::new(&vmm);
+        for drive in &writable_drives {
+            let overlay = run_dir.join(format!("{name}.{drive}.overlay"));
+            cmd.arg("--overlay")
+                .arg(format!("{drive}={}", overlay.display()));
+        }
+        let mac = match &spec.tap {
+            Some(tap) if has_net => {
+                let mac = random_mac()?;
+                let tap = tap.replace("{n}", &i.to_string());
+                let text: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
+                cmd.arg("--net")
+                    .arg(format!("tap={tap},mac={}", text.join(":")));
+                Some(mac)
+            }
+            _ => None,
+        };
+        let child = cmd
             .arg("--restore")
-            .arg(dir)
+            .arg(&spec.dir)
             .args(["--id", &name])
             .arg("--vsock")
             .arg(format!("cid={},path={}", 3 + i, vsock.display()))
@@ -208,6 +265,7 @@ fn restore(
             .spawn()?;
         started.push(Starting {
             name,
+            mac,
             child,
             vsock,
             api,
@@ -229,7 +287,7 @@ fn restore(
                 Ok(mut client) => {
                     let answered = clone.started.elapsed();
                     break client
-                        .restored(&clone.name)
+                        .restored(&clone.name, clone.mac)
                         .map(|()| answered)
                         .map_err(|e| e.to_string());
                 }
@@ -528,9 +586,16 @@ fn run(args: Args) -> Result<u8, ClientError> {
             clones,
             run_dir,
             name,
+            tap,
         } => {
             let run_dir = run_dir.unwrap_or_else(|| dir.clone());
-            restore(&dir, clones, run_dir, &name)
+            restore(&Clones {
+                dir,
+                count: clones,
+                run_dir,
+                name,
+                tap,
+            })
         }
         Command::Cp { from, to } => match (guest_side(&from), guest_side(&to)) {
             (Some((vm, path)), None) => {

@@ -314,7 +314,7 @@ impl AgentClient {
     /// A clone's post-restore step: sets its wall clock to now, gives it
     /// `hostname`, and fresh randomness from the host, so clones of one
     /// snapshot share neither time, name nor random state.
-    pub fn restored(&mut self, hostname: &str) -> Result<(), ClientError> {
+    pub fn restored(&mut self, hostname: &str, mac: Option<[u8; 6]>) -> Result<(), ClientError> {
         let mut entropy = vec![0u8; 64];
         std::fs::File::open("/dev/urandom")?.read_exact(&mut entropy)?;
         let unix_ns = SystemTime::now()
@@ -324,6 +324,7 @@ impl AgentClient {
             unix_ns,
             hostname: hostname.to_owned(),
             entropy,
+            mac,
         })
     }
 

@@ -9,7 +9,7 @@ use virtio_queue::QueueT;
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::disk::Disk;
+use super::disk::{Disk, DiskError, DiskSnapshot};
 use super::request::{self, ID_LEN};
 use super::SECTOR_SIZE;
 use crate::devices::virtio::queue::{pop_chain, return_chain};
@@ -29,6 +29,9 @@ const QUEUE_SIZE: u16 = 256;
 #[derive(Debug)]
 pub struct BlockDevice {
     disk: Disk,
+    /// The drive's name (snapshots match clones' overlays by it).
+    name: String,
+    /// What the guest reads as the serial.
     id: [u8; ID_LEN],
     queue_evt: [EventFd; 1],
     /// Configuration space: capacity in sectors (le64).
@@ -46,11 +49,24 @@ impl BlockDevice {
         let config = (disk.size() / SECTOR_SIZE).to_le_bytes();
         BlockDevice {
             disk,
+            name: id.to_owned(),
             id: id_bytes,
             queue_evt: [queue_evt],
             config,
             active: None,
         }
+    }
+
+    /// The drive's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Saves the disk's contents into snapshot directory `dir` (see
+    /// [`Disk::save`]); the device must be quiet.
+    pub fn save_disk(&self, dir: &std::path::Path, file: &str) -> Result<DiskSnapshot, DiskError> {
+        self.disk.flush()?;
+        self.disk.save(dir, file)
     }
 
     /// Serves every request the driver has made available. A queue the
@@ -171,6 +187,16 @@ impl VirtioDevice for BlockDevice {
 
     fn reset(&mut self) {
         self.active = None;
+    }
+
+    fn restored(&mut self) {
+        // Requests the guest queued before the snapshot: serve them, and
+        // raise the line in case activation served some before the vCPUs'
+        // interrupt controllers existed (a spurious interrupt is harmless).
+        self.process_queue();
+        if let Some(active) = &self.active {
+            active.interrupt.trigger(INT_VRING);
+        }
     }
 
     fn queue_states(&self) -> Vec<virtio_queue::QueueState> {

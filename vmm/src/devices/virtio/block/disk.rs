@@ -4,16 +4,27 @@
 //! The overlay has the base's size and holds written data at the same
 //! offsets. Which 4 KiB clusters it holds is tracked in memory, rebuilt from
 //! the overlay's allocated extents (SEEK_DATA) when it is reopened. A write
-//! that covers part of a cluster first copies the base's cluster, so a
+//! that covers part of a cluster first copies the cluster from below, so a
 //! cluster in the overlay is always complete.
+//!
+//! Snapshots add read-only *layers* between the base and the overlay: a
+//! snapshot copies the overlay's clusters into a layer file in its
+//! directory, and each clone restored from it stacks its own new overlay
+//! on top. Clones never share a writable file, and none can change what
+//! another (or the snapshot) sees.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use serde::{Deserialize, Serialize};
+
 /// Granularity of the copy-on-write overlay.
 pub const CLUSTER_SIZE: u64 = 4096;
+/// Most read-only layers under a disk's overlay; a snapshot that would
+/// stack more merges them into one.
+pub const MAX_LAYERS: usize = 8;
 
 /// How an image is used.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,15 +58,96 @@ pub enum DiskError {
     OutOfRange { offset: u64, len: u64, size: u64 },
     #[error("disk I/O failed: {0}")]
     Io(#[from] std::io::Error),
+    #[error("cannot write the disk's snapshot layer {0}: {1}")]
+    Save(PathBuf, #[source] std::io::Error),
+    #[error("{path} changed since the snapshot was taken ({what}); clones of it would see a corrupt disk")]
+    Changed { path: PathBuf, what: String },
+    #[error("overlay {0} already exists: each clone needs a new overlay of its own")]
+    OverlayExists(PathBuf),
+    #[error("the drive is writable: give the clone its own overlay file")]
+    NoOverlay,
+    #[error("the drive is read-only in the snapshot and takes no overlay")]
+    UnwantedOverlay,
 }
 
-struct Overlay {
+/// A file a snapshot refers to, with what identifies its contents: a
+/// restore refuses a file whose size or modification time moved.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileStamp {
+    /// Absolute.
+    pub path: PathBuf,
+    pub len: u64,
+    pub mtime_ns: i128,
+}
+
+impl FileStamp {
+    fn of(path: &Path, file: &File) -> std::io::Result<Self> {
+        let meta = file.metadata()?;
+        Ok(FileStamp {
+            path: std::fs::canonicalize(path)?,
+            len: meta.len(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        })
+    }
+
+    /// Opens the file read-only and checks it is the one stamped.
+    fn open_unchanged(&self) -> Result<File, DiskError> {
+        let file = File::open(&self.path).map_err(|e| DiskError::Open(self.path.clone(), e))?;
+        let now =
+            FileStamp::of(&self.path, &file).map_err(|e| DiskError::Open(self.path.clone(), e))?;
+        let what = if now.len != self.len {
+            format!("{} bytes, {} then", now.len, self.len)
+        } else if now.mtime_ns != self.mtime_ns {
+            "modified since".to_owned()
+        } else {
+            return Ok(file);
+        };
+        Err(DiskError::Changed {
+            path: self.path.clone(),
+            what,
+        })
+    }
+}
+
+/// A disk in a snapshot: the files its contents are made of. The clone's
+/// overlay is not part of it (each clone brings a new one).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskSnapshot {
+    pub size: u64,
+    pub read_only: bool,
+    pub base: FileStamp,
+    /// Read-only layers over the base, lowest first.
+    pub layers: Vec<FileStamp>,
+}
+
+/// A sparse file holding some clusters of the disk at their own offsets.
+struct Layer {
     file: File,
-    /// One bit per cluster: the cluster's data is in the overlay.
+    /// One bit per cluster: the cluster's data is in this file.
     present: Vec<u64>,
 }
 
-impl Overlay {
+impl Layer {
+    /// Indexes `file`'s clusters from its allocated extents.
+    fn index(file: File, size: u64) -> std::io::Result<Layer> {
+        let mut layer = Layer::empty(file, size);
+        for (start, end) in data_extents(&layer.file, size)? {
+            for cluster in start / CLUSTER_SIZE..end.div_ceil(CLUSTER_SIZE) {
+                layer.mark(cluster);
+            }
+        }
+        Ok(layer)
+    }
+
+    /// A layer that holds nothing yet.
+    fn empty(file: File, size: u64) -> Layer {
+        let clusters = size.div_ceil(CLUSTER_SIZE);
+        Layer {
+            present: vec![0; clusters.div_ceil(64) as usize],
+            file,
+        }
+    }
+
     fn has(&self, cluster: u64) -> bool {
         self.present[(cluster / 64) as usize] & (1 << (cluster % 64)) != 0
     }
@@ -68,7 +160,10 @@ impl Overlay {
 /// An open disk.
 pub struct Disk {
     base: File,
-    overlay: Option<Overlay>,
+    base_path: PathBuf,
+    /// Read-only layers from snapshots, lowest first, with their stamps.
+    layers: Vec<(FileStamp, Layer)>,
+    overlay: Option<Layer>,
     read_only: bool,
     size: u64,
 }
@@ -78,6 +173,7 @@ impl std::fmt::Debug for Disk {
         f.debug_struct("Disk")
             .field("size", &self.size)
             .field("read_only", &self.read_only)
+            .field("layers", &self.layers.len())
             .field("cow", &self.overlay.is_some())
             .finish()
     }
@@ -106,10 +202,142 @@ impl Disk {
         };
         Ok(Disk {
             base,
+            base_path: path.to_owned(),
+            layers: Vec::new(),
             overlay,
             read_only: *mode == DiskMode::ReadOnly,
             size,
         })
+    }
+
+    /// Opens a snapshot's disk: its base and layers, each checked against
+    /// its stamp, under a new `overlay` (which must not exist yet) when the
+    /// disk is writable.
+    pub fn restore(snapshot: &DiskSnapshot, overlay: Option<&Path>) -> Result<Self, DiskError> {
+        let base = snapshot.base.open_unchanged()?;
+        if snapshot.base.len != snapshot.size || snapshot.size % super::SECTOR_SIZE != 0 {
+            return Err(DiskError::Size(snapshot.base.path.clone(), snapshot.size));
+        }
+        let mut layers = Vec::with_capacity(snapshot.layers.len());
+        for stamp in &snapshot.layers {
+            let file = stamp.open_unchanged()?;
+            if stamp.len != snapshot.size {
+                return Err(DiskError::OverlaySize {
+                    path: stamp.path.clone(),
+                    found: stamp.len,
+                    expected: snapshot.size,
+                });
+            }
+            let layer = Layer::index(file, snapshot.size)
+                .map_err(|e| DiskError::Open(stamp.path.clone(), e))?;
+            layers.push((stamp.clone(), layer));
+        }
+        let overlay = match (snapshot.read_only, overlay) {
+            (true, None) => None,
+            (true, Some(_)) => return Err(DiskError::UnwantedOverlay),
+            (false, None) => return Err(DiskError::NoOverlay),
+            (false, Some(path)) => {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .open(path)
+                    .map_err(|e| match e.kind() {
+                        std::io::ErrorKind::AlreadyExists => {
+                            DiskError::OverlayExists(path.to_owned())
+                        }
+                        _ => DiskError::Open(path.to_owned(), e),
+                    })?;
+                file.set_len(snapshot.size)
+                    .map_err(|e| DiskError::Open(path.to_owned(), e))?;
+                Some(Layer::empty(file, snapshot.size))
+            }
+        };
+        Ok(Disk {
+            base,
+            base_path: snapshot.base.path.clone(),
+            layers,
+            overlay,
+            read_only: snapshot.read_only,
+            size: snapshot.size,
+        })
+    }
+
+    /// Makes the disk's current contents part of a snapshot in `dir`: the
+    /// overlay's clusters (or, for a raw read-write image, the image) are
+    /// copied to `dir/name`, which becomes a read-only layer of the
+    /// snapshot. The disk itself goes on as before. The guest must not be
+    /// running (its requests are served synchronously, so none is in
+    /// flight).
+    pub fn save(&self, dir: &Path, name: &str) -> Result<DiskSnapshot, DiskError> {
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+        let save_err = |e| DiskError::Save(path.clone(), e);
+        let stamps =
+            |layers: &[(FileStamp, Layer)]| layers.iter().map(|(s, _)| s.clone()).collect();
+        let base_stamp = || FileStamp::of(&self.base_path, &self.base).map_err(save_err);
+        let (base, layers) = if self.read_only {
+            (base_stamp()?, stamps(&self.layers))
+        } else {
+            let file = File::create(&tmp).map_err(save_err)?;
+            let result = match &self.overlay {
+                Some(overlay) if self.layers.len() < MAX_LAYERS => copy_clusters(
+                    &file,
+                    self.size,
+                    |c| overlay.has(c),
+                    |buf, at| overlay.file.read_exact_at(buf, at),
+                ),
+                // Too deep: one layer with every cluster above the base.
+                Some(_) => copy_clusters(
+                    &file,
+                    self.size,
+                    |c| self.above_base(c),
+                    |buf, at| self.read_at(buf, at).map_err(std::io::Error::other),
+                ),
+                // A raw image: its allocated extents.
+                None => self
+                    .base
+                    .try_clone()
+                    .and_then(|f| Layer::index(f, self.size))
+                    .and_then(|image| {
+                        copy_clusters(
+                            &file,
+                            self.size,
+                            |c| image.has(c),
+                            |buf, at| self.base.read_exact_at(buf, at),
+                        )
+                    }),
+            }
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = result {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(save_err(e));
+            }
+            let stamp = FileStamp::of(&path, &file).map_err(save_err)?;
+            match &self.overlay {
+                Some(_) if self.layers.len() < MAX_LAYERS => {
+                    let mut layers: Vec<_> = stamps(&self.layers);
+                    layers.push(stamp);
+                    (base_stamp()?, layers)
+                }
+                Some(_) => (base_stamp()?, vec![stamp]),
+                // The copy of the image is the clones' base.
+                None => (stamp, Vec::new()),
+            }
+        };
+        Ok(DiskSnapshot {
+            size: self.size,
+            read_only: self.read_only,
+            base,
+            layers,
+        })
+    }
+
+    /// Whether `cluster` is held above the base (in a layer or the overlay).
+    fn above_base(&self, cluster: u64) -> bool {
+        self.overlay.as_ref().is_some_and(|o| o.has(cluster))
+            || self.layers.iter().any(|(_, l)| l.has(cluster))
     }
 
     /// Size in bytes.
@@ -132,22 +360,30 @@ impl Disk {
         }
     }
 
+    /// The file that holds `cluster`, ignoring the overlay.
+    fn below_overlay(&self, cluster: u64) -> &File {
+        self.layers
+            .iter()
+            .rev()
+            .find(|(_, l)| l.has(cluster))
+            .map_or(&self.base, |(_, l)| &l.file)
+    }
+
     /// Reads `buf.len()` bytes at `offset`.
     pub fn read_at(&self, buf: &mut [u8], offset: u64) -> Result<(), DiskError> {
         self.check_range(offset, buf.len() as u64)?;
-        let Some(overlay) = &self.overlay else {
+        if self.overlay.is_none() && self.layers.is_empty() {
             return Ok(self.base.read_exact_at(buf, offset)?);
-        };
+        }
         let mut done = 0usize;
         while done < buf.len() {
             let pos = offset + done as u64;
             let cluster = pos / CLUSTER_SIZE;
             let in_cluster = ((cluster + 1) * CLUSTER_SIZE - pos).min((buf.len() - done) as u64);
             let chunk = &mut buf[done..done + in_cluster as usize];
-            if overlay.has(cluster) {
-                overlay.file.read_exact_at(chunk, pos)?;
-            } else {
-                self.base.read_exact_at(chunk, pos)?;
+            match &self.overlay {
+                Some(overlay) if overlay.has(cluster) => overlay.file.read_exact_at(chunk, pos)?,
+                _ => self.below_overlay(cluster).read_exact_at(chunk, pos)?,
             }
             done += in_cluster as usize;
         }
@@ -160,9 +396,9 @@ impl Disk {
             return Err(DiskError::ReadOnly);
         }
         self.check_range(offset, buf.len() as u64)?;
-        let Some(overlay) = &mut self.overlay else {
+        if self.overlay.is_none() {
             return Ok(self.base.write_all_at(buf, offset)?);
-        };
+        }
         let mut done = 0usize;
         let mut cluster_buf = vec![0u8; CLUSTER_SIZE as usize];
         while done < buf.len() {
@@ -171,23 +407,30 @@ impl Disk {
             let cluster_start = cluster * CLUSTER_SIZE;
             let in_cluster = (cluster_start + CLUSTER_SIZE - pos).min((buf.len() - done) as u64);
             let chunk = &buf[done..done + in_cluster as usize];
-            if !overlay.has(cluster) && in_cluster < CLUSTER_SIZE {
-                // Complete the cluster from the base before the partial write.
+            let present = self.overlay.as_ref().is_some_and(|o| o.has(cluster));
+            if !present && in_cluster < CLUSTER_SIZE {
+                // Complete the cluster from below before the partial write.
                 let len = CLUSTER_SIZE.min(self.size - cluster_start) as usize;
-                self.base
+                self.below_overlay(cluster)
                     .read_exact_at(&mut cluster_buf[..len], cluster_start)?;
                 let at = (pos - cluster_start) as usize;
                 cluster_buf[at..at + chunk.len()].copy_from_slice(chunk);
-                overlay
+                self.overlay_mut()
                     .file
                     .write_all_at(&cluster_buf[..len], cluster_start)?;
             } else {
-                overlay.file.write_all_at(chunk, pos)?;
+                self.overlay_mut().file.write_all_at(chunk, pos)?;
             }
-            overlay.mark(cluster);
+            self.overlay_mut().mark(cluster);
             done += in_cluster as usize;
         }
         Ok(())
+    }
+
+    fn overlay_mut(&mut self) -> &mut Layer {
+        self.overlay
+            .as_mut()
+            .expect("write_at checked the overlay exists")
     }
 
     /// Makes written data durable.
@@ -201,7 +444,7 @@ impl Disk {
     }
 }
 
-fn open_overlay(path: &Path, size: u64) -> Result<Overlay, DiskError> {
+fn open_overlay(path: &Path, size: u64) -> Result<Layer, DiskError> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -226,17 +469,38 @@ fn open_overlay(path: &Path, size: u64) -> Result<Overlay, DiskError> {
             })
         }
     }
+    Ok(Layer::index(file, size)?)
+}
+
+/// Writes the clusters for which `wanted` holds into `dst` at their own
+/// offsets, read through `read`, in runs; the rest of `dst` stays a hole.
+fn copy_clusters(
+    dst: &File,
+    size: u64,
+    wanted: impl Fn(u64) -> bool,
+    read: impl Fn(&mut [u8], u64) -> std::io::Result<()>,
+) -> std::io::Result<()> {
+    const RUN: u64 = 256; // clusters per copy (1 MiB)
     let clusters = size.div_ceil(CLUSTER_SIZE);
-    let mut overlay = Overlay {
-        present: vec![0; clusters.div_ceil(64) as usize],
-        file,
-    };
-    for (start, end) in data_extents(&overlay.file, size)? {
-        for cluster in start / CLUSTER_SIZE..end.div_ceil(CLUSTER_SIZE) {
-            overlay.mark(cluster);
+    let mut buf = vec![0u8; (RUN * CLUSTER_SIZE) as usize];
+    let mut cluster = 0;
+    while cluster < clusters {
+        if !wanted(cluster) {
+            cluster += 1;
+            continue;
         }
+        let mut end = cluster + 1;
+        while end < clusters && end - cluster < RUN && wanted(end) {
+            end += 1;
+        }
+        let start = cluster * CLUSTER_SIZE;
+        let len = (end * CLUSTER_SIZE).min(size) - start;
+        let chunk = &mut buf[..len as usize];
+        read(chunk, start)?;
+        dst.write_all_at(chunk, start)?;
+        cluster = end;
     }
-    Ok(overlay)
+    dst.set_len(size)
 }
 
 /// The allocated (start, end) extents of `file`, from SEEK_DATA/SEEK_HOLE.
@@ -375,5 +639,152 @@ mod tests {
         let err = Disk::open(&base, &DiskMode::CopyOnWrite { overlay }).expect_err("size");
 
         assert!(matches!(err, DiskError::OverlaySize { .. }));
+    }
+
+    fn read_all(disk: &Disk) -> Vec<u8> {
+        let mut all = vec![0u8; disk.size() as usize];
+        disk.read_at(&mut all, 0).expect("read");
+        all
+    }
+
+    /// A copy-on-write disk over a patterned 16-cluster base with `written`
+    /// at cluster 3 (and half of cluster 5), saved into `dir/snap`.
+    fn saved_cow_disk(dir: &TempDir) -> (Disk, DiskSnapshot, Vec<u8>) {
+        let base = image(dir, "base", &pattern(16 * 4096));
+        let mode = DiskMode::CopyOnWrite {
+            overlay: dir.as_path().join("overlay"),
+        };
+        let mut disk = Disk::open(&base, &mode).expect("open");
+        disk.write_at(&[7; 4096], 3 * 4096).expect("write");
+        disk.write_at(&[8; 2048], 5 * 4096).expect("write");
+        let snap_dir = dir.as_path().join("snap");
+        std::fs::create_dir(&snap_dir).expect("snapshot dir");
+        let snapshot = disk.save(&snap_dir, "drive-0").expect("save");
+        let contents = read_all(&disk);
+        (disk, snapshot, contents)
+    }
+
+    #[test]
+    fn clones_of_a_saved_disk_see_its_contents_and_only_their_own_writes() {
+        let dir = TempDir::new().expect("tempdir");
+        let (mut original, snapshot, at_snapshot) = saved_cow_disk(&dir);
+        let layer_bytes = std::fs::read(&snapshot.layers[0].path).expect("layer");
+        let mut a = Disk::restore(&snapshot, Some(&dir.as_path().join("a"))).expect("clone a");
+        let mut b = Disk::restore(&snapshot, Some(&dir.as_path().join("b"))).expect("clone b");
+
+        original.write_at(&[1; 512], 0).expect("write original");
+        a.write_at(&[0xaa; 100], 5 * 4096 + 4000).expect("write a");
+        b.write_at(&[0xbb; 4096], 9 * 4096).expect("write b");
+
+        let mut expect_a = at_snapshot.clone();
+        expect_a[5 * 4096 + 4000..5 * 4096 + 4100].fill(0xaa);
+        let mut expect_b = at_snapshot.clone();
+        expect_b[9 * 4096..10 * 4096].fill(0xbb);
+        assert_eq!(read_all(&a), expect_a);
+        assert_eq!(read_all(&b), expect_b);
+        assert_eq!(
+            std::fs::read(&snapshot.layers[0].path).expect("layer"),
+            layer_bytes
+        );
+        assert_eq!(snapshot.layers.len(), 1);
+        assert!(!a.is_read_only());
+    }
+
+    #[test]
+    fn a_saved_raw_image_becomes_the_clones_sparse_base() {
+        let dir = TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("raw");
+        let file = File::create(&path).expect("create");
+        file.set_len(64 << 20).expect("size");
+        file.write_all_at(b"raw-image-data", 40 << 20)
+            .expect("write");
+        let disk = Disk::open(&path, &DiskMode::ReadWrite).expect("open");
+        let snap_dir = dir.as_path().join("snap");
+        std::fs::create_dir(&snap_dir).expect("snapshot dir");
+
+        let snapshot = disk.save(&snap_dir, "drive-0").expect("save");
+        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("o"))).expect("clone");
+
+        let mut back = [0u8; 14];
+        clone.read_at(&mut back, 40 << 20).expect("read");
+        assert_eq!(&back, b"raw-image-data");
+        assert_eq!(
+            snapshot.base.path,
+            snap_dir.join("drive-0").canonicalize().expect("path")
+        );
+        let used = std::fs::metadata(&snapshot.base.path)
+            .expect("meta")
+            .blocks()
+            * 512;
+        assert!(used < 1 << 20, "the copy is not sparse: {used} bytes");
+    }
+
+    #[test]
+    fn a_read_only_disk_is_saved_by_reference_and_restores_without_an_overlay() {
+        let dir = TempDir::new().expect("tempdir");
+        let path = image(&dir, "ro", &pattern(4096));
+        let disk = Disk::open(&path, &DiskMode::ReadOnly).expect("open");
+
+        let snapshot = disk.save(dir.as_path(), "unused").expect("save");
+        let clone = Disk::restore(&snapshot, None).expect("clone");
+
+        assert!(clone.is_read_only());
+        assert_eq!(read_all(&clone), pattern(4096));
+        assert!(!dir.as_path().join("unused").exists());
+        assert!(matches!(
+            Disk::restore(&snapshot, Some(&dir.as_path().join("o"))),
+            Err(DiskError::UnwantedOverlay)
+        ));
+    }
+
+    #[test]
+    fn restore_refuses_changed_files_and_shared_or_missing_overlays() {
+        let dir = TempDir::new().expect("tempdir");
+        let (_original, snapshot, _) = saved_cow_disk(&dir);
+        let taken = dir.as_path().join("taken");
+        std::fs::write(&taken, b"").expect("existing overlay");
+
+        let existing = Disk::restore(&snapshot, Some(&taken));
+        let missing = Disk::restore(&snapshot, None);
+        let layer = OpenOptions::new()
+            .write(true)
+            .open(&snapshot.layers[0].path)
+            .expect("open layer");
+        layer.write_all_at(b"x", 0).expect("tamper");
+        // mtime ticks coarsely: make the change visible whatever the clock.
+        let past = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000);
+        layer.set_modified(past).expect("set mtime");
+        let tampered = Disk::restore(&snapshot, Some(&dir.as_path().join("c")));
+
+        assert!(matches!(existing, Err(DiskError::OverlayExists(_))));
+        assert!(matches!(missing, Err(DiskError::NoOverlay)));
+        assert!(
+            matches!(tampered, Err(DiskError::Changed { .. })),
+            "{tampered:?}"
+        );
+        assert!(!dir.as_path().join("c").exists());
+    }
+
+    #[test]
+    fn generations_of_snapshots_merge_layers_beyond_the_limit() {
+        let dir = TempDir::new().expect("tempdir");
+        let (_original, mut snapshot, mut expected) = saved_cow_disk(&dir);
+
+        for generation in 0..(MAX_LAYERS as u64 + 3) {
+            let overlay = dir.as_path().join(format!("overlay-{generation}"));
+            let mut disk = Disk::restore(&snapshot, Some(&overlay)).expect("restore");
+            let at = (generation % 16) * 4096 + generation;
+            disk.write_at(&[generation as u8 + 100; 10], at)
+                .expect("write");
+            expected[at as usize..at as usize + 10].fill(generation as u8 + 100);
+            assert_eq!(read_all(&disk), expected, "generation {generation}");
+            let snap_dir = dir.as_path().join(format!("gen-{generation}"));
+            std::fs::create_dir(&snap_dir).expect("dir");
+            snapshot = disk.save(&snap_dir, "drive-0").expect("save");
+            assert!(snapshot.layers.len() <= MAX_LAYERS);
+        }
+
+        let last = Disk::restore(&snapshot, Some(&dir.as_path().join("last"))).expect("restore");
+        assert_eq!(read_all(&last), expected);
     }
 }

@@ -6,7 +6,7 @@ pub mod disk;
 pub mod request;
 
 pub use device::BlockDevice;
-pub use disk::{Disk, DiskError, DiskMode};
+pub use disk::{Disk, DiskError, DiskMode, DiskSnapshot};
 
 /// Bytes per sector, as the virtio-block protocol counts.
 pub const SECTOR_SIZE: u64 = 512;

@@ -55,6 +55,11 @@ impl NetDevice {
         })
     }
 
+    /// The MAC address the device offers.
+    pub fn mac(&self) -> [u8; 6] {
+        self.config
+    }
+
     fn watch_tap(&mut self, on: bool, ops: &mut EventOps) {
         if on == self.watching_tap {
             return;

@@ -39,6 +39,11 @@ pub struct VsockDevice {
 }
 
 impl VsockDevice {
+    /// The guest's CID.
+    pub fn cid(&self) -> u64 {
+        u64::from_le_bytes(self.config)
+    }
+
     /// A device for guest `cid` whose host side listens on `uds_path`.
     pub fn new(cid: u64, uds_path: &Path) -> Result<Self, MuxerError> {
         let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(MuxerError::EventFd);
