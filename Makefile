@@ -1,5 +1,6 @@
 # The two commands a new user needs (see README.md):
-#   make run    build what is missing, boot a sandbox, run a command in it, show the timings
+#   make run    build what is missing, boot a sandbox, run a command in it, snapshot it,
+#               restore a clone and run the command there, showing the timings
 #   make test   run every test (unit tests and real-guest integration tests)
 #
 # The guest kernel is built once and cached under ~/.cache/husk (kernel-config/build.sh);
@@ -14,9 +15,22 @@ CMD ?= /bin/busybox uname -a
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
 	cargo build --quiet --release --locked -p husk-vmm; \
-	echo "booting $$kernel with $$initramfs, then running: $(CMD)" >&2; \
-	target/release/husk-vmm --kernel "$$kernel" --initramfs "$$initramfs" \
-		--cmdline "-- $(CMD)"
+	bin=target/release; dir=$$(mktemp -d /tmp/husk-run.XXXXXX); clone=; \
+	trap 'kill $$base $$clone 2>/dev/null; rm -rf "$$dir"' EXIT; \
+	echo "== 1. cold boot of $$kernel with $$initramfs" >&2; \
+	$$bin/husk-vmm --kernel "$$kernel" --initramfs "$$initramfs" --serial "$$dir/boot.console" \
+		--vsock "cid=3,path=$$dir/boot.vsock" --api-sock "$$dir/boot.api" > "$$dir/boot.out" & base=$$!; \
+	$$bin/husk ping --wait-s 900 "$$dir/boot.vsock"; \
+	echo "== 2. run in it: $(CMD)" >&2; \
+	$$bin/husk exec "$$dir/boot.vsock" -- $(CMD); \
+	echo "== 3. snapshot it (times in microseconds)" >&2; \
+	$$bin/husk snapshot "$$dir/boot.api" "$$dir/snapshot"; \
+	kill $$base; wait $$base || true; cat "$$dir/boot.out"; \
+	echo "== 4. restore a clone of the snapshot (times in ms since its husk-vmm started)" >&2; \
+	restored=$$($$bin/husk restore "$$dir/snapshot" --run-dir "$$dir" --name sandbox); \
+	echo "$$restored"; clone=$$(echo "$$restored" | sed -n 's/.* pid=\([0-9]*\) .*/\1/p'); \
+	echo "== 5. run in the clone: $(CMD)" >&2; \
+	$$bin/husk exec "$$dir/sandbox-0.vsock" -- $(CMD)
 
 test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \

@@ -14,12 +14,17 @@
 //! /proc/PID/smaps_rollup: shared (the snapshot's page cache) versus
 //! private (what each clone wrote).
 //!
+//! The same run then does the same with QEMU (see qemu.rs; skipped without
+//! `qemu-system-x86_64`, or with HUSK_BENCH_QEMU=0): snapshot as migration
+//! to a file, restore with `-incoming`, and 10 clones' memory.
+//!
 //! On an emulating (PVM) host the guest's side of each number is inflated
 //! (every page fault and instruction of the guest kernel is emulated); the
 //! host phases run at full speed.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod qemu;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -175,6 +180,48 @@ fn bench_size(mem_mib: u32, restores: usize) {
         );
     }
 
+    // What dirty page tracking costs a clone that writes: the same writes
+    // in a clone with it (the default) and one restored without it.
+    for (label, extra) in [("on", &[][..]), ("off", &["--no-dirty-log"][..])] {
+        let uds = d.join(format!("dirty-{label}.vsock"));
+        let mut cmd = Command::new(common::vmm_binary());
+        cmd.arg("--restore")
+            .arg(&snapshot)
+            .args(["--serial", "null"])
+            .arg("--vsock")
+            .arg(format!("cid=6,path={}", uds.display()))
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        let _clone = Killed(cmd.spawn().expect("husk-vmm --restore"));
+        while !uds.exists() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
+            .expect("clone agent");
+        let write = husk_protocol::ExecRequest {
+            argv: [
+                "/bin/sh",
+                "-c",
+                "dd if=/dev/zero of=/tmp/w bs=1M count=32 2>/dev/null; rm /tmp/w",
+            ]
+            .map(String::from)
+            .to_vec(),
+            ..Default::default()
+        };
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let started = Instant::now();
+            client.exec(write.clone()).expect("exec");
+            times.push(started.elapsed().as_secs_f64() * 1000.0);
+        }
+        println!(
+            "  clone writing 32 MiB to tmpfs (5 runs), dirty tracking {label}: p50 {:.0} ms, min {:.0} ms",
+            percentile(&times, 0.5),
+            percentile(&times, 0.0)
+        );
+    }
+
     // Ten clones at once: what each costs in memory.
     let clones: Vec<_> = (0..10)
         .map(|i| restore(&snapshot, d, &format!("c{i}"), None, None))
@@ -197,6 +244,15 @@ fn bench_size(mem_mib: u32, restores: usize) {
         mean("Private_Clean:") + mean("Private_Dirty:"),
         mean("Pss:"),
     );
+    drop(clones);
+
+    if std::env::var("HUSK_BENCH_QEMU").as_deref() != Ok("0") {
+        if qemu::available() {
+            qemu::bench(mem_mib, restores, d);
+        } else {
+            println!("  QEMU: qemu-system-x86_64 is not installed; no comparison");
+        }
+    }
 }
 
 fn main() {

@@ -214,57 +214,138 @@ pub fn as_nobody(program: &Path) -> Command {
     cmd
 }
 
-/// One guest with a vsock device shared by every test of a test binary:
-/// booted on first use, killed with the test process. Tests that only talk
-/// to the agent use it, so a test file pays for one boot.
-#[derive(Debug)]
-pub struct SharedVm {
-    /// The VMM's vsock socket.
-    pub uds: PathBuf,
-    /// The guest's console so far.
-    pub serial: std::sync::Arc<std::sync::Mutex<String>>,
+/// Makes the child die with the thread that spawned it (tests end by
+/// exiting, without dropping statics).
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches no memory of ours.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
 }
 
-pub fn shared_vm() -> &'static SharedVm {
-    static VM: OnceLock<SharedVm> = OnceLock::new();
-    VM.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("husk-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("socket dir");
-        let uds = dir.join("vsock.sock");
-        let serial = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let mut cmd = guest_command(&["--vsock", &format!("cid=3,path={}", uds.display())]);
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        // SAFETY: prctl is async-signal-safe; the VMM dies with the thread
-        // that forked it, which below lives until the VMM exits.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
-        let (started_tx, started_rx) = std::sync::mpsc::channel();
-        let console = serial.clone();
-        std::thread::spawn(move || {
-            let mut child = cmd.spawn().expect("spawn husk-vmm");
-            let mut stdout = child.stdout.take().expect("piped stdout");
-            started_tx.send(()).expect("test thread waits");
-            let mut buf = [0u8; 4096];
-            while let Ok(n @ 1..) = stdout.read(&mut buf) {
-                let text = String::from_utf8_lossy(&buf[..n]);
-                console
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push_str(&text);
+/// Where a test binary keeps its snapshot and its sandboxes' sockets;
+/// removed when the test process exits.
+fn scratch_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        extern "C" fn remove_scratch() {
+            if let Some(dir) = DIR.get() {
+                let _ = std::fs::remove_dir_all(dir);
             }
-            let _ = child.wait();
-            let _ = std::fs::remove_dir_all(&dir);
-        });
-        started_rx.recv().expect("husk-vmm started");
-        SharedVm { uds, serial }
+        }
+        let dir = std::env::temp_dir().join(format!("husk-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        // SAFETY: registers a plain function to run at exit.
+        unsafe { libc::atexit(remove_scratch) };
+        dir
     })
+}
+
+/// A snapshot of a guest booted to its agent, taken once per test binary:
+/// every [`sandbox`] is a clone of it.
+fn base_snapshot() -> &'static Path {
+    static SNAPSHOT: OnceLock<PathBuf> = OnceLock::new();
+    SNAPSHOT.get_or_init(|| {
+        let dir = scratch_dir();
+        let (uds, api) = (dir.join("base.vsock"), dir.join("base.api"));
+        let mut cmd = agent_guest_command(&uds, &api, &[]);
+        cmd.stderr(Stdio::inherit());
+        die_with_parent(&mut cmd);
+        let mut base = cmd.spawn().expect("spawn husk-vmm");
+        let deadline = Instant::now() + BOOT_TIMEOUT;
+        let timeout = Duration::from_secs(120);
+        let mut client =
+            husk_vmm::host::agent_client::AgentClient::connect_when_ready(&uds, deadline, timeout)
+                .expect("base agent");
+        client.ping().expect("ping");
+        drop(client);
+        let snapshot = dir.join("snapshot");
+        let reply = control(&api, &format!("snapshot {}", snapshot.display()));
+        assert_eq!(reply["ok"], true, "{reply}");
+        let _ = base.kill();
+        let _ = base.wait();
+        snapshot
+    })
+}
+
+/// A guest of its own for one test: a clone restored from the test
+/// binary's snapshot (one boot per binary), with its own vsock, console
+/// file and identity. Killed when dropped.
+#[derive(Debug)]
+pub struct Sandbox {
+    pub name: String,
+    /// The VMM's vsock socket.
+    pub uds: PathBuf,
+    /// The guest's console.
+    pub console: PathBuf,
+    child: Child,
+}
+
+impl Sandbox {
+    /// A new connection to the clone's agent.
+    pub fn client(&self) -> husk_vmm::host::agent_client::AgentClient {
+        husk_vmm::host::agent_client::AgentClient::connect(&self.uds, Duration::from_secs(120))
+            .expect("agent")
+    }
+
+    /// The guest's console so far.
+    pub fn serial(&self) -> String {
+        std::fs::read_to_string(&self.console).unwrap_or_default()
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Restores a clone named `name` (also its hostname) and runs its
+/// post-restore step.
+pub fn sandbox(name: &str) -> Sandbox {
+    static NEXT_CID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(10);
+    let snapshot = base_snapshot();
+    let dir = scratch_dir();
+    let cid = NEXT_CID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let uds = dir.join(format!("{name}.vsock"));
+    let console = dir.join(format!("{name}.console"));
+    let mut cmd = Command::new(vmm_binary());
+    cmd.arg("--restore")
+        .arg(snapshot)
+        .args(["--id", name])
+        .arg("--vsock")
+        .arg(format!("cid={cid},path={}", uds.display()))
+        .arg("--serial")
+        .arg(&console)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    die_with_parent(&mut cmd);
+    let child = cmd.spawn().expect("husk-vmm --restore");
+    let sandbox = Sandbox {
+        name: name.to_owned(),
+        uds,
+        console,
+        child,
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !sandbox.uds.exists() {
+        assert!(Instant::now() < deadline, "{name}: no vsock socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let timeout = Duration::from_secs(120);
+    let mut client = husk_vmm::host::agent_client::AgentClient::connect_when_ready(
+        &sandbox.uds,
+        deadline,
+        timeout,
+    )
+    .expect("the clone's agent");
+    client.restored(name, None).expect("post-restore step");
+    sandbox
 }
 
 /// Sends one request to a VMM's control socket (`--api-sock`); returns

@@ -184,6 +184,9 @@ pub struct RestoreConfig {
     pub net: Option<crate::config::NetConfig>,
     /// The clone's own new overlay for each writable drive, by drive name.
     pub overlays: Vec<(String, PathBuf)>,
+    /// Track the pages the clone writes (KVM dirty log), so its snapshots
+    /// can be diffs against the one it came from.
+    pub dirty_log: bool,
     pub serial: crate::config::SerialOutput,
     pub kvm_device: std::path::PathBuf,
 }
@@ -329,7 +332,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     }
     // Diffs of this clone are relative to the snapshot it came from, so
     // KVM logs dirty pages from the first instruction.
-    vm.register_memory(&kvm, &mem, true)?;
+    vm.register_memory(&kvm, &mem, config.dirty_log)?;
     vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
@@ -368,14 +371,17 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     timeline.mark(Phase::VcpusReady);
     let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
 
-    let last_snapshot = std::fs::canonicalize(&config.snapshot).ok();
+    let last_snapshot = config
+        .dirty_log
+        .then(|| std::fs::canonicalize(&config.snapshot).ok())
+        .flatten();
     created.keep();
     Ok(Vmm {
         id: config.id.clone(),
         vm,
         mem,
         last_snapshot,
-        dirty_logging: true,
+        dirty_logging: config.dirty_log,
         mem_size_mib: state.mem_size_mib,
         pvm,
         vcpus,

@@ -211,6 +211,13 @@ impl Vmm {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
+        if diff && (self.last_snapshot.is_none() || !self.dirty_logging) {
+            return Err(VmmError::Unsupported(
+                "a diff snapshot needs an earlier snapshot of this VM, or a VM restored with \
+                 dirty page tracking (without --no-dirty-log)"
+                    .into(),
+            ));
+        }
         persist::prepare(dir)?;
         let mut devices = Vec::with_capacity(self.devices.len());
         for (index, attached) in self.devices.iter().enumerate() {
@@ -239,12 +246,7 @@ impl Vmm {
                     runs: vstate::memory::take_dirty(&self.mem, &kvm_dirty),
                 }
             }
-            (true, _) => {
-                return Err(VmmError::Unsupported(
-                    "a diff snapshot needs an earlier snapshot of this VM (or a restored VM)"
-                        .into(),
-                ))
-            }
+            (true, _) => unreachable!("checked above"),
             (false, _) => {
                 if self.dirty_logging {
                     // Everything is in this one: start the next diff afresh.
@@ -299,6 +301,12 @@ impl Vmm {
         let result = match &request {
             api::Request::Status => Ok(serde_json::json!({
                 "state": if self.paused { "paused" } else { "running" },
+                "phases_us": self
+                    .timeline
+                    .report()
+                    .into_iter()
+                    .map(|(name, us)| (name.to_owned(), serde_json::Value::from(us)))
+                    .collect::<serde_json::Map<_, _>>(),
             })),
             api::Request::Pause => self
                 .pause()

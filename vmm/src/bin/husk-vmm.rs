@@ -33,6 +33,11 @@ struct Args {
     /// writes go there, over the snapshot's copy of the drive. Repeatable.
     #[arg(long = "overlay", requires = "restore", value_parser = parse_overlay)]
     overlays: Vec<(String, PathBuf)>,
+    /// With --restore: do not track the pages the clone writes. Writes get
+    /// a little cheaper; the clone's diff snapshots are refused until it
+    /// has taken a full one.
+    #[arg(long, requires = "restore")]
+    no_dirty_log: bool,
     /// Serve the control socket (status, pause, resume, snapshot DIR) here.
     #[arg(long)]
     api_sock: Option<PathBuf>,
@@ -108,6 +113,7 @@ impl Args {
                 vsock: self.vsock,
                 net: self.net,
                 overlays: self.overlays,
+                dirty_log: !self.no_dirty_log,
                 serial,
                 kvm_device: self.kvm_device,
             };

@@ -112,7 +112,13 @@ enum Command {
     /// Copy a file into or out of the guest: one side is <vm>:<guest path>.
     Cp { from: String, to: String },
     /// Check the guest agent answers; prints the guest's uptime.
-    Ping { vm: PathBuf },
+    Ping {
+        vm: PathBuf,
+        /// Wait up to this many seconds for the agent to come up (a booting
+        /// or restoring guest) instead of failing at once.
+        #[arg(long, default_value_t = 0)]
+        wait_s: u64,
+    },
     /// Print the guest's clock, memory, load and process count.
     Health { vm: PathBuf },
     /// Stop the VM's vCPUs (its control socket).
@@ -157,12 +163,7 @@ struct Clones {
 
 /// Sends one control request; prints the reply; fails if it says so.
 fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
-    use std::io::BufRead;
-    let mut stream = std::os::unix::net::UnixStream::connect(api)
-        .map_err(|e| ClientError::Connect(api.display().to_string(), e))?;
-    stream.write_all(format!("{request}\n").as_bytes())?;
-    let mut line = String::new();
-    std::io::BufReader::new(stream).read_line(&mut line)?;
+    let line = control_line(api, request)?;
     let ok = serde_json::from_str::<serde_json::Value>(&line)
         .ok()
         .and_then(|v| v["ok"].as_bool())
@@ -176,6 +177,17 @@ fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
     }
 }
 
+/// Sends one control request; returns the reply line.
+fn control_line(api: &std::path::Path, request: &str) -> Result<String, ClientError> {
+    use std::io::BufRead;
+    let mut stream = std::os::unix::net::UnixStream::connect(api)
+        .map_err(|e| ClientError::Connect(api.display().to_string(), e))?;
+    stream.write_all(format!("{request}\n").as_bytes())?;
+    let mut line = String::new();
+    std::io::BufReader::new(stream).read_line(&mut line)?;
+    Ok(line)
+}
+
 /// One clone being started.
 struct Starting {
     name: String,
@@ -185,6 +197,16 @@ struct Starting {
     api: PathBuf,
     log: PathBuf,
     started: std::time::Instant,
+}
+
+/// When the VMM at `api` first entered KVM_RUN, in ms after its start
+/// (from its `status`), or `?`.
+fn first_kvm_run_ms(api: &std::path::Path) -> String {
+    control_line(api, "status")
+        .ok()
+        .and_then(|line| serde_json::from_str::<serde_json::Value>(&line).ok())
+        .and_then(|v| v["phases_us"]["first_kvm_run"].as_f64())
+        .map_or_else(|| "?".to_owned(), |us| format!("{:.2}", us / 1000.0))
 }
 
 /// A random locally administered unicast MAC address.
@@ -297,11 +319,12 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
         };
         match ready {
             Ok(answered) => println!(
-                "{} pid={} vsock={} api={} agent_ms={:.1} ready_ms={:.1}",
+                "{} pid={} vsock={} api={} first_kvm_run_ms={} agent_ms={:.1} ready_ms={:.1}",
                 clone.name,
                 clone.child.id(),
                 clone.vsock.display(),
                 clone.api.display(),
+                first_kvm_run_ms(&clone.api),
                 answered.as_secs_f64() * 1000.0,
                 clone.started.elapsed().as_secs_f64() * 1000.0
             ),
@@ -451,8 +474,17 @@ fn block_sigwinch() {
 
 fn run(args: Args) -> Result<u8, ClientError> {
     match args.command {
-        Command::Ping { vm } => {
-            let uptime = AgentClient::connect(&vm, READ_TIMEOUT)?.ping()?;
+        Command::Ping { vm, wait_s } => {
+            let mut client = if wait_s == 0 {
+                AgentClient::connect(&vm, READ_TIMEOUT)?
+            } else {
+                let deadline = std::time::Instant::now() + Duration::from_secs(wait_s);
+                while !vm.exists() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                AgentClient::connect_when_ready(&vm, deadline, READ_TIMEOUT)?
+            };
+            let uptime = client.ping()?;
             println!("guest uptime {uptime} ms");
             Ok(0)
         }
