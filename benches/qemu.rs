@@ -213,19 +213,8 @@ pub fn bench(mem_mib: u32, restores: usize, dir: &Path) {
         .collect();
     std::thread::sleep(Duration::from_secs(1));
     let pids: Vec<u32> = clones.iter().map(|q| q.child.id()).collect();
-    let mean = |field: &str| {
-        pids.iter()
-            .map(|&p| super::smaps_kib(p, field))
-            .sum::<u64>()
-            / pids.len() as u64
-    };
-    println!(
-        "    QEMU, 10 clones alive, per clone: RSS {} KiB = shared {} KiB + private {} KiB (PSS {} KiB)",
-        mean("Rss:"),
-        mean("Shared_Clean:") + mean("Shared_Dirty:"),
-        mean("Private_Clean:") + mean("Private_Dirty:"),
-        mean("Pss:"),
-    );
+    print!("    QEMU, ");
+    super::print_clone_memory("", &pids);
 }
 
 fn qemu_version() -> String {

@@ -88,6 +88,21 @@ fn smaps_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Prints the mean resident memory of the clones `pids`, split into
+/// shared and private pages.
+fn print_clone_memory(indent: &str, pids: &[u32]) {
+    let mean =
+        |field: &str| pids.iter().map(|&p| smaps_kib(p, field)).sum::<u64>() / pids.len() as u64;
+    println!(
+        "{indent}{} clones alive, per clone: RSS {} KiB = shared {} KiB + private {} KiB (PSS {} KiB)",
+        pids.len(),
+        mean("Rss:"),
+        mean("Shared_Clean:") + mean("Shared_Dirty:"),
+        mean("Private_Clean:") + mean("Private_Dirty:"),
+        mean("Pss:"),
+    );
+}
+
 fn bench_size(mem_mib: u32, restores: usize) {
     let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
     let d = dir.as_path();
@@ -235,15 +250,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
         client.ping().expect("ping");
     }
     let pids: Vec<u32> = clones.iter().map(|(k, _)| k.0.id()).collect();
-    let mean =
-        |field: &str| pids.iter().map(|&p| smaps_kib(p, field)).sum::<u64>() / pids.len() as u64;
-    println!(
-        "  10 clones alive, per clone: RSS {} KiB = shared {} KiB + private {} KiB (PSS {} KiB)",
-        mean("Rss:"),
-        mean("Shared_Clean:") + mean("Shared_Dirty:"),
-        mean("Private_Clean:") + mean("Private_Dirty:"),
-        mean("Pss:"),
-    );
+    print_clone_memory("  ", &pids);
     drop(clones);
 
     if std::env::var("HUSK_BENCH_QEMU").as_deref() != Ok("0") {

@@ -74,15 +74,15 @@ impl Drop for Netns {
     }
 }
 
-/// Accepts one connection, reads `BYTES`, answers with how many arrived.
-fn serve_one() -> usize {
-    let listener = TcpListener::bind((HOST_IP, PORT)).expect("bind in the namespace");
+/// The first connection to `listener` within `timeout` (blocking, with a
+/// read timeout).
+fn accept_one(listener: &TcpListener, timeout: Duration) -> std::net::TcpStream {
     listener.set_nonblocking(true).expect("nonblocking");
-    let deadline = Instant::now() + BOOT_TIMEOUT;
-    let (mut stream, _) = loop {
+    let deadline = Instant::now() + timeout;
+    let (stream, _) = loop {
         match listener.accept() {
             Ok(conn) => break conn,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(200)),
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
             Err(e) => panic!("the guest never connected: {e}"),
         }
     };
@@ -90,6 +90,13 @@ fn serve_one() -> usize {
     stream
         .set_read_timeout(Some(Duration::from_secs(120)))
         .expect("timeout");
+    stream
+}
+
+/// Accepts one connection, reads `BYTES`, answers with how many arrived.
+fn serve_one() -> usize {
+    let listener = TcpListener::bind((HOST_IP, PORT)).expect("bind in the namespace");
+    let mut stream = accept_one(&listener, BOOT_TIMEOUT);
     let mut buf = vec![0u8; 16 << 10];
     let mut total = 0;
     while total < BYTES {
@@ -139,19 +146,7 @@ fn guest_exchanges_tcp_data_with_a_server_through_the_tap() {
 /// the line.
 fn echo_one_line() -> String {
     let listener = TcpListener::bind((HOST_IP, PORT)).expect("bind in the namespace");
-    listener.set_nonblocking(true).expect("nonblocking");
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let (stream, _) = loop {
-        match listener.accept() {
-            Ok(conn) => break conn,
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
-            Err(e) => panic!("the clone never connected: {e}"),
-        }
-    };
-    stream.set_nonblocking(false).expect("blocking");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(120)))
-        .expect("timeout");
+    let stream = accept_one(&listener, Duration::from_secs(300));
     let mut line = String::new();
     std::io::BufReader::new(&stream)
         .read_line(&mut line)

@@ -1,5 +1,6 @@
-//! The husk snapshot file format. No KVM dependency: this crate only frames
-//! and checks bytes.
+//! The husk snapshot file format and the [`Persist`] trait that VM parts
+//! implement. No KVM dependency: this crate only frames and checks bytes
+//! and names the contract.
 //!
 //! ```text
 //! offset  size  field
@@ -15,6 +16,29 @@
 //! another major version is refused with an error naming the problem.
 
 use std::io::{Read, Write};
+
+/// A part of a VM that saves to a serializable state and is rebuilt from
+/// that state plus what cannot be serialized: file descriptors, guest
+/// memory, the device a transport drives (Firecracker's
+/// `snapshot::Persist`).
+///
+/// `restore` treats the state as untrusted input: a state that does not
+/// fit the constructor arguments (another queue count, a queue outside
+/// guest memory) is an error, never a panic.
+pub trait Persist: Sized {
+    /// What is saved.
+    type State: serde::Serialize + serde::de::DeserializeOwned;
+    /// What a restore needs besides the state.
+    type ConstructorArgs;
+    /// Why a state cannot be restored.
+    type Error: std::fmt::Display;
+
+    /// The part's state. The part must be quiet (its VM paused).
+    fn save(&self) -> Self::State;
+
+    /// Rebuilds the part from `state`.
+    fn restore(args: Self::ConstructorArgs, state: &Self::State) -> Result<Self, Self::Error>;
+}
 
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"HUSKSNAP";

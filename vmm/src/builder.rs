@@ -31,6 +31,7 @@ use crate::vstate::vcpu::{Vcpu, VcpuError};
 use crate::vstate::vcpu_state::msrs_to_save;
 use crate::vstate::vm::{Vm, VmError};
 use crate::Vmm;
+use husk_snapshot::Persist;
 
 /// Errors building a VM. Each wraps the failing part's own error.
 #[derive(Debug, thiserror::Error)]
@@ -117,20 +118,20 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
         let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block))?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Vsock(device))?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Vsock(device), None)?;
     }
     if let Some(net) = &config.net {
         let tap = Tap::open(&net.tap)?;
         let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device))?;
+        mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device), None)?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let devices = std::mem::take(&mut mmio.devices);
@@ -217,26 +218,35 @@ fn restore_devices(
     created: &mut CreatedFiles,
 ) -> Result<Vec<DeviceHandle>, BuildError> {
     let restore_err = |m: String| BuildError::Restore(m);
-    let count = |f: fn(&SavedDevice) -> bool| saved.iter().filter(|d| f(&d.device)).count();
-    let vsocks = count(|d| matches!(d, SavedDevice::Vsock { .. }));
-    let nets = count(|d| matches!(d, SavedDevice::Net { .. }));
-    match (vsocks, &config.vsock) {
-        (0, Some(_)) => return Err(restore_err(
-            "the snapshot has no vsock device; a restored VM cannot gain one".into(),
-        )),
-        (1.., None) => return Err(restore_err(
-            "the snapshot has a vsock device: give this clone its own with --vsock cid=N,path=SOCKET".into(),
-        )),
-        _ => {}
-    }
-    match (nets, &config.net) {
-        (0, Some(_)) => return Err(restore_err(
-            "the snapshot has no network device; a restored VM cannot gain one".into(),
-        )),
-        (1.., None) => return Err(restore_err(
-            "the snapshot has a network device: give this clone its own with --net tap=NAME,mac=MAC".into(),
-        )),
-        _ => {}
+    let has = |f: fn(&SavedDevice) -> bool| saved.iter().any(|d| f(&d.device));
+    let identities = [
+        (
+            has(|d| matches!(d, SavedDevice::Vsock { .. })),
+            config.vsock.is_some(),
+            "vsock device",
+            "--vsock cid=N,path=SOCKET",
+        ),
+        (
+            has(|d| matches!(d, SavedDevice::Net { .. })),
+            config.net.is_some(),
+            "network device",
+            "--net tap=NAME,mac=MAC",
+        ),
+    ];
+    for (in_snapshot, given, device, flag) in identities {
+        match (in_snapshot, given) {
+            (false, true) => {
+                return Err(restore_err(format!(
+                    "the snapshot has no {device}; a restored VM cannot gain one"
+                )))
+            }
+            (true, false) => {
+                return Err(restore_err(format!(
+                    "the snapshot has a {device}: give this clone its own with {flag}"
+                )))
+            }
+            _ => {}
+        }
     }
     for (name, _) in &config.overlays {
         let writable = saved.iter().any(|d| {
@@ -342,17 +352,14 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
     let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
     let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
-    let serial = SerialDevice::restore(serial_irq(&vm)?, console, &state.serial)
+    let serial = SerialDevice::restore((serial_irq(&vm)?, console), &state.serial)
         .map_err(|e| BuildError::Restore(e.to_string()))?;
     let serial = Arc::new(Mutex::new(serial));
     let pio = legacy_devices(serial.clone(), &reset_evt)?;
     let mut mmio = MmioDeviceManager::new();
     for (saved, handle) in state.devices.iter().zip(restored_devices) {
         let parts = (vm.fd(), &mem, &mut events);
-        mmio.attach_virtio(parts, None, handle)?
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .restore(&saved.transport)
+        mmio.attach_virtio(parts, None, handle, Some(&saved.transport))
             .map_err(|e| BuildError::Restore(format!("{:?}: {e}", saved.device)))?;
     }
     let devices = std::mem::take(&mut mmio.devices);

@@ -15,10 +15,11 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::virtio::block::BlockDevice;
-use crate::devices::virtio::mmio::{MmioTransport, MMIO_LEN};
+use crate::devices::virtio::mmio::{MmioTransport, TransportArgs, TransportSnapshot, MMIO_LEN};
 use crate::devices::virtio::net::NetDevice;
 use crate::devices::virtio::vsock::VsockDevice;
 use crate::devices::virtio::{VirtioDevice, VirtioInterrupt};
+use husk_snapshot::Persist;
 
 /// First GSI for virtio devices: 0-4 are the PIT, keyboard, cascade and COMs.
 const FIRST_VIRTIO_IRQ: u32 = 5;
@@ -39,6 +40,8 @@ pub enum DeviceManagerError {
     Kvm(kvm_ioctls::Error),
     #[error(transparent)]
     Bus(#[from] BusError),
+    #[error("the saved device does not restore: {0}")]
+    Restore(String),
     #[error("the kernel command line has no room for another device: {0}")]
     Cmdline(linux_loader::cmdline::Error),
 }
@@ -94,12 +97,15 @@ impl MmioDeviceManager {
     /// subscription and command-line entry (none on restore: the guest
     /// found its devices when it booted). Slots are handed out in order, so
     /// a restore that attaches the same devices in the same order gives
-    /// each the window and interrupt the guest knows. Returns the transport.
+    /// each the window and interrupt the guest knows; its transport is
+    /// rebuilt from `restore`, the saved transport state. Returns the
+    /// transport.
     pub fn attach_virtio(
         &mut self,
         (vm, mem, events): (&VmFd, &GuestMemoryMmap, &mut EventLoop),
         cmdline: Option<&mut Cmdline>,
         handle: DeviceHandle,
+        restore: Option<&TransportSnapshot>,
     ) -> Result<Arc<Mutex<MmioTransport>>, DeviceManagerError> {
         let device = handle.virtio();
         let irq = FIRST_VIRTIO_IRQ + self.next_index;
@@ -121,7 +127,18 @@ impl MmioDeviceManager {
             }
         }
         let interrupt = Arc::new(VirtioInterrupt::new(irqfd));
-        let transport = MmioTransport::new(device.clone(), mem.clone(), interrupt, queue_evts);
+        let transport = match restore {
+            None => MmioTransport::new(device.clone(), mem.clone(), interrupt, queue_evts),
+            Some(state) => {
+                let args = TransportArgs {
+                    device: device.clone(),
+                    mem: mem.clone(),
+                    interrupt,
+                    queue_evts,
+                };
+                MmioTransport::restore(args, state).map_err(DeviceManagerError::Restore)?
+            }
+        };
         let transport = Arc::new(Mutex::new(transport));
         self.bus.insert(base, MMIO_LEN, transport.clone())?;
         events.add_subscriber(handle.subscriber());

@@ -28,6 +28,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use device_manager::{DeviceHandle, EventLoop};
 use devices::serial::ConsoleFacts;
+use husk_snapshot::Persist;
 use resident::ResidentMemory;
 use timeline::{Phase, Timeline};
 use vstate::vcpu::{StopReporter, Vcpu, VcpuError, VcpuHandle, VcpuStop};

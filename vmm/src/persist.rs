@@ -320,3 +320,38 @@ fn read_one(dir: &Path) -> Result<(MicrovmState, File), PersistError> {
     }
     Ok((state, memory))
 }
+
+/// Saves `part`, encodes and decodes the state as a snapshot does, restores
+/// a new part from it with `args` and saves that: returns both states.
+#[cfg(test)]
+pub(crate) fn round_trip<P>(part: &P, args: P::ConstructorArgs) -> (P::State, P::State)
+where
+    P: husk_snapshot::Persist,
+    P::Error: std::fmt::Debug,
+{
+    let state = part.save();
+    let bytes = postcard::to_stdvec(&state).expect("encode");
+    let decoded: P::State = postcard::from_bytes(&bytes).expect("decode");
+    let restored = P::restore(args, &decoded).expect("restore");
+    (state, restored.save())
+}
+
+/// The snapshot conformance test every [`husk_snapshot::Persist`] part
+/// runs (crosvm's shared suspendable test): `$part` saved, encoded,
+/// decoded and restored into a new part built from `$args` saves the same
+/// state again.
+#[cfg(test)]
+macro_rules! persist_conformance {
+    ($test:ident, $part:expr, $args:expr) => {
+        #[test]
+        fn $test() {
+            let part = $part;
+
+            let (saved, resaved) = crate::persist::round_trip(&part, $args);
+
+            assert_eq!(saved, resaved);
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use persist_conformance;

@@ -142,8 +142,13 @@ impl SerialDevice {
     }
 }
 
-impl SerialDevice {
-    pub fn save(&self) -> SerialSnapshot {
+impl husk_snapshot::Persist for SerialDevice {
+    type State = SerialSnapshot;
+    /// Its interrupt and where its output goes.
+    type ConstructorArgs = (EventFd, ConsoleWriter);
+    type Error = io::Error;
+
+    fn save(&self) -> SerialSnapshot {
         let s = self.serial.state();
         SerialSnapshot {
             baud_divisor_low: s.baud_divisor_low,
@@ -160,7 +165,7 @@ impl SerialDevice {
     }
 
     /// A UART in the saved state, interrupting through `irq`.
-    pub fn restore(irq: EventFd, out: ConsoleWriter, s: &SerialSnapshot) -> io::Result<Self> {
+    fn restore((irq, out): (EventFd, ConsoleWriter), s: &SerialSnapshot) -> io::Result<Self> {
         let state = vm_superio::serial::SerialState {
             baud_divisor_low: s.baud_divisor_low,
             baud_divisor_high: s.baud_divisor_high,
@@ -240,4 +245,28 @@ mod tests {
 
         assert_eq!(w.line.len(), MAX_LINE);
     }
+
+    /// A UART the driver has set up (8N1, a divisor, a scratch byte) with
+    /// unread input.
+    fn configured_uart() -> SerialDevice {
+        let mut uart = SerialDevice::new(EventFd::new(0).expect("eventfd"), writer().0);
+        for (offset, value) in [
+            (3u64, 0x83u8),
+            (0, 0x0c),
+            (1, 0),
+            (3, 0x03),
+            (7, 0x5a),
+            (1, 0x01),
+        ] {
+            uart.write(offset, &[value]);
+        }
+        uart.serial.enqueue_raw_bytes(b"typed").expect("input");
+        uart
+    }
+
+    crate::persist::persist_conformance!(
+        serial_state_survives_a_snapshot,
+        configured_uart(),
+        (EventFd::new(0).expect("eventfd"), writer().0)
+    );
 }

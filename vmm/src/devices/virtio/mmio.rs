@@ -13,6 +13,7 @@ use vm_memory::GuestAddress;
 
 use super::{ActiveQueues, VirtioDevice, VirtioInterrupt, VIRTIO_F_VERSION_1};
 use crate::devices::bus::BusDevice;
+use husk_snapshot::Persist;
 
 /// "virt" in little endian.
 const MAGIC: u32 = 0x7472_6976;
@@ -410,10 +411,24 @@ pub struct TransportSnapshot {
     pub active_queues: Vec<QueueSnapshot>,
 }
 
-impl MmioTransport {
+/// What a restored transport is built from besides its state: the same
+/// parts as [`MmioTransport::new`].
+#[allow(missing_debug_implementations)]
+pub struct TransportArgs {
+    pub device: Arc<Mutex<dyn VirtioDevice>>,
+    pub mem: GuestMemoryMmap,
+    pub interrupt: Arc<VirtioInterrupt>,
+    pub queue_evts: Vec<vmm_sys_util::eventfd::EventFd>,
+}
+
+impl Persist for MmioTransport {
+    type State = TransportSnapshot;
+    type ConstructorArgs = TransportArgs;
+    type Error = String;
+
     /// Saves the transport; the device must be quiet (the VMM's event loop
     /// is not running it).
-    pub fn save(&self) -> TransportSnapshot {
+    fn save(&self) -> TransportSnapshot {
         TransportSnapshot {
             status: self.status,
             driver_features: self.driver_features,
@@ -432,10 +447,21 @@ impl MmioTransport {
         }
     }
 
+    /// A transport for a new device in the saved state; a running device
+    /// is activated with its saved queues.
+    fn restore(args: TransportArgs, state: &TransportSnapshot) -> Result<Self, String> {
+        let mut transport =
+            MmioTransport::new(args.device, args.mem, args.interrupt, args.queue_evts);
+        transport.load(state)?;
+        Ok(transport)
+    }
+}
+
+impl MmioTransport {
     /// Puts a new transport (and its device) in the saved state. Every
     /// queue is checked against guest memory as if the driver had just set
     /// it up: a snapshot cannot point a device outside the guest.
-    pub fn restore(&mut self, s: &TransportSnapshot) -> Result<(), String> {
+    fn load(&mut self, s: &TransportSnapshot) -> Result<(), String> {
         if s.queues.len() != self.queues.len() {
             return Err(format!(
                 "the device has {} queues, the snapshot {}",
@@ -610,12 +636,24 @@ mod tests {
         }
     }
 
-    fn transport() -> (MmioTransport, Arc<Mutex<FakeDevice>>) {
+    /// What a transport over a new fake device in 1 MiB of memory is made of.
+    fn parts() -> (TransportArgs, Arc<Mutex<FakeDevice>>) {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory");
         let device = Arc::new(Mutex::new(FakeDevice::default()));
         let interrupt = Arc::new(VirtioInterrupt::new(EventFd::new(0).expect("eventfd")));
+        let args = TransportArgs {
+            device: device.clone(),
+            mem,
+            interrupt,
+            queue_evts: vec![],
+        };
+        (args, device)
+    }
+
+    fn transport() -> (MmioTransport, Arc<Mutex<FakeDevice>>) {
+        let (a, device) = parts();
         (
-            MmioTransport::new(device.clone(), mem, interrupt, vec![]),
+            MmioTransport::new(a.device, a.mem, a.interrupt, a.queue_evts),
             device,
         )
     }
@@ -699,9 +737,9 @@ mod tests {
     fn a_saved_transport_restores_running_with_its_queues() {
         let (t, _) = running_transport();
         let saved = t.save();
-        let (mut fresh, device) = transport();
+        let (args, device) = parts();
 
-        fresh.restore(&saved).expect("restore");
+        let fresh = MmioTransport::restore(args, &saved).expect("restore");
 
         assert_eq!(fresh.save(), saved);
         assert_eq!(device.lock().expect("lock").activated, Some(2));
@@ -713,9 +751,9 @@ mod tests {
         let (t, _) = running_transport();
         let mut saved = t.save();
         saved.active_queues[1].desc_table = 1 << 40;
-        let (mut fresh, device) = transport();
+        let (args, device) = parts();
 
-        let err = fresh.restore(&saved).expect_err("outside memory");
+        let err = MmioTransport::restore(args, &saved).expect_err("outside memory");
 
         assert!(err.contains("queue 1"), "{err}");
         assert_eq!(device.lock().expect("lock").activated, None);
@@ -726,9 +764,9 @@ mod tests {
         let (t, _) = running_transport();
         let mut saved = t.save();
         saved.queues.pop();
-        let (mut fresh, _) = transport();
+        let (args, _) = parts();
 
-        let err = fresh.restore(&saved).expect_err("queue count");
+        let err = MmioTransport::restore(args, &saved).expect_err("queue count");
 
         assert!(err.contains("2 queues"), "{err}");
     }
@@ -831,4 +869,73 @@ mod tests {
 
         assert_eq!(data, [3, 3]);
     }
+
+    /// What a transport over `device` in 1 MiB of memory is made of.
+    fn args_for<D: VirtioDevice + 'static>(device: D) -> TransportArgs {
+        TransportArgs {
+            device: Arc::new(Mutex::new(device)),
+            mem: GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("memory"),
+            interrupt: Arc::new(VirtioInterrupt::new(EventFd::new(0).expect("eventfd"))),
+            queue_evts: vec![],
+        }
+    }
+
+    /// A transport whose driver has set up every queue of `device` and
+    /// started it.
+    fn running<D: VirtioDevice + 'static>(device: D) -> MmioTransport {
+        let queues = device.queue_max_sizes().len() as u32;
+        let a = args_for(device);
+        let mut t = MmioTransport::new(a.device, a.mem, a.interrupt, a.queue_evts);
+        negotiate(&mut t, VIRTIO_F_VERSION_1);
+        for q in 0..queues {
+            setup_queue(&mut t, q, 0x10000 * u64::from(q + 1), 16);
+        }
+        write(&mut t, REG_STATUS, 0xf);
+        assert_eq!(t.status(), 0xf, "the device started");
+        t
+    }
+
+    fn block_device() -> crate::devices::virtio::block::BlockDevice {
+        use crate::devices::virtio::block::{BlockDevice, Disk, DiskMode};
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("disk");
+        std::fs::write(&path, [0u8; 4096]).expect("image");
+        let disk = Disk::open(&path, &DiskMode::ReadWrite).expect("disk");
+        BlockDevice::new(disk, "disk", EventFd::new(0).expect("eventfd"))
+    }
+
+    /// A net device on a TAP of its own (needs CAP_NET_ADMIN, as the
+    /// integration tests do).
+    fn net_device() -> crate::devices::virtio::net::NetDevice {
+        use crate::devices::virtio::net::{NetDevice, Tap};
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tap = Tap::open(&format!("hkp{}x{n}", std::process::id())).expect("TAP");
+        NetDevice::new(tap, [6, 0, 0, 0, 0, 1]).expect("net device")
+    }
+
+    fn vsock_device() -> crate::devices::virtio::vsock::VsockDevice {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let uds = dir.as_path().join("v.sock");
+        let device = crate::devices::virtio::vsock::VsockDevice::new(3, &uds).expect("vsock");
+        // The device keeps its listening socket; the path may go.
+        drop(dir);
+        device
+    }
+
+    crate::persist::persist_conformance!(
+        block_transport_survives_a_snapshot,
+        running(block_device()),
+        args_for(block_device())
+    );
+    crate::persist::persist_conformance!(
+        net_transport_survives_a_snapshot,
+        running(net_device()),
+        args_for(net_device())
+    );
+    crate::persist::persist_conformance!(
+        vsock_transport_survives_a_snapshot,
+        running(vsock_device()),
+        args_for(vsock_device())
+    );
 }
