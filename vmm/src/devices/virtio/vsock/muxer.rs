@@ -265,6 +265,17 @@ impl Muxer {
         } else if self.pending.contains_key(&token) {
             self.read_connect_line(token, ops);
         } else if let Some(&key) = self.tokens.get(&token) {
+            let waiting = self
+                .conns
+                .get(&key)
+                .is_some_and(|c| c.state == ConnState::LocalInit);
+            if waiting {
+                // The host program left before the guest answered.
+                if set.intersects(EventSet::HANG_UP | EventSet::READ_HANG_UP) {
+                    self.close(key, true, ops);
+                }
+                return;
+            }
             if set.intersects(EventSet::OUT) {
                 self.flush_tx(key, ops);
             }
@@ -339,15 +350,20 @@ impl Muxer {
             return;
         }
         let no_credit_yet = Header::default();
-        // Nothing is read from the stream until the guest accepts.
+        // Nothing is read from the stream until the guest accepts, but a
+        // host program that gives up waiting is noticed: a guest that never
+        // answers must not keep host sockets open.
         self.add_conn(key, p.stream, ConnState::LocalInit, &no_credit_yet);
+        self.watch(key, EventSet::READ_HANG_UP, ops);
         self.send_control(key, OP_REQUEST);
     }
 
     /// Handles a packet the guest sent.
     pub fn on_guest_packet(&mut self, h: &Header, payload: &[u8], ops: &mut EventOps) {
         if h.src_cid != self.guest_cid || h.dst_cid != HOST_CID {
-            tracing::warn!(
+            // A clone's guest does this until it handles the transport
+            // reset and learns its new CID: not worth a warning.
+            tracing::debug!(
                 "vsock: dropping a packet from cid {} to cid {}",
                 h.src_cid,
                 h.dst_cid
@@ -652,6 +668,47 @@ mod tests {
             buf_alloc: 4096,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_host_program_that_gives_up_before_the_guest_answers_is_forgotten() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let harness = Arc::new(Mutex::new(Harness {
+            muxer: Muxer::new(GUEST, &dir.as_path().join("v.sock")).expect("muxer"),
+            kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+            input: Vec::new(),
+            output: Vec::new(),
+        }));
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        let mut host = UnixStream::connect(dir.as_path().join("v.sock")).expect("connect");
+        host.write_all(b"CONNECT 1024\n").expect("connect line");
+        for _ in 0..3 {
+            events.run_with_timeout(50).expect("run");
+        }
+        let (asked, waiting) = {
+            let h = harness.lock().expect("lock");
+            (
+                h.output.iter().map(|p| p.op).collect::<Vec<_>>(),
+                h.muxer.connection_count(),
+            )
+        };
+
+        // The guest never answers; the host program gives up.
+        drop(host);
+        for _ in 0..3 {
+            events.run_with_timeout(50).expect("run");
+        }
+
+        let h = harness.lock().expect("lock");
+        assert_eq!(asked, vec![OP_REQUEST]);
+        assert_eq!(waiting, 1);
+        assert_eq!(
+            h.output.last().map(|p| p.op),
+            Some(OP_RST),
+            "the guest is told"
+        );
+        assert_eq!(h.muxer.connection_count(), 0);
     }
 
     #[test]
