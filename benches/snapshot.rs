@@ -207,7 +207,8 @@ fn bench_size(mem_mib: u32, restores: usize) {
             .arg(format!("cid=6,path={}", uds.display()))
             .args(extra)
             .stdin(Stdio::null())
-            .stdout(Stdio::null());
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
         let _clone = Killed(cmd.spawn().expect("husk-vmm --restore"));
         while !uds.exists() {
             std::thread::sleep(Duration::from_millis(1));

@@ -331,7 +331,11 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
 
     let kvm = kvm::open_kvm(&config.kvm_device)?;
     let vcpu_count = u8::try_from(state.vcpus.len())
-        .map_err(|_| BuildError::Restore("too many vCPUs in the snapshot".into()))?;
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            BuildError::Restore(format!("the snapshot has {} vCPUs", state.vcpus.len()))
+        })?;
     kvm::check_vcpu_count(&kvm, vcpu_count)?;
     let vm = Vm::new(&kvm)?;
     timeline.mark(Phase::VmCreated);

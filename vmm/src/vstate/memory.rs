@@ -143,6 +143,11 @@ pub fn map_snapshot_file(file: &File, size_mib: u32) -> Result<GuestMemoryMmap, 
 pub fn overlay(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> Result<(), MemoryError> {
     use std::os::fd::AsRawFd;
     for &(offset, len) in runs {
+        if len == 0 || offset % PAGE != 0 || len % PAGE != 0 {
+            return Err(MemoryError::File(format!(
+                "run {offset:#x}+{len:#x} is not whole pages"
+            )));
+        }
         let (host, _) = host_range(mem, offset, len).ok_or_else(|| {
             MemoryError::File(format!("run {offset:#x}+{len:#x} is outside guest memory"))
         })?;
@@ -175,7 +180,8 @@ fn host_range(mem: &GuestMemoryMmap, offset: u64, len: u64) -> Option<(*mut u8, 
     let mut start = 0u64;
     for region in mem.iter() {
         let size = region.len();
-        if offset >= start && offset + len <= start + size {
+        let end = offset.checked_add(len)?;
+        if offset >= start && end <= start + size {
             // SAFETY: the offset is inside this region's mapping.
             return Some((
                 unsafe { region.as_ptr().add((offset - start) as usize) },
@@ -317,6 +323,25 @@ mod tests {
             (0xaa, 0xaa, 0x55, 0)
         );
         assert_eq!(runs, vec![(PAGE, PAGE)]);
+    }
+
+    #[test]
+    fn diff_runs_that_are_not_whole_pages_inside_memory_are_refused() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("base");
+        dump(&memory(4), &mut File::create(&path).expect("base")).expect("dump");
+        let file = File::open(&path).expect("open");
+        let restored = map_snapshot_file(&file, 4).expect("map");
+
+        for run in [
+            (PAGE, u64::MAX - PAGE + 1),
+            (4 << 20, PAGE),
+            (PAGE + 1, PAGE),
+            (PAGE, 0),
+        ] {
+            let result = overlay(&restored, &file, &[run]);
+            assert!(result.is_err(), "{run:x?} was mapped");
+        }
     }
 
     #[test]
