@@ -566,3 +566,67 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     );
     assert_eq!(text(&seen.stdout), "written after the base\nbase");
 }
+
+/// Processes killed when the test lets go of them.
+struct Pids(Vec<i32>);
+
+impl Drop for Pids {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: signalling a process this test started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+#[test]
+fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    let husk = env!("CARGO_BIN_EXE_husk");
+
+    let out = Command::new(husk)
+        .arg("restore")
+        .arg(&base.snapshot)
+        .args(["--clones", "2", "--name", "cli", "--run-dir"])
+        .arg(run.as_path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("husk restore");
+    let stdout = text(&out.stdout);
+    let pids = Pids(
+        stdout
+            .split_whitespace()
+            .filter_map(|w| w.strip_prefix("pid=")?.parse().ok())
+            .collect(),
+    );
+    let mut seen = Vec::new();
+    for i in 0..2 {
+        let mut client = connect(&run.as_path().join(format!("cli-{i}.vsock")));
+        let out = client
+            .exec(sh(
+                "hostname; echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk",
+            ))
+            .expect("exec");
+        seen.push(text(&out.stdout));
+    }
+    let snapshot = run.as_path().join("of-cli-0");
+    let snapped = Command::new(husk)
+        .arg("snapshot")
+        .arg(run.as_path().join("cli-0.api"))
+        .arg(&snapshot)
+        .output()
+        .expect("husk snapshot");
+    drop(pids);
+
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    assert_eq!(stdout.lines().count(), 2, "{stdout}");
+    assert!(stdout.contains("first_kvm_run_ms="), "{stdout}");
+    assert_eq!(seen, ["cli-0\nbase-disk", "cli-1\nbase-disk"]);
+    for i in 0..2 {
+        let overlay = run.as_path().join(format!("cli-{i}.{DRIVE}.overlay"));
+        assert!(overlay.exists(), "{} is missing", overlay.display());
+    }
+    assert_eq!(snapped.status.code(), Some(0), "{}", text(&snapped.stderr));
+    assert!(snapshot.join("state").exists() && snapshot.join("drive-0").exists());
+}

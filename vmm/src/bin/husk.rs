@@ -254,7 +254,17 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
         let log = run_dir.join(format!("{name}.log"));
         let mut cmd = std::process::Command::new(&vmm);
         for drive in &writable_drives {
-            let overlay = run_dir.join(format!("{name}.{drive}.overlay"));
+            let file_safe: String = drive
+                .chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            let overlay = run_dir.join(format!("{name}.{file_safe}.overlay"));
             cmd.arg("--overlay")
                 .arg(format!("{drive}={}", overlay.display()));
         }
