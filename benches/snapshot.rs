@@ -219,20 +219,20 @@ fn bench_size(mem_mib: u32, restores: usize) {
             argv: [
                 "/bin/sh",
                 "-c",
-                "dd if=/dev/zero of=/tmp/w bs=1M count=32 2>/dev/null; rm /tmp/w",
+                "dd if=/dev/zero of=/tmp/w bs=1M count=8 2>/dev/null; rm /tmp/w",
             ]
             .map(String::from)
             .to_vec(),
             ..Default::default()
         };
         let mut times = Vec::new();
-        for _ in 0..5 {
+        for _ in 0..3 {
             let started = Instant::now();
             client.exec(write.clone()).expect("exec");
             times.push(started.elapsed().as_secs_f64() * 1000.0);
         }
         println!(
-            "  clone writing 32 MiB to tmpfs (5 runs), dirty tracking {label}: p50 {:.0} ms, min {:.0} ms",
+            "  clone writing 8 MiB to tmpfs (3 runs), dirty tracking {label}: p50 {:.0} ms, min {:.0} ms",
             percentile(&times, 0.5),
             percentile(&times, 0.0)
         );
