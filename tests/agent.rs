@@ -22,19 +22,11 @@ fn argv(args: &[&str]) -> ExecRequest {
     }
 }
 
-fn sh(script: &str) -> ExecRequest {
-    argv(&["/bin/sh", "-c", script])
-}
-
 fn kind<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorKind {
     match result {
         Err(ClientError::Agent { kind, .. }) => kind,
         other => panic!("expected an agent error, got {other:?}"),
     }
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 fn husk() -> Command {

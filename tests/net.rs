@@ -157,23 +157,6 @@ fn echo_one_line() -> String {
     line
 }
 
-fn sh(script: &str) -> husk_protocol::ExecRequest {
-    husk_protocol::ExecRequest {
-        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        ..Default::default()
-    }
-}
-
-/// A husk-vmm that is killed when the test lets go of it.
-struct Vmm(std::process::Child);
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_clone_gets_its_own_tap_and_mac_and_keeps_its_network_setup() {
     use husk_vmm::host::agent_client::AgentClient;

@@ -11,12 +11,12 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
-use husk_protocol::{ExecRequest, Termination};
+use husk_protocol::Termination;
 use husk_vmm::host::agent_client::AgentClient;
 use vmm_sys_util::tempdir::TempDir;
 
@@ -24,16 +24,6 @@ const READ_TIMEOUT: Duration = Duration::from_secs(120);
 /// A restored guest answers within seconds even here; this is a bound for
 /// a loaded CI machine, not an expectation.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// A husk-vmm that is killed when the test lets go of it.
-struct Vmm(Child);
-
-impl Drop for Vmm {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// The snapshot every test here starts from.
 struct Base {
@@ -61,17 +51,6 @@ fn ext4_image(path: &Path) {
         .status()
         .expect("run mkfs.ext4");
     assert!(status.success(), "mkfs.ext4 failed");
-}
-
-fn sh(script: &str) -> ExecRequest {
-    ExecRequest {
-        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
-        ..Default::default()
-    }
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 fn wait_for_socket(path: &Path) {

@@ -214,6 +214,30 @@ pub fn as_nobody(program: &Path) -> Command {
     cmd
 }
 
+/// A husk-vmm (or any child) that is killed when the test lets go of it.
+#[derive(Debug)]
+pub struct Vmm(pub Child);
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `/bin/sh -c script` for the agent.
+pub fn sh(script: &str) -> husk_protocol::ExecRequest {
+    husk_protocol::ExecRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+/// Bytes as (lossy) UTF-8.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
 /// Makes the child die with the thread that spawned it (tests end by
 /// exiting, without dropping statics).
 fn die_with_parent(cmd: &mut Command) {

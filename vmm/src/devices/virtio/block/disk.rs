@@ -52,6 +52,12 @@ pub enum DiskError {
         found: u64,
         expected: u64,
     },
+    #[error("{path} is {found} bytes but the snapshot's drive is {expected}")]
+    SnapshotSize {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
     #[error("the disk is read-only")]
     ReadOnly,
     #[error("access at {offset:#x}+{len:#x} is beyond the end of the disk ({size:#x})")]
@@ -215,14 +221,21 @@ impl Disk {
     /// disk is writable.
     pub fn restore(snapshot: &DiskSnapshot, overlay: Option<&Path>) -> Result<Self, DiskError> {
         let base = snapshot.base.open_unchanged()?;
-        if snapshot.base.len != snapshot.size || snapshot.size % super::SECTOR_SIZE != 0 {
+        if snapshot.size % super::SECTOR_SIZE != 0 {
             return Err(DiskError::Size(snapshot.base.path.clone(), snapshot.size));
+        }
+        if snapshot.base.len != snapshot.size {
+            return Err(DiskError::SnapshotSize {
+                path: snapshot.base.path.clone(),
+                found: snapshot.base.len,
+                expected: snapshot.size,
+            });
         }
         let mut layers = Vec::with_capacity(snapshot.layers.len());
         for stamp in &snapshot.layers {
             let file = stamp.open_unchanged()?;
             if stamp.len != snapshot.size {
-                return Err(DiskError::OverlaySize {
+                return Err(DiskError::SnapshotSize {
                     path: stamp.path.clone(),
                     found: stamp.len,
                     expected: snapshot.size,
