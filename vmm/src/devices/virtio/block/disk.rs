@@ -295,17 +295,19 @@ impl Disk {
             let file = File::create(&tmp).map_err(save_err)?;
             let result = match &self.overlay {
                 Some(overlay) if self.layers.len() < MAX_LAYERS => copy_clusters(
-                    &file,
                     self.size,
                     |c| overlay.has(c),
-                    |buf, at| overlay.file.read_exact_at(buf, at),
+                    |at, len| copy_range(&overlay.file, &file, at, len),
                 ),
                 // Too deep: one layer with every cluster above the base.
                 Some(_) => copy_clusters(
-                    &file,
                     self.size,
                     |c| self.above_base(c),
-                    |buf, at| self.read_at(buf, at).map_err(std::io::Error::other),
+                    |at, len| {
+                        let mut buf = vec![0u8; len as usize];
+                        self.read_at(&mut buf, at).map_err(std::io::Error::other)?;
+                        file.write_all_at(&buf, at)
+                    },
                 ),
                 // A raw image: its allocated extents.
                 None => self
@@ -314,13 +316,13 @@ impl Disk {
                     .and_then(|f| Layer::index(f, self.size))
                     .and_then(|image| {
                         copy_clusters(
-                            &file,
                             self.size,
                             |c| image.has(c),
-                            |buf, at| self.base.read_exact_at(buf, at),
+                            |at, len| copy_range(&self.base, &file, at, len),
                         )
                     }),
             }
+            .and_then(|()| file.set_len(self.size))
             .and_then(|()| file.sync_all())
             .and_then(|()| std::fs::rename(&tmp, &path));
             if let Err(e) = result {
@@ -485,17 +487,15 @@ fn open_overlay(path: &Path, size: u64) -> Result<Layer, DiskError> {
     Ok(Layer::index(file, size)?)
 }
 
-/// Writes the clusters for which `wanted` holds into `dst` at their own
-/// offsets, read through `read`, in runs; the rest of `dst` stays a hole.
+/// Calls `copy(offset, len)` for each run of clusters for which `wanted`
+/// holds (at most 1 MiB at a time); what is not copied stays a hole.
 fn copy_clusters(
-    dst: &File,
     size: u64,
     wanted: impl Fn(u64) -> bool,
-    read: impl Fn(&mut [u8], u64) -> std::io::Result<()>,
+    mut copy: impl FnMut(u64, u64) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     const RUN: u64 = 256; // clusters per copy (1 MiB)
     let clusters = size.div_ceil(CLUSTER_SIZE);
-    let mut buf = vec![0u8; (RUN * CLUSTER_SIZE) as usize];
     let mut cluster = 0;
     while cluster < clusters {
         if !wanted(cluster) {
@@ -507,13 +507,50 @@ fn copy_clusters(
             end += 1;
         }
         let start = cluster * CLUSTER_SIZE;
-        let len = (end * CLUSTER_SIZE).min(size) - start;
-        let chunk = &mut buf[..len as usize];
-        read(chunk, start)?;
-        dst.write_all_at(chunk, start)?;
+        copy(start, (end * CLUSTER_SIZE).min(size) - start)?;
         cluster = end;
     }
-    dst.set_len(size)
+    Ok(())
+}
+
+/// Copies `len` bytes at `offset` from `src` to the same offset in `dst`
+/// inside the kernel (copy_file_range: a reflink where the file system
+/// shares extents), through a buffer where the kernel cannot.
+fn copy_range(src: &File, dst: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let (mut off_in, mut off_out) = (offset as libc::loff_t, offset as libc::loff_t);
+    let mut left = len as usize;
+    while left > 0 {
+        // SAFETY: both descriptors are open; the offsets are ours and the
+        // kernel only updates them.
+        let n = unsafe {
+            libc::copy_file_range(
+                src.as_raw_fd(),
+                &mut off_in,
+                dst.as_raw_fd(),
+                &mut off_out,
+                left,
+                0,
+            )
+        };
+        match n {
+            n if n > 0 => left -= n as usize,
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            _ => {
+                let err = std::io::Error::last_os_error();
+                match err.raw_os_error() {
+                    Some(libc::EXDEV | libc::ENOSYS | libc::EINVAL | libc::EOPNOTSUPP) => break,
+                    _ => return Err(err),
+                }
+            }
+        }
+    }
+    if left > 0 {
+        let at = offset + (len - left as u64);
+        let mut buf = vec![0u8; left];
+        src.read_exact_at(&mut buf, at)?;
+        dst.write_all_at(&buf, at)?;
+    }
+    Ok(())
 }
 
 /// The allocated (start, end) extents of `file`, from SEEK_DATA/SEEK_HOLE.
