@@ -944,7 +944,8 @@ mod tests {
     /// each is refused or restored, and nothing panics.
     #[test]
     fn corrupted_saved_states_are_refused_or_restored_never_a_panic() {
-        let saved: Vec<(Vec<u8>, fn() -> TransportArgs)> = vec![
+        type NewArgs = fn() -> TransportArgs;
+        let saved: [(Vec<u8>, NewArgs); 2] = [
             (
                 postcard::to_stdvec(&running(block_device()).save()).expect("encode"),
                 || args_for(block_device()),
