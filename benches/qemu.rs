@@ -135,6 +135,15 @@ fn spawn(dir: &Path, name: &str, mem_mib: u32, extra: &[&str]) -> Qemu {
     Qemu { child, qmp_path }
 }
 
+/// A QEMU restoring the migration stream `incoming`, returned once the
+/// stream is loaded (the guest is still stopped).
+fn restore(dir: &Path, name: &str, mem_mib: u32, incoming: &str) -> (Qemu, Qmp) {
+    let qemu = spawn(dir, name, mem_mib, &["-incoming", incoming]);
+    let mut qmp = Qmp::connect(&qemu.qmp_path, Instant::now() + super::TIMEOUT);
+    qmp.wait_migration();
+    (qemu, qmp)
+}
+
 /// Boots QEMU, snapshots it to a file, restores it `restores` times, then
 /// keeps 10 restored clones alive to read their memory.
 pub fn bench(mem_mib: u32, restores: usize, dir: &Path) {
@@ -167,14 +176,7 @@ pub fn bench(mem_mib: u32, restores: usize, dir: &Path) {
     let mut running = Vec::new();
     for i in 0..restores {
         let started = Instant::now();
-        let qemu = spawn(
-            dir,
-            &format!("qemu-r{i}"),
-            mem_mib,
-            &["-incoming", &incoming],
-        );
-        let mut qmp = Qmp::connect(&qemu.qmp_path, Instant::now() + super::TIMEOUT);
-        qmp.wait_migration();
+        let (_qemu, mut qmp) = restore(dir, &format!("qemu-r{i}"), mem_mib, &incoming);
         loaded.push(started.elapsed().as_secs_f64() * 1000.0);
         qmp.cmd("cont", json!({}));
         while qmp.cmd("query-status", json!({}))["status"] != "running" {
@@ -199,14 +201,7 @@ pub fn bench(mem_mib: u32, restores: usize, dir: &Path) {
 
     let clones: Vec<Qemu> = (0..10)
         .map(|i| {
-            let qemu = spawn(
-                dir,
-                &format!("qemu-c{i}"),
-                mem_mib,
-                &["-incoming", &incoming],
-            );
-            let mut qmp = Qmp::connect(&qemu.qmp_path, Instant::now() + super::TIMEOUT);
-            qmp.wait_migration();
+            let (qemu, mut qmp) = restore(dir, &format!("qemu-c{i}"), mem_mib, &incoming);
             qmp.cmd("cont", json!({}));
             qemu
         })
