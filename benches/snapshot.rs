@@ -142,9 +142,11 @@ fn bench_size(mem_mib: u32, restores: usize) {
     ];
     let mut host: Vec<Vec<f64>> = vec![Vec::new(); phases.len()];
     let mut end_to_end = Vec::new();
+    let (mut to_main_ms, mut spawn_to_run) = (Vec::new(), Vec::new());
     for i in 0..restores {
         let timeline = d.join(format!("r{i}.json"));
         let started = Instant::now();
+        let spawned_ns = husk_vmm::timeline::monotonic_ns();
         let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline), None);
         while !uds.exists() {
             std::thread::sleep(Duration::from_micros(200));
@@ -161,6 +163,10 @@ fn bench_size(mem_mib: u32, restores: usize) {
         for (k, name) in phases.iter().enumerate() {
             host[k].push(report["phases_us"][name].as_f64().unwrap_or(f64::NAN) / 1000.0);
         }
+        let main_ns = report["main_monotonic_ns"].as_u64().unwrap_or(spawned_ns);
+        let to_main = main_ns.saturating_sub(spawned_ns) as f64 / 1e6;
+        to_main_ms.push(to_main);
+        spawn_to_run.push(to_main + host[phases.len() - 1].last().copied().unwrap_or(f64::NAN));
     }
     println!("  restore, {restores} runs (ms)        p50       p99");
     for (k, name) in phases.iter().enumerate() {
@@ -170,6 +176,16 @@ fn bench_size(mem_mib: u32, restores: usize) {
             percentile(&host[k], 0.99)
         );
     }
+    println!(
+        "    spawn -> main (process start) {:>6.2} {:>9.2}",
+        percentile(&to_main_ms, 0.5),
+        percentile(&to_main_ms, 0.99)
+    );
+    println!(
+        "    spawn -> first KVM_RUN        {:>6.2} {:>9.2}",
+        percentile(&spawn_to_run, 0.5),
+        percentile(&spawn_to_run, 0.99)
+    );
     println!(
         "    spawn -> agent ping answered {:>7.1} {:>9.1}",
         percentile(&end_to_end, 0.5),

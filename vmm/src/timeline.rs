@@ -57,7 +57,19 @@ impl Phase {
 #[derive(Debug)]
 pub struct Timeline {
     start: Instant,
+    /// CLOCK_MONOTONIC at the start, comparable across processes (a parent
+    /// can tell how long the process took to reach `main`).
+    start_monotonic_ns: u64,
     marks: [OnceLock<Instant>; 8],
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the same clock for every process.
+pub fn monotonic_ns() -> u64 {
+    // SAFETY: timespec is plain data that clock_gettime fills.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid clock id and a pointer to a live timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 impl Default for Timeline {
@@ -71,8 +83,14 @@ impl Timeline {
     pub fn new() -> Self {
         Timeline {
             start: Instant::now(),
+            start_monotonic_ns: monotonic_ns(),
             marks: Default::default(),
         }
+    }
+
+    /// CLOCK_MONOTONIC (ns) when the timeline started.
+    pub fn start_monotonic_ns(&self) -> u64 {
+        self.start_monotonic_ns
     }
 
     /// Records the end of `phase`; later calls for the same phase are ignored.

@@ -252,6 +252,7 @@ fn timeline_json(vmm: &husk_vmm::Vmm, outcome: &Outcome) -> serde_json::Value {
     serde_json::json!({
         "id": vmm.id(),
         "phases_us": phases,
+        "main_monotonic_ns": vmm.timeline().start_monotonic_ns(),
         "guest_uptime_ms": vmm.guest_uptime_ms(),
         "vmm_rss_kib": resident.vmm_kib,
         "vcpu_exits": husk_vmm::vstate::vcpu::USERSPACE_EXITS.load(std::sync::atomic::Ordering::Relaxed),
