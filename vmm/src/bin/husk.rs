@@ -9,16 +9,19 @@
 //!     husk watch <vm> <dir> [--recursive]
 //!     husk cp <vm>:<guest path> <host path>
 //!     husk cp <host path> <vm>:<guest path>
-//!     husk ping <vm>
+//!     husk ping <vm> [--wait-s N]
 //!     husk health <vm>
 //!     husk pause|resume <api>
 //!     husk snapshot <api> <dir> [--diff]
-//!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME]
+//!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME] [--tap NAME{n}]
 //!
 //! `<api>` is the VM's control socket (husk-vmm --api-sock). `restore`
-//! starts each clone as its own background husk-vmm, waits until its agent
-//! answers, gives it its post-restore identity (clock, hostname `NAME-i`,
-//! fresh randomness), and prints one line per clone with its sockets.
+//! starts each clone as its own background husk-vmm (with its own vsock
+//! CID, a new overlay per writable drive in the run directory, and with
+//! `--tap` its own TAP and a random MAC), waits until its agent answers,
+//! gives it its post-restore identity (clock, hostname `NAME-i`, fresh
+//! randomness, MAC), and prints one line per clone with its sockets and
+//! timings.
 //!
 //! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>).
 //! `exec` streams the program's stdout and stderr to its own as they come
