@@ -9,8 +9,8 @@
 //! devices restored, first KVM_RUN) and the end-to-end time from spawning
 //! the process to the agent answering a ping (which adds process start and
 //! the guest's side: vsock transport reset, page faults, the agent's reply).
-//! Then a diff snapshot of a clone that wrote a 1 MiB file (pages and
-//! time), and 10 clones at once, whose resident memory is read from
+//! Then a diff and a full snapshot of a clone that wrote a 1 MiB file
+//! (pages and time), and 10 clones at once, whose resident memory is read from
 //! /proc/PID/smaps_rollup: shared (the snapshot's page cache) versus
 //! private (what each clone wrote).
 //!
@@ -79,6 +79,12 @@ fn restore(
     (Killed(child), uds)
 }
 
+/// Disk space a (sparse) file takes, in MiB.
+fn allocated_mib(path: &Path) -> f64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map_or(0.0, |m| (m.blocks() * 512) as f64 / f64::from(1 << 20))
+}
+
 fn smaps_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
         .unwrap_or_default()
@@ -124,6 +130,10 @@ fn bench_size(mem_mib: u32, restores: usize) {
     assert_eq!(reply["ok"], true, "{reply}");
     drop(base);
     println!("\n{mem_mib} MiB guest");
+    println!(
+        "  snapshot memory file: {:.1} MiB on disk of {mem_mib} MiB (all-zero pages are holes)",
+        allocated_mib(&snapshot.join("memory"))
+    );
     println!(
         "  snapshot: pause {:.2} ms, memory write {:.1} ms, state write {:.2} ms ({} bytes), total {:.1} ms",
         reply["pause_us"].as_f64().unwrap_or(0.0) / 1000.0,
@@ -208,6 +218,14 @@ fn bench_size(mem_mib: u32, restores: usize) {
             diff["memory_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20),
             diff["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
             diff["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        );
+        let full = common::control(&api, &format!("snapshot {}", d.join("full").display()));
+        assert_eq!(full["ok"], true, "{full}");
+        println!(
+            "  full snapshot of that clone: memory write {:.1} ms, {:.1} MiB on disk, total {:.1} ms",
+            full["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
+            allocated_mib(&d.join("full").join("memory")),
+            full["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
         );
     }
 

@@ -177,9 +177,9 @@ pub fn write(
     let state_tmp = dir.join(format!(".{STATE_FILE}.{tag}.tmp"));
     let result = (|| {
         let started = Instant::now();
-        let mut file = File::create(&memory_tmp).map_err(io("create", &memory_tmp))?;
+        let file = File::create(&memory_tmp).map_err(io("create", &memory_tmp))?;
         match &state.memory {
-            MemoryLayout::Full => crate::vstate::memory::dump(mem, &mut file),
+            MemoryLayout::Full => crate::vstate::memory::dump(mem, &file),
             MemoryLayout::Diff { runs, .. } => crate::vstate::memory::dump_runs(mem, &file, runs),
         }
         .map_err(io("write", &memory_tmp))?;

@@ -5,7 +5,7 @@ use std::fs::File;
 
 use vm_memory::bitmap::{AtomicBitmap, NewBitmap};
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, WriteVolatile};
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 /// Guest memory as the VMM holds it. Every write the VMM makes through it
 /// (used rings, received packets, block reads) is recorded in a bitmap, so
@@ -92,16 +92,41 @@ pub fn create_guest_memory(config: &MemoryConfig) -> Result<GuestMemoryMmap, Mem
 }
 
 /// Writes every region of guest memory to `file`, one after the other
-/// (the layout `map_snapshot_file` expects). The vCPUs must be paused.
-pub fn dump(mem: &GuestMemoryMmap, file: &mut File) -> std::io::Result<()> {
+/// (the layout `map_snapshot_file` expects), leaving pages that are all
+/// zero as holes: memory the guest never used costs neither write time nor
+/// disk, and reads back as zeros. The vCPUs must be paused.
+pub fn dump(mem: &GuestMemoryMmap, file: &File) -> std::io::Result<()> {
+    dump_runs(mem, file, &nonzero_runs(mem))
+}
+
+/// The runs (file offset, length) of pages holding anything but zeros.
+fn nonzero_runs(mem: &GuestMemoryMmap) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut file_start = 0u64;
     for region in mem.iter() {
-        let slice = region
-            .as_volatile_slice()
-            .map_err(|e| std::io::Error::other(format!("guest memory region: {e}")))?;
-        file.write_all_volatile(&slice)
-            .map_err(|e| std::io::Error::other(format!("writing guest memory: {e}")))?;
+        let base = region.as_ptr();
+        for page in 0..region.len() / PAGE {
+            // SAFETY: the page lies inside the region's live mapping, which
+            // is page-aligned (so u64-aligned); the vCPUs are paused and the
+            // devices parked, so nothing writes it meanwhile.
+            let words = unsafe {
+                std::slice::from_raw_parts(
+                    base.add((page * PAGE) as usize).cast::<u64>(),
+                    (PAGE / 8) as usize,
+                )
+            };
+            if words.iter().all(|&w| w == 0) {
+                continue;
+            }
+            let offset = file_start + page * PAGE;
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == offset => *len += PAGE,
+                _ => runs.push((offset, PAGE)),
+            }
+        }
+        file_start += region.len();
     }
-    Ok(())
+    runs
 }
 
 /// Maps a snapshot's memory file as guest memory of `size_mib`, private
@@ -239,7 +264,7 @@ pub fn dump_runs(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> std
         let (host, _) = host_range(mem, offset, len)
             .ok_or_else(|| std::io::Error::other(format!("run {offset:#x} is outside memory")))?;
         // SAFETY: the range is inside a live region; the vCPUs are paused
-        // and devices run on this thread, so nothing writes it meanwhile.
+        // and the devices parked, so nothing writes it meanwhile.
         let bytes = unsafe { std::slice::from_raw_parts(host, len as usize) };
         file.write_all_at(bytes, offset)?;
     }
@@ -296,14 +321,44 @@ mod tests {
     }
 
     #[test]
+    fn a_full_dump_leaves_zero_pages_as_holes_and_maps_back_the_same() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("memory");
+        let source = memory(4);
+        source.write_obj(0x11u8, GuestAddress(5)).expect("write");
+        source
+            .write_obj(0x22u64, GuestAddress(3 * PAGE + PAGE - 8))
+            .expect("write");
+        source
+            .write_obj(0x33u8, GuestAddress(4 * PAGE))
+            .expect("write");
+
+        dump(&source, &File::create(&path).expect("create")).expect("dump");
+
+        let file = File::open(&path).expect("open");
+        assert_eq!(file.metadata().expect("stat").len(), 4 << 20);
+        assert_eq!(nonzero_runs(&source), vec![(0, PAGE), (3 * PAGE, 2 * PAGE)]);
+        let restored = map_snapshot_file(&file, 4).expect("map");
+        let mut back = vec![0u8; 4 << 20];
+        let mut expected = vec![0u8; 4 << 20];
+        restored
+            .read_slice(&mut back, GuestAddress(0))
+            .expect("read");
+        source
+            .read_slice(&mut expected, GuestAddress(0))
+            .expect("read");
+        assert!(back == expected, "the restored memory differs");
+    }
+
+    #[test]
     fn a_diff_overlays_its_pages_on_the_base() {
         let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
-        let mut base_file = File::create(dir.as_path().join("base")).expect("base");
+        let base_file = File::create(dir.as_path().join("base")).expect("base");
         let source = memory(4);
         source
             .write_slice(&[0xaa; 8192], GuestAddress(0))
             .expect("write");
-        dump(&source, &mut base_file).expect("dump");
+        dump(&source, &base_file).expect("dump");
         clear_dirty(&source);
         source
             .write_obj(0x55u8, GuestAddress(PAGE + 1))
@@ -329,7 +384,7 @@ mod tests {
     fn diff_runs_that_are_not_whole_pages_inside_memory_are_refused() {
         let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
         let path = dir.as_path().join("base");
-        dump(&memory(4), &mut File::create(&path).expect("base")).expect("dump");
+        dump(&memory(4), &File::create(&path).expect("base")).expect("dump");
         let file = File::open(&path).expect("open");
         let restored = map_snapshot_file(&file, 4).expect("map");
 
