@@ -1,12 +1,15 @@
 //! Snapshots: what a paused VM is made of, written to a directory, and read
 //! back with every check done before a guest runs.
 //!
-//! A snapshot directory holds two files:
+//! A snapshot directory holds:
 //! - `state`: the [`MicrovmState`] (postcard) in the husk-snapshot framing
 //!   (magic, format version, CRC-64), so a truncated, corrupt or foreign
 //!   file is refused;
-//! - `memory`: guest RAM, region after region, mapped copy-on-write by
-//!   every restore (so it must never be rewritten while clones run).
+//! - `memory`: guest RAM, region after region, with all-zero pages left as
+//!   holes, mapped copy-on-write by every restore (so it must never be
+//!   rewritten while clones run);
+//! - `drive-N`: the contents of writable drive N as a read-only layer (see
+//!   `devices::virtio::block::disk`).
 //!
 //! Both are written under temporary names, fsynced, then renamed, `state`
 //! last: a VMM killed mid-snapshot leaves no directory that restores as if
