@@ -15,10 +15,12 @@ use crate::arch::x86_64::layout::{
 };
 use crate::arch::x86_64::mptable::{self, MptableError};
 use crate::config::{ConfigError, VmConfig};
-use crate::device_manager::{DeviceHandle, DeviceManagerError, EventLoop, MmioDeviceManager};
+use crate::device_manager::{
+    AttachedDevice, DeviceHandle, DeviceManagerError, EventLoop, MmioDeviceManager,
+};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
-use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice};
+use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice, SerialSnapshot};
 use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
 use crate::devices::virtio::net::{NetDevice, Tap, TapError};
 use crate::devices::virtio::vsock::muxer::MuxerError;
@@ -105,32 +107,26 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     mptable::setup_mptable(&mem, config.vcpus)?;
     timeline.mark(Phase::KernelLoaded);
 
-    let mut events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
-    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
-    let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
-    let serial_irq = serial_irq(&vm)?;
-    let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, console)));
-    let pio = legacy_devices(serial.clone(), &reset_evt)?;
+    let (mut platform, pio) = platform(&vm, console_out, &timeline, None)?;
     let mut mmio = MmioDeviceManager::new();
     for drive in &config.drives {
         let disk = Disk::open(&drive.path, &drive.mode)?;
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
         let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
-        let parts = (vm.fd(), &mem, &mut events);
+        let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
         let device = Arc::new(Mutex::new(device));
-        let parts = (vm.fd(), &mem, &mut events);
+        let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Vsock(device), None)?;
     }
     if let Some(net) = &config.net {
         let tap = Tap::open(&net.tap)?;
         let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
         let device = Arc::new(Mutex::new(device));
-        let parts = (vm.fd(), &mem, &mut events);
+        let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device), None)?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
@@ -147,29 +143,19 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     timeline.mark(Phase::VcpusReady);
     let msr_indices = Arc::new(msrs_to_save(&kvm).map_err(BuildError::VcpuState)?);
 
-    Ok(Vmm {
+    let machine = Machine {
         id: config.id.clone(),
         vm,
         mem,
-        last_snapshot: None,
-        dirty_logging: false,
         mem_size_mib: config.memory.size_mib,
         pvm,
         vcpus,
-        handles: Vec::new(),
-        paused: false,
-        msr_indices,
-        serial,
         devices,
-        reset_evt,
-        facts,
-        timeline,
-        events,
         buses,
-        api: None,
-        api_server: None,
-        device_thread: None,
-    })
+        msr_indices,
+        timeline,
+    };
+    Ok(machine.into_vmm(platform, None, false))
 }
 
 /// What a restored VM needs besides its snapshot: its own identity.
@@ -352,17 +338,10 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
 
     vm.restore_state(&state.vm)
         .map_err(|e| BuildError::Restore(e.to_string()))?;
-    let mut events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
-    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-    let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
-    let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
-    let serial = SerialDevice::restore((serial_irq(&vm)?, console), &state.serial)
-        .map_err(|e| BuildError::Restore(e.to_string()))?;
-    let serial = Arc::new(Mutex::new(serial));
-    let pio = legacy_devices(serial.clone(), &reset_evt)?;
+    let (mut platform, pio) = platform(&vm, console_out, &timeline, Some(&state.serial))?;
     let mut mmio = MmioDeviceManager::new();
     for (saved, handle) in state.devices.iter().zip(restored_devices) {
-        let parts = (vm.fd(), &mem, &mut events);
+        let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, None, handle, Some(&saved.transport))
             .map_err(|e| BuildError::Restore(format!("{:?}: {e}", saved.device)))?;
     }
@@ -387,29 +366,108 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
         .then(|| std::fs::canonicalize(&config.snapshot).ok())
         .flatten();
     created.keep();
-    Ok(Vmm {
+    let machine = Machine {
         id: config.id.clone(),
         vm,
         mem,
-        last_snapshot,
-        dirty_logging: config.dirty_log,
         mem_size_mib: state.mem_size_mib,
         pvm,
         vcpus,
-        handles: Vec::new(),
-        paused: false,
-        msr_indices,
-        serial,
         devices,
+        buses,
+        msr_indices,
+        timeline,
+    };
+    Ok(machine.into_vmm(platform, last_snapshot, config.dirty_log))
+}
+
+/// What every VM has besides its memory, vCPUs and virtio devices.
+struct Platform {
+    /// Every device's event subscription.
+    events: EventLoop,
+    /// Signalled by the i8042 when the guest resets.
+    reset_evt: EventFd,
+    facts: Arc<Mutex<ConsoleFacts>>,
+    serial: Arc<Mutex<SerialDevice>>,
+}
+
+/// The event loop, the reset line and COM1 (new, or in its `saved` state),
+/// with the port-I/O bus that holds COM1 and the i8042.
+fn platform(
+    vm: &Vm,
+    console_out: Box<dyn std::io::Write + Send>,
+    timeline: &Arc<Timeline>,
+    saved: Option<&SerialSnapshot>,
+) -> Result<(Platform, Bus), BuildError> {
+    let events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
+    let reset_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
+    let facts = Arc::new(Mutex::new(ConsoleFacts::default()));
+    let console = ConsoleWriter::new(console_out, facts.clone(), timeline.clone());
+    let irq = serial_irq(vm)?;
+    let serial = match saved {
+        None => SerialDevice::new(irq, console),
+        Some(state) => SerialDevice::restore((irq, console), state)
+            .map_err(|e| BuildError::Restore(e.to_string()))?,
+    };
+    let serial = Arc::new(Mutex::new(serial));
+    let pio = legacy_devices(serial.clone(), &reset_evt)?;
+    let platform = Platform {
+        events,
         reset_evt,
         facts,
-        timeline,
-        events,
-        buses,
-        api: None,
-        api_server: None,
-        device_thread: None,
-    })
+        serial,
+    };
+    Ok((platform, pio))
+}
+
+/// A VM's wired parts, before it runs.
+struct Machine {
+    id: String,
+    vm: Vm,
+    mem: GuestMemoryMmap,
+    mem_size_mib: u32,
+    pvm: bool,
+    vcpus: Vec<Vcpu>,
+    devices: Vec<AttachedDevice>,
+    buses: (Arc<Bus>, Arc<Bus>),
+    msr_indices: Arc<Vec<u32>>,
+    timeline: Arc<Timeline>,
+}
+
+impl Machine {
+    /// The VMM of these parts. `last_snapshot` is what its next diff
+    /// snapshot is relative to; `dirty_logging` whether KVM logs its
+    /// writes already.
+    fn into_vmm(
+        self,
+        platform: Platform,
+        last_snapshot: Option<PathBuf>,
+        dirty_logging: bool,
+    ) -> Vmm {
+        Vmm {
+            id: self.id,
+            vm: self.vm,
+            mem: self.mem,
+            last_snapshot,
+            dirty_logging,
+            mem_size_mib: self.mem_size_mib,
+            pvm: self.pvm,
+            vcpus: self.vcpus,
+            handles: Vec::new(),
+            paused: false,
+            msr_indices: self.msr_indices,
+            serial: platform.serial,
+            devices: self.devices,
+            reset_evt: platform.reset_evt,
+            facts: platform.facts,
+            timeline: self.timeline,
+            events: platform.events,
+            buses: self.buses,
+            api: None,
+            api_server: None,
+            device_thread: None,
+        }
+    }
 }
 
 /// The serial port's interrupt: an irqfd on IRQ 4.
