@@ -6,7 +6,7 @@
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 
-use vm_superio::serial::NoEvents;
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -112,20 +112,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The UART's registers and unread input, for snapshots (vm-superio's
-/// `SerialState`, which is not serializable itself).
+/// The UART's registers and unread input, for snapshots: vm-superio's
+/// `SerialState`, serialized through [`SerialStateDef`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct SerialSnapshot {
-    pub baud_divisor_low: u8,
-    pub baud_divisor_high: u8,
-    pub interrupt_enable: u8,
-    pub interrupt_identification: u8,
-    pub line_control: u8,
-    pub line_status: u8,
-    pub modem_control: u8,
-    pub modem_status: u8,
-    pub scratch: u8,
-    pub in_buffer: Vec<u8>,
+pub struct SerialSnapshot(#[serde(with = "SerialStateDef")] pub SerialState);
+
+/// `SerialState`'s fields for serde (the type is not serializable itself).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(remote = "SerialState")]
+struct SerialStateDef {
+    baud_divisor_low: u8,
+    baud_divisor_high: u8,
+    interrupt_enable: u8,
+    interrupt_identification: u8,
+    line_control: u8,
+    line_status: u8,
+    modem_control: u8,
+    modem_status: u8,
+    scratch: u8,
+    in_buffer: Vec<u8>,
 }
 
 /// COM1 on the port-I/O bus.
@@ -149,36 +154,12 @@ impl husk_snapshot::Persist for SerialDevice {
     type Error = io::Error;
 
     fn save(&self) -> SerialSnapshot {
-        let s = self.serial.state();
-        SerialSnapshot {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer,
-        }
+        SerialSnapshot(self.serial.state())
     }
 
     /// A UART in the saved state, interrupting through `irq`.
     fn restore((irq, out): (EventFd, ConsoleWriter), s: &SerialSnapshot) -> io::Result<Self> {
-        let state = vm_superio::serial::SerialState {
-            baud_divisor_low: s.baud_divisor_low,
-            baud_divisor_high: s.baud_divisor_high,
-            interrupt_enable: s.interrupt_enable,
-            interrupt_identification: s.interrupt_identification,
-            line_control: s.line_control,
-            line_status: s.line_status,
-            modem_control: s.modem_control,
-            modem_status: s.modem_status,
-            scratch: s.scratch,
-            in_buffer: s.in_buffer.clone(),
-        };
-        let serial = Serial::from_state(&state, EventFdTrigger(irq), NoEvents, out)
+        let serial = Serial::from_state(&s.0, EventFdTrigger(irq), NoEvents, out)
             .map_err(|e| io::Error::other(format!("serial state: {e:?}")))?;
         Ok(SerialDevice { serial })
     }

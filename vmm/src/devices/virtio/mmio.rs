@@ -348,50 +348,25 @@ impl MmioTransport {
     }
 }
 
-/// One queue's registers and ring positions, for snapshots.
+/// One queue's registers and ring positions, for snapshots: virtio-queue's
+/// `QueueState`, serialized through [`QueueStateDef`]. Untrusted on
+/// restore, like any `QueueState` (`Queue::try_from` checks it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct QueueSnapshot {
-    pub max_size: u16,
-    pub size: u16,
-    pub ready: bool,
-    pub desc_table: u64,
-    pub avail_ring: u64,
-    pub used_ring: u64,
-    pub next_avail: u16,
-    pub next_used: u16,
-    pub event_idx_enabled: bool,
-}
+pub struct QueueSnapshot(#[serde(with = "QueueStateDef")] pub QueueState);
 
-impl From<QueueState> for QueueSnapshot {
-    fn from(q: QueueState) -> Self {
-        QueueSnapshot {
-            max_size: q.max_size,
-            size: q.size,
-            ready: q.ready,
-            desc_table: q.desc_table,
-            avail_ring: q.avail_ring,
-            used_ring: q.used_ring,
-            next_avail: q.next_avail,
-            next_used: q.next_used,
-            event_idx_enabled: q.event_idx_enabled,
-        }
-    }
-}
-
-impl From<QueueSnapshot> for QueueState {
-    fn from(q: QueueSnapshot) -> Self {
-        QueueState {
-            max_size: q.max_size,
-            size: q.size,
-            ready: q.ready,
-            desc_table: q.desc_table,
-            avail_ring: q.avail_ring,
-            used_ring: q.used_ring,
-            next_avail: q.next_avail,
-            next_used: q.next_used,
-            event_idx_enabled: q.event_idx_enabled,
-        }
-    }
+/// `QueueState`'s fields for serde (the type is not serializable itself).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(remote = "QueueState")]
+struct QueueStateDef {
+    max_size: u16,
+    size: u16,
+    ready: bool,
+    desc_table: u64,
+    avail_ring: u64,
+    used_ring: u64,
+    next_avail: u16,
+    next_used: u16,
+    event_idx_enabled: bool,
 }
 
 /// A transport's registers, and the device's queues if it is running.
@@ -438,11 +413,15 @@ impl Persist for MmioTransport {
             config_generation: self.config_generation,
             interrupt_status: self.interrupt.status(),
             device_failed: self.interrupt.device_failed(),
-            queues: self.queues.iter().map(|q| q.state().into()).collect(),
+            queues: self
+                .queues
+                .iter()
+                .map(|q| QueueSnapshot(q.state()))
+                .collect(),
             active_queues: lock(&self.device)
                 .queue_states()
                 .into_iter()
-                .map(Into::into)
+                .map(QueueSnapshot)
                 .collect(),
         }
     }
@@ -469,9 +448,8 @@ impl MmioTransport {
                 s.queues.len()
             ));
         }
-        let to_queue = |q: &QueueSnapshot| {
-            Queue::try_from(QueueState::from(*q)).map_err(|e| format!("invalid queue: {e:?}"))
-        };
+        let to_queue =
+            |q: &QueueSnapshot| Queue::try_from(q.0).map_err(|e| format!("invalid queue: {e:?}"));
         let queues = s
             .queues
             .iter()
@@ -750,7 +728,7 @@ mod tests {
     fn a_snapshot_cannot_point_a_queue_outside_guest_memory() {
         let (t, _) = running_transport();
         let mut saved = t.save();
-        saved.active_queues[1].desc_table = 1 << 40;
+        saved.active_queues[1].0.desc_table = 1 << 40;
         let (args, device) = parts();
 
         let err = MmioTransport::restore(args, &saved).expect_err("outside memory");
