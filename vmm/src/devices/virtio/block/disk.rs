@@ -88,22 +88,22 @@ pub struct FileStamp {
 
 impl FileStamp {
     fn of(path: &Path, file: &File) -> std::io::Result<Self> {
-        let meta = file.metadata()?;
+        let (len, mtime_ns) = len_and_mtime(file)?;
         Ok(FileStamp {
             path: std::fs::canonicalize(path)?,
-            len: meta.len(),
-            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            len,
+            mtime_ns,
         })
     }
 
     /// Opens the file read-only and checks it is the one stamped.
     fn open_unchanged(&self) -> Result<File, DiskError> {
-        let file = File::open(&self.path).map_err(|e| DiskError::Open(self.path.clone(), e))?;
-        let now =
-            FileStamp::of(&self.path, &file).map_err(|e| DiskError::Open(self.path.clone(), e))?;
-        let what = if now.len != self.len {
-            format!("{} bytes, {} then", now.len, self.len)
-        } else if now.mtime_ns != self.mtime_ns {
+        let open_err = |e| DiskError::Open(self.path.clone(), e);
+        let file = File::open(&self.path).map_err(open_err)?;
+        let (len, mtime_ns) = len_and_mtime(&file).map_err(open_err)?;
+        let what = if len != self.len {
+            format!("{len} bytes, {} then", self.len)
+        } else if mtime_ns != self.mtime_ns {
             "modified since".to_owned()
         } else {
             return Ok(file);
@@ -113,6 +113,13 @@ impl FileStamp {
             what,
         })
     }
+}
+
+/// What identifies a file's contents: its size and modification time (ns).
+fn len_and_mtime(file: &File) -> std::io::Result<(u64, i128)> {
+    let meta = file.metadata()?;
+    let mtime_ns = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+    Ok((meta.len(), mtime_ns))
 }
 
 /// A disk in a snapshot: the files its contents are made of. The clone's
