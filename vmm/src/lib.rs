@@ -212,13 +212,16 @@ impl Vmm {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
-        if diff && (self.last_snapshot.is_none() || !self.dirty_logging) {
-            return Err(VmmError::Unsupported(
-                "a diff snapshot needs an earlier snapshot of this VM, or a VM restored with \
-                 dirty page tracking (without --no-dirty-log)"
-                    .into(),
-            ));
-        }
+        let diff_base =
+            match (diff, &self.last_snapshot) {
+                (false, _) => None,
+                (true, Some(base)) if self.dirty_logging => Some(base.clone()),
+                (true, _) => return Err(VmmError::Unsupported(
+                    "a diff snapshot needs an earlier snapshot of this VM, or a VM restored with \
+                     dirty page tracking (without --no-dirty-log)"
+                        .into(),
+                )),
+            };
         persist::prepare(dir)?;
         let mut devices = Vec::with_capacity(self.devices.len());
         for (index, attached) in self.devices.iter().enumerate() {
@@ -239,16 +242,15 @@ impl Vmm {
             let transport = lock(&attached.transport).save();
             devices.push(persist::DeviceSnapshot { device, transport });
         }
-        let memory = match (diff, &self.last_snapshot) {
-            (true, Some(base)) if self.dirty_logging => {
+        let memory = match diff_base {
+            Some(base) => {
                 let kvm_dirty = self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
                 persist::MemoryLayout::Diff {
-                    base: base.clone(),
+                    base,
                     runs: vstate::memory::take_dirty(&self.mem, &kvm_dirty),
                 }
             }
-            (true, _) => unreachable!("checked above"),
-            (false, _) => {
+            None => {
                 if self.dirty_logging {
                     // Everything is in this one: start the next diff afresh.
                     self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
