@@ -56,6 +56,7 @@ fn restore(
     name: &str,
     timeline: Option<&Path>,
     api: Option<&Path>,
+    extra: &[&str],
 ) -> (Killed, PathBuf) {
     let uds = dir.join(format!("{name}.vsock"));
     let mut cmd = Command::new(common::vmm_binary());
@@ -71,6 +72,7 @@ fn restore(
         cmd.arg("--api-sock").arg(api);
     }
     let child = cmd
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -157,7 +159,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
         let timeline = d.join(format!("r{i}.json"));
         let started = Instant::now();
         let spawned_ns = husk_vmm::timeline::monotonic_ns();
-        let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline), None);
+        let (vmm, uds) = restore(&snapshot, d, &format!("r{i}"), Some(&timeline), None, &[]);
         while !uds.exists() {
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -205,7 +207,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
     // A diff snapshot of a clone after a little work: how much it writes.
     {
         let api = d.join("differ.api");
-        let (_differ, uds) = restore(&snapshot, d, "differ", None, Some(&api));
+        let (_differ, uds) = restore(&snapshot, d, "differ", None, Some(&api), &[]);
         let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
             .expect("clone agent");
         client
@@ -232,18 +234,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
     // What dirty page tracking costs a clone that writes: the same writes
     // in a clone with it (the default) and one restored without it.
     for (label, extra) in [("on", &[][..]), ("off", &["--no-dirty-log"][..])] {
-        let uds = d.join(format!("dirty-{label}.vsock"));
-        let mut cmd = Command::new(common::vmm_binary());
-        cmd.arg("--restore")
-            .arg(&snapshot)
-            .args(["--serial", "null"])
-            .arg("--vsock")
-            .arg(format!("cid=6,path={}", uds.display()))
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        let _clone = Killed(cmd.spawn().expect("husk-vmm --restore"));
+        let (_clone, uds) = restore(&snapshot, d, &format!("dirty-{label}"), None, None, extra);
         while !uds.exists() {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -274,7 +265,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
 
     // Ten clones at once: what each costs in memory.
     let clones: Vec<_> = (0..10)
-        .map(|i| restore(&snapshot, d, &format!("c{i}"), None, None))
+        .map(|i| restore(&snapshot, d, &format!("c{i}"), None, None, &[]))
         .collect();
     for (_, uds) in &clones {
         while !uds.exists() {
