@@ -123,8 +123,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
             .expect("husk-vmm"),
     );
     let mut client =
-        AgentClient::connect_when_ready(&uds, Instant::now() + common::BOOT_TIMEOUT, TIMEOUT)
-            .expect("agent");
+        AgentClient::connect_when_ready(&uds, common::BOOT_TIMEOUT, TIMEOUT).expect("agent");
     client.ping().expect("ping");
     drop(client);
     let snapshot = d.join("snap");
@@ -163,8 +162,8 @@ fn bench_size(mem_mib: u32, restores: usize) {
         while !uds.exists() {
             std::thread::sleep(Duration::from_micros(200));
         }
-        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
-            .expect("restored agent");
+        let mut client =
+            AgentClient::connect_when_ready(&uds, TIMEOUT, TIMEOUT).expect("restored agent");
         client.ping().expect("ping");
         end_to_end.push(started.elapsed().as_secs_f64() * 1000.0);
         drop(client);
@@ -207,9 +206,9 @@ fn bench_size(mem_mib: u32, restores: usize) {
     // A diff snapshot of a clone after a little work: how much it writes.
     {
         let api = d.join("differ.api");
-        let (_differ, uds) = restore(&snapshot, d, "differ", None, Some(&api), &[]);
-        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
-            .expect("clone agent");
+        let (_differ, uds) = restore(&snapshot, d, "differ", None, Some(&api), &["--dirty-log"]);
+        let mut client =
+            AgentClient::connect_when_ready(&uds, TIMEOUT, TIMEOUT).expect("clone agent");
         client
             .write_file("/tmp/one-mebibyte", 0o644, &vec![7u8; 1 << 20][..])
             .expect("write");
@@ -232,14 +231,14 @@ fn bench_size(mem_mib: u32, restores: usize) {
     }
 
     // What dirty page tracking costs a clone that writes: the same writes
-    // in a clone with it (the default) and one restored without it.
-    for (label, extra) in [("on", &[][..]), ("off", &["--no-dirty-log"][..])] {
+    // in a clone with it and one restored without it (the default).
+    for (label, extra) in [("on", &["--dirty-log"][..]), ("off", &[][..])] {
         let (_clone, uds) = restore(&snapshot, d, &format!("dirty-{label}"), None, None, extra);
         while !uds.exists() {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let mut client = AgentClient::connect_when_ready(&uds, Instant::now() + TIMEOUT, TIMEOUT)
-            .expect("clone agent");
+        let mut client =
+            AgentClient::connect_when_ready(&uds, TIMEOUT, TIMEOUT).expect("clone agent");
         let write = husk_protocol::ExecRequest {
             argv: [
                 "/bin/sh",
@@ -271,8 +270,8 @@ fn bench_size(mem_mib: u32, restores: usize) {
         while !uds.exists() {
             std::thread::sleep(Duration::from_millis(1));
         }
-        let mut client = AgentClient::connect_when_ready(uds, Instant::now() + TIMEOUT, TIMEOUT)
-            .expect("clone agent");
+        let mut client =
+            AgentClient::connect_when_ready(uds, TIMEOUT, TIMEOUT).expect("clone agent");
         client.ping().expect("ping");
     }
     let pids: Vec<u32> = clones.iter().map(|(k, _)| k.0.id()).collect();

@@ -32,6 +32,14 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
+# rust-toolchain.toml names the musl target, but rustup adds it only when it
+# installs the toolchain: a machine that already had 1.95.0 lacks it.
+if command -v rustup >/dev/null &&
+    ! (cd "$root" && rustup target list --installed) | grep -qx "$target"; then
+    log "adding the Rust target $target (guest-init is a static binary)"
+    (cd "$root" && rustup target add "$target") >&2
+fi
+
 # The `guest` profile is release with panic=unwind: a bug in one agent
 # request must end that request, not PID 1 (and with it the guest).
 cargo build --quiet --profile guest --locked --manifest-path "$root/Cargo.toml" \

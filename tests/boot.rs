@@ -121,9 +121,23 @@ fn triple_fault_ends_the_vmm_with_an_error() {
 }
 
 #[test]
-fn sigterm_stops_a_booting_vm_cleanly() {
-    let child = spawn(guest_command(&["--serial", "null"]));
-    std::thread::sleep(Duration::from_millis(1500));
+fn sigterm_stops_a_booting_vm_cleanly_and_leaves_no_socket() {
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let (uds, api) = (dir.as_path().join("vm.vsock"), dir.as_path().join("vm.api"));
+    let child = spawn(guest_command(&[
+        "--serial",
+        "null",
+        "--vsock",
+        &format!("cid=3,path={}", uds.display()),
+        "--api-sock",
+        &api.display().to_string(),
+    ]));
+    // Running: its control socket answers.
+    let mut status = None;
+    while status.is_none() {
+        status = std::os::unix::net::UnixStream::connect(&api).ok();
+        std::thread::sleep(Duration::from_millis(20));
+    }
 
     // SAFETY: sending a signal to our own child process.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -135,6 +149,8 @@ fn sigterm_stops_a_booting_vm_cleanly() {
         "{}",
         run.dump()
     );
+    assert!(!uds.exists(), "the vsock socket is left behind");
+    assert!(!api.exists(), "the control socket is left behind");
 }
 
 /// A minimal x86_64 ELF executable loading `code` at 1 MiB and entering there.

@@ -172,9 +172,8 @@ fn a_clone_gets_its_own_tap_and_mac_and_keeps_its_network_setup() {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null());
     let base = Vmm(cmd.spawn().expect("husk-vmm"));
-    let deadline = Instant::now() + BOOT_TIMEOUT;
     let timeout = Duration::from_secs(120);
-    let mut client = AgentClient::connect_when_ready(&uds, deadline, timeout).expect("agent");
+    let mut client = AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, timeout).expect("agent");
     let up = client
         .exec(sh(&format!(
             "ifconfig eth0 {GUEST_IP} netmask 255.255.255.0 up"
@@ -202,8 +201,8 @@ fn a_clone_gets_its_own_tap_and_mac_and_keeps_its_network_setup() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("husk-vmm --restore"));
-    let mut client = AgentClient::connect_when_ready(&clone_uds, Instant::now() + timeout, timeout)
-        .expect("the clone's agent");
+    let mut client =
+        AgentClient::connect_when_ready(&clone_uds, timeout, timeout).expect("the clone's agent");
     client
         .restored("netclone", Some([6, 0, 0, 0, 0, 0x99]))
         .expect("post-restore step");

@@ -83,9 +83,8 @@ fn base() -> &'static Base {
         let _vmm = Vmm(agent_guest_command(&uds, &api, &["--drive", &drive])
             .spawn()
             .expect("husk-vmm"));
-        let deadline = Instant::now() + BOOT_TIMEOUT;
         let mut client =
-            AgentClient::connect_when_ready(&uds, deadline, READ_TIMEOUT).expect("agent");
+            AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, READ_TIMEOUT).expect("agent");
         client
             .write_file("/tmp/file", 0o644, &b"base"[..])
             .expect("write");
@@ -120,6 +119,16 @@ fn base() -> &'static Base {
 /// Restores `snapshot` as clone `name` with vsock CID `cid` and its own
 /// data drive overlay `dir/name.overlay`.
 fn restore(snapshot: &Path, dir: &Path, name: &str, cid: u32) -> (Vmm, PathBuf, PathBuf) {
+    restore_with(snapshot, dir, name, cid, &[])
+}
+
+fn restore_with(
+    snapshot: &Path,
+    dir: &Path,
+    name: &str,
+    cid: u32,
+    extra: &[&str],
+) -> (Vmm, PathBuf, PathBuf) {
     let uds = dir.join(format!("{name}.vsock"));
     let api = dir.join(format!("{name}.api"));
     let overlay = dir.join(format!("{name}.overlay"));
@@ -133,6 +142,7 @@ fn restore(snapshot: &Path, dir: &Path, name: &str, cid: u32) -> (Vmm, PathBuf, 
         .arg(format!("cid={cid},path={}", uds.display()))
         .arg("--api-sock")
         .arg(&api)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
@@ -142,7 +152,7 @@ fn restore(snapshot: &Path, dir: &Path, name: &str, cid: u32) -> (Vmm, PathBuf, 
 
 fn connect(uds: &Path) -> AgentClient {
     wait_for_socket(uds);
-    AgentClient::connect_when_ready(uds, Instant::now() + RESTORE_TIMEOUT, READ_TIMEOUT)
+    AgentClient::connect_when_ready(uds, RESTORE_TIMEOUT, READ_TIMEOUT)
         .expect("the restored agent answers")
 }
 
@@ -484,7 +494,13 @@ fn data_extents(path: &Path) -> Vec<(u64, u64)> {
 fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     let base = base();
     let run = TempDir::new().expect("tempdir");
-    let (_vmm, uds, api) = restore(&base.snapshot, run.as_path(), "differ", 50);
+    let (_vmm, uds, api) = restore_with(
+        &base.snapshot,
+        run.as_path(),
+        "differ",
+        50,
+        &["--dirty-log"],
+    );
     let mut client = connect(&uds);
     client.restored("differ", None).expect("post-restore step");
     client
@@ -596,7 +612,39 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
         .arg(&snapshot)
         .output()
         .expect("husk snapshot");
+    // A clone stopped by SIGTERM removes its sockets.
+    // SAFETY: signalling a process this test started.
+    unsafe { libc::kill(pids.0[1], libc::SIGTERM) };
+    let mut sockets_left = true;
+    for _ in 0..600 {
+        let left = ["vsock", "api"].map(|s| run.as_path().join(format!("cli-1.{s}")).exists());
+        sockets_left = left.contains(&true);
+        // SAFETY: signal 0 only checks the process exists.
+        if !sockets_left && unsafe { libc::kill(pids.0[1], 0) } != 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
     drop(pids);
+    // A restore that gives up (here at once: a budget of 0 s) stops its
+    // VMM and removes every file it made.
+    let gave_up = Command::new(husk)
+        .arg("restore")
+        .arg(&base.snapshot)
+        .args(["--name", "abandoned", "--wait-s", "0", "--run-dir"])
+        .arg(run.as_path())
+        .stdin(Stdio::null())
+        .output()
+        .expect("husk restore");
+    let abandoned_files: Vec<_> = std::fs::read_dir(run.as_path())
+        .expect("run dir")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with("abandoned"))
+        .collect();
+    let abandoned_vmms = Command::new("pgrep")
+        .args(["-f", "--", "--id abandoned-0"])
+        .output()
+        .expect("pgrep");
 
     assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
     assert_eq!(stdout.lines().count(), 2, "{stdout}");
@@ -608,4 +656,18 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
     }
     assert_eq!(snapped.status.code(), Some(0), "{}", text(&snapped.stderr));
     assert!(snapshot.join("state").exists() && snapshot.join("drive-0").exists());
+    assert!(!sockets_left, "a clone stopped by SIGTERM left its sockets");
+    assert_eq!(
+        gave_up.status.code(),
+        Some(125),
+        "{}",
+        text(&gave_up.stderr)
+    );
+    assert!(
+        text(&gave_up.stderr).contains("did not answer"),
+        "{}",
+        text(&gave_up.stderr)
+    );
+    assert_eq!(abandoned_files, Vec::<String>::new());
+    assert_eq!(text(&abandoned_vmms.stdout), "", "its husk-vmm still runs");
 }

@@ -89,6 +89,32 @@ impl Cgroup {
     pub fn kill(&self) -> io::Result<()> {
         std::fs::write(format!("{}/cgroup.kill", self.path), "1")
     }
+
+    /// Whether a process of the program is still alive (`cgroup.events`).
+    pub fn populated(&self) -> bool {
+        std::fs::read_to_string(format!("{}/cgroup.events", self.path))
+            .map_or(true, |events| events.lines().any(|l| l == "populated 1"))
+    }
+
+    /// Waits until every process of the cgroup has exited and been reaped,
+    /// so that their pids count against the sandbox's limit no more, or
+    /// until `limit` passes; says whether it drained. Woken by each reap.
+    pub fn wait_drained(&self, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let current = format!("{}/pids.current", self.path);
+        loop {
+            let drained = match std::fs::read_to_string(&current) {
+                Ok(n) => n.trim() == "0",
+                // No pids controller here: exited is the best we can see.
+                Err(_) => !self.populated(),
+            };
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if drained || left.is_zero() {
+                return drained;
+            }
+            crate::reaper::wait_any(left.min(std::time::Duration::from_millis(100)));
+        }
+    }
 }
 
 impl Drop for Cgroup {

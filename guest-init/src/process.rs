@@ -27,6 +27,13 @@ const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
 /// After the program exits, how long its output may stay open (a child it
 /// left behind holding the pipe) before the output is declared finished.
 const OUTPUT_GRACE: Duration = Duration::from_secs(2);
+/// When nothing of the program is left alive, its output ends as soon as
+/// the pumps have read what is in the pipes: this bounds only a guest too
+/// starved to run them (a busy host), not a program.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(120);
+/// After a timeout's kill, how long the killed processes may take to exit
+/// and be reaped before the timeout is reported anyway.
+const KILL_DRAIN: Duration = Duration::from_secs(60);
 const CHUNK: usize = 32 << 10;
 /// Programs kept at once, running or ended but not collected.
 pub const MAX_PROCESSES: usize = 64;
@@ -316,13 +323,30 @@ fn wait_for_exit(p: &Process, deadline: Option<Instant>) {
         Some(exit) => (exit, false),
         None => {
             let _ = p.signal(libc::SIGKILL);
-            match reaper::wait(p.pid, None) {
-                Some(exit) => (exit, true),
-                None => return,
+            let Some(exit) = reaper::wait(p.pid, None) else {
+                return;
+            };
+            // The timeout is reported once everything the program started
+            // is gone and its pids are free again: the next program starts
+            // in a sandbox without the killed one's processes.
+            if let Some(cgroup) = &p.cgroup {
+                if !cgroup.wait_drained(KILL_DRAIN) {
+                    crate::log(&format!("pid {}: killed processes are still there", p.pid));
+                }
             }
+            (exit, true)
         }
     };
-    let grace = Instant::now() + OUTPUT_GRACE;
+    // A child left behind may hold the output open: it gets a short grace.
+    // Without one, the output is complete at the pipes' end, however slowly
+    // this guest runs.
+    let left_behind = p.cgroup.as_ref().is_none_or(Cgroup::populated);
+    let grace = Instant::now()
+        + if left_behind {
+            OUTPUT_GRACE
+        } else {
+            OUTPUT_DRAIN
+        };
     let mut out = p.output();
     out.ended = Some(Ended {
         report: report(&exit),

@@ -50,6 +50,12 @@ pub fn record(exits: &[(libc::pid_t, Exit)]) {
     EXITED.notify_all();
 }
 
+/// Waits until the main loop reaps any child, or `limit` passes.
+pub fn wait_any(limit: std::time::Duration) {
+    let guard = state();
+    drop(EXITED.wait_timeout(guard, limit));
+}
+
 /// Waits for watched `pid` to exit, until `deadline` if there is one.
 pub fn wait(pid: libc::pid_t, deadline: Option<Instant>) -> Option<Exit> {
     let mut guard = state();

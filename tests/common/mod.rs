@@ -280,11 +280,13 @@ fn base_snapshot() -> &'static Path {
         cmd.stderr(Stdio::inherit());
         die_with_parent(&mut cmd);
         let mut base = cmd.spawn().expect("spawn husk-vmm");
-        let deadline = Instant::now() + BOOT_TIMEOUT;
         let timeout = Duration::from_secs(120);
-        let mut client =
-            husk_vmm::host::agent_client::AgentClient::connect_when_ready(&uds, deadline, timeout)
-                .expect("base agent");
+        let mut client = husk_vmm::host::agent_client::AgentClient::connect_when_ready(
+            &uds,
+            BOOT_TIMEOUT,
+            timeout,
+        )
+        .expect("base agent");
         client.ping().expect("ping");
         drop(client);
         let snapshot = dir.join("snapshot");
@@ -356,15 +358,10 @@ pub fn sandbox(name: &str) -> Sandbox {
         console,
         child,
     };
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while !sandbox.uds.exists() {
-        assert!(Instant::now() < deadline, "{name}: no vsock socket");
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let timeout = Duration::from_secs(120);
     let mut client = husk_vmm::host::agent_client::AgentClient::connect_when_ready(
         &sandbox.uds,
-        deadline,
+        Duration::from_secs(300),
         timeout,
     )
     .expect("the clone's agent");

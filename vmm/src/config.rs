@@ -22,10 +22,11 @@ use crate::vstate::memory::MemoryConfig;
 /// on the PVM hosts we build on, where restoring IA32_TSC does not move
 /// what the guest reads.
 ///
-/// `random.trust_bootloader=on`: the RNG seed the VMM passes in
-/// `setup_data` makes the guest's RNG ready at boot.
-pub const BASE_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 quiet no_timer_check \
-     clocksource=kvm-clock random.trust_bootloader=on";
+/// The RNG seed the VMM passes in `setup_data` is credited by the kernel's
+/// `CONFIG_RANDOM_TRUST_BOOTLOADER`: Linux 6.1 reads setup_data before it
+/// parses the command line, so `random.trust_bootloader=on` would be late.
+pub const BASE_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 quiet no_timer_check clocksource=kvm-clock";
 
 /// Extra parameters on a PVM host, where the guest kernel runs through KVM's
 /// instruction emulator: turn off CPU features the emulator cannot execute.

@@ -129,6 +129,19 @@ pub struct Vmm {
     pub(crate) device_thread: Option<DeviceThread>,
 }
 
+impl Drop for Vmm {
+    /// A VM that has ended leaves no socket file behind: the vsock socket
+    /// is removed here (the control socket with its server), whichever way
+    /// the VM ended, a signal included.
+    fn drop(&mut self) {
+        for attached in &self.devices {
+            if let DeviceHandle::Vsock(vsock) = &attached.device {
+                lock(vsock).remove_socket_file();
+            }
+        }
+    }
+}
+
 impl fmt::Debug for Vmm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Vmm")
@@ -218,7 +231,7 @@ impl Vmm {
                 (true, Some(base)) if self.dirty_logging => Some(base.clone()),
                 (true, _) => return Err(VmmError::Unsupported(
                     "a diff snapshot needs an earlier snapshot of this VM, or a VM restored with \
-                     dirty page tracking (without --no-dirty-log)"
+                     dirty page tracking (husk-vmm --restore DIR --dirty-log)"
                         .into(),
                 )),
             };

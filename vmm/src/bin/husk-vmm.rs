@@ -33,11 +33,14 @@ struct Args {
     /// writes go there, over the snapshot's copy of the drive. Repeatable.
     #[arg(long = "overlay", requires = "restore", value_parser = parse_overlay)]
     overlays: Vec<(String, PathBuf)>,
-    /// With --restore: do not track the pages the clone writes. Writes get
-    /// a little cheaper; the clone's diff snapshots are refused until it
-    /// has taken a full one.
+    /// With --restore: track the pages the clone writes (KVM dirty log)
+    /// from its first instruction, so that its first snapshot can be a diff
+    /// against the one it was restored from. Off by default: tracking makes
+    /// the clone's first write to each page a fault, which slows its way to
+    /// ready; without it the clone's diff snapshots are refused until it has
+    /// taken a full one.
     #[arg(long, requires = "restore")]
-    no_dirty_log: bool,
+    dirty_log: bool,
     /// Serve the control socket (status, pause, resume, snapshot DIR) here.
     #[arg(long)]
     api_sock: Option<PathBuf>,
@@ -113,7 +116,7 @@ impl Args {
                 vsock: self.vsock,
                 net: self.net,
                 overlays: self.overlays,
-                dirty_log: !self.no_dirty_log,
+                dirty_log: self.dirty_log,
                 serial,
                 kvm_device: self.kvm_device,
             };

@@ -14,14 +14,17 @@
 //!     husk pause|resume <api>
 //!     husk snapshot <api> <dir> [--diff]
 //!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME] [--tap NAME{n}]
+//!                  [--wait-s N] [--dirty-log]
 //!
 //! `<api>` is the VM's control socket (husk-vmm --api-sock). `restore`
 //! starts each clone as its own background husk-vmm (with its own vsock
 //! CID, a new overlay per writable drive in the run directory, and with
-//! `--tap` its own TAP and a random MAC), waits until its agent answers,
-//! gives it its post-restore identity (clock, hostname `NAME-i`, fresh
+//! `--tap` its own TAP and a random MAC), waits for all their agents at
+//! once (each wait stretches with the host's load, see `WaitBudget`),
+//! gives each its post-restore identity (clock, hostname `NAME-i`, fresh
 //! randomness, MAC), and prints one line per clone with its sockets and
-//! timings.
+//! timings. A clone that exits or does not answer is stopped and the
+//! files its start created are removed.
 //!
 //! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>).
 //! `exec` streams the program's stdout and stderr to its own as they come
@@ -41,6 +44,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
 use husk_vmm::host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
+use husk_vmm::host::readiness::WaitBudget;
 
 /// Exit status for husk's own failures (as docker uses 125).
 const HUSK_FAILED: u8 = 125;
@@ -152,16 +156,29 @@ enum Command {
         /// its own random MAC address.
         #[arg(long)]
         tap: Option<String>,
+        /// Give up on a clone whose agent has not answered after this many
+        /// seconds on a quiet host; the wait stretches with the host's load
+        /// (up to 10x). A clone given up on is stopped and its files removed.
+        #[arg(long, default_value_t = 120)]
+        wait_s: u64,
+        /// Track each clone's writes from the start (husk-vmm --dirty-log),
+        /// so its first snapshot can be a diff.
+        #[arg(long)]
+        dirty_log: bool,
     },
 }
 
 /// What `husk restore` starts.
+#[derive(Debug, Clone)]
 struct Clones {
     dir: PathBuf,
     count: u32,
     run_dir: PathBuf,
     name: String,
     tap: Option<String>,
+    /// How long each clone's agent may take to answer on a quiet host.
+    wait: Duration,
+    dirty_log: bool,
 }
 
 /// Sends one control request; prints the reply; fails if it says so.
@@ -199,7 +216,62 @@ struct Starting {
     vsock: PathBuf,
     api: PathBuf,
     log: PathBuf,
+    console: PathBuf,
+    /// Files this clone's start creates, removed if it fails.
+    created: Vec<PathBuf>,
     started: std::time::Instant,
+}
+
+impl Starting {
+    /// Waits for the clone's agent and gives it its identity; returns
+    /// when the agent first answered.
+    fn bring_up(&mut self, budget: Duration) -> Result<Duration, String> {
+        let mut wait = WaitBudget::new(budget);
+        let child = &mut self.child;
+        let mut alive = || match child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(ClientError::VmmGone(format!("husk-vmm exited ({status})"))),
+            Err(e) => Err(e.into()),
+        };
+        let mut client =
+            AgentClient::connect_patiently(&self.vsock, &mut wait, &mut alive, READ_TIMEOUT)
+                .map_err(|e| match e {
+                    ClientError::VmmGone(_) => e.to_string(),
+                    _ => format!(
+                        "the agent did not answer in {:.0} s (a budget of {} s on a quiet host; \
+                         host CPU share at the end {:.2}): {e}",
+                        wait.elapsed().as_secs_f64(),
+                        wait.budget().as_secs(),
+                        wait.last_share()
+                    ),
+                })?;
+        let answered = self.started.elapsed();
+        client
+            .restored(&self.name, self.mac)
+            .map_err(|e| format!("the post-restore step failed: {e}"))?;
+        Ok(answered)
+    }
+
+    /// Stops a clone that failed and removes what its start created;
+    /// returns the last lines of its log and console for the error.
+    fn abandon(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let tail = |path: &PathBuf| {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(10)..].join("\n    ")
+        };
+        let report = format!(
+            "  husk-vmm log:\n    {}\n  console:\n    {}",
+            tail(&self.log),
+            tail(&self.console)
+        );
+        for path in &self.created {
+            let _ = std::fs::remove_file(path);
+        }
+        report
+    }
 }
 
 /// When the VMM at `api` first entered KVM_RUN, in ms after its start
@@ -220,9 +292,95 @@ fn random_mac() -> std::io::Result<[u8; 6]> {
     Ok(mac)
 }
 
+/// A drive id as part of a file name.
+fn file_safe(id: &str) -> String {
+    id.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Starts clone `i` of the snapshot as a background husk-vmm.
+fn start_clone(
+    spec: &Clones,
+    vmm: &std::path::Path,
+    i: u32,
+    writable_drives: &[&str],
+) -> Result<Starting, ClientError> {
+    use std::os::unix::process::CommandExt;
+    let name = format!("{}-{i}", spec.name);
+    let run_dir = &spec.run_dir;
+    let vsock = run_dir.join(format!("{name}.vsock"));
+    let api = run_dir.join(format!("{name}.api"));
+    let log = run_dir.join(format!("{name}.log"));
+    let console = run_dir.join(format!("{name}.console"));
+    let mut created = vec![vsock.clone(), api.clone(), log.clone(), console.clone()];
+    let mut cmd = std::process::Command::new(vmm);
+    for drive in writable_drives {
+        let overlay = run_dir.join(format!("{name}.{}.overlay", file_safe(drive)));
+        cmd.arg("--overlay")
+            .arg(format!("{drive}={}", overlay.display()));
+        created.push(overlay);
+    }
+    let mac = match &spec.tap {
+        Some(tap) => {
+            let mac = random_mac()?;
+            let tap = tap.replace("{n}", &i.to_string());
+            let text: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
+            cmd.arg("--net")
+                .arg(format!("tap={tap},mac={}", text.join(":")));
+            Some(mac)
+        }
+        None => None,
+    };
+    if spec.dirty_log {
+        cmd.arg("--dirty-log");
+    }
+    let child = cmd
+        .arg("--restore")
+        .arg(&spec.dir)
+        .args(["--id", &name])
+        .arg("--vsock")
+        .arg(format!("cid={},path={}", 3 + i, vsock.display()))
+        .arg("--api-sock")
+        .arg(&api)
+        .arg("--serial")
+        .arg(&console)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        // Its own process group: the clone outlives this command.
+        .process_group(0)
+        .spawn();
+    match child {
+        Ok(child) => Ok(Starting {
+            name,
+            mac,
+            child,
+            vsock,
+            api,
+            log,
+            console,
+            created,
+            started: std::time::Instant::now(),
+        }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&log);
+            Err(e.into())
+        }
+    }
+}
+
+/// Starts every clone, then waits for all of them at once, each with its
+/// own budget: a clone that fails or does not answer is killed and its
+/// files removed; the others go on.
 fn restore(spec: &Clones) -> Result<u8, ClientError> {
     use husk_vmm::persist::SavedDevice;
-    use std::os::unix::process::CommandExt;
     let vmm = std::env::var_os("HUSK_VMM").map_or_else(
         || std::env::current_exe().map(|e| e.with_file_name("husk-vmm")),
         |p| Ok(PathBuf::from(p)),
@@ -247,89 +405,41 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
         )
         .into());
     }
+    let spec = &Clones {
+        tap: spec.tap.clone().filter(|_| has_net),
+        ..spec.clone()
+    };
     std::fs::create_dir_all(&spec.run_dir)?;
     let mut started = Vec::new();
     for i in 0..spec.count {
-        let name = format!("{}-{i}", spec.name);
-        let run_dir = &spec.run_dir;
-        let vsock = run_dir.join(format!("{name}.vsock"));
-        let api = run_dir.join(format!("{name}.api"));
-        let log = run_dir.join(format!("{name}.log"));
-        let mut cmd = std::process::Command::new(&vmm);
-        for drive in &writable_drives {
-            let file_safe: String = drive
-                .chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-            let overlay = run_dir.join(format!("{name}.{file_safe}.overlay"));
-            cmd.arg("--overlay")
-                .arg(format!("{drive}={}", overlay.display()));
-        }
-        let mac = match &spec.tap {
-            Some(tap) if has_net => {
-                let mac = random_mac()?;
-                let tap = tap.replace("{n}", &i.to_string());
-                let text: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
-                cmd.arg("--net")
-                    .arg(format!("tap={tap},mac={}", text.join(":")));
-                Some(mac)
-            }
-            _ => None,
-        };
-        let child = cmd
-            .arg("--restore")
-            .arg(&spec.dir)
-            .args(["--id", &name])
-            .arg("--vsock")
-            .arg(format!("cid={},path={}", 3 + i, vsock.display()))
-            .arg("--api-sock")
-            .arg(&api)
-            .arg("--serial")
-            .arg(run_dir.join(format!("{name}.console")))
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            // Its own process group: the clone outlives this command.
-            .process_group(0)
-            .spawn()?;
-        started.push(Starting {
-            name,
-            mac,
-            child,
-            vsock,
-            api,
-            log,
-            started: std::time::Instant::now(),
-        });
-    }
-    let mut failed = false;
-    for mut clone in started {
-        let deadline = clone.started + Duration::from_secs(120);
-        let ready = loop {
-            if let Ok(Some(status)) = clone.child.try_wait() {
-                let log = std::fs::read_to_string(&clone.log).unwrap_or_default();
-                break Err(format!("husk-vmm exited ({status}): {}", log.trim()));
-            }
-            // Short tries, so an early exit of husk-vmm is noticed.
-            let attempt = (std::time::Instant::now() + Duration::from_secs(1)).min(deadline);
-            match AgentClient::connect_when_ready(&clone.vsock, attempt, READ_TIMEOUT) {
-                Ok(mut client) => {
-                    let answered = clone.started.elapsed();
-                    break client
-                        .restored(&clone.name, clone.mac)
-                        .map(|()| answered)
-                        .map_err(|e| e.to_string());
+        match start_clone(spec, &vmm, i, &writable_drives) {
+            Ok(clone) => started.push(clone),
+            Err(e) => {
+                for clone in started {
+                    clone.abandon();
                 }
-                Err(_) if std::time::Instant::now() < deadline => {}
-                Err(e) => break Err(format!("the agent did not answer: {e}")),
+                return Err(e);
             }
-        };
+        }
+    }
+    let budget = spec.wait;
+    let results: Vec<(Starting, Result<Duration, String>)> = std::thread::scope(|scope| {
+        let waits: Vec<_> = started
+            .into_iter()
+            .map(|mut clone| {
+                scope.spawn(move || {
+                    let ready = clone.bring_up(budget);
+                    (clone, ready)
+                })
+            })
+            .collect();
+        waits
+            .into_iter()
+            .map(|w| w.join().expect("a clone's wait does not panic"))
+            .collect()
+    });
+    let mut failed = false;
+    for (clone, ready) in results {
         match ready {
             Ok(answered) => println!(
                 "{} pid={} vsock={} api={} first_kvm_run_ms={} agent_ms={:.1} ready_ms={:.1}",
@@ -343,7 +453,9 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
             ),
             Err(e) => {
                 failed = true;
-                eprintln!("husk: {}: {e}", clone.name);
+                let name = clone.name.clone();
+                let report = clone.abandon();
+                eprintln!("husk: {name}: {e}; stopped it and removed its files\n{report}");
             }
         }
     }
@@ -491,11 +603,7 @@ fn run(args: Args) -> Result<u8, ClientError> {
             let mut client = if wait_s == 0 {
                 AgentClient::connect(&vm, READ_TIMEOUT)?
             } else {
-                let deadline = std::time::Instant::now() + Duration::from_secs(wait_s);
-                while !vm.exists() && std::time::Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-                AgentClient::connect_when_ready(&vm, deadline, READ_TIMEOUT)?
+                AgentClient::connect_when_ready(&vm, Duration::from_secs(wait_s), READ_TIMEOUT)?
             };
             let uptime = client.ping()?;
             println!("guest uptime {uptime} ms");
@@ -632,6 +740,8 @@ fn run(args: Args) -> Result<u8, ClientError> {
             run_dir,
             name,
             tap,
+            wait_s,
+            dirty_log,
         } => {
             let run_dir = run_dir.unwrap_or_else(|| dir.clone());
             restore(&Clones {
@@ -640,6 +750,8 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 run_dir,
                 name,
                 tap,
+                wait: Duration::from_secs(wait_s),
+                dirty_log,
             })
         }
         Command::Cp { from, to } => match (guest_side(&from), guest_side(&to)) {

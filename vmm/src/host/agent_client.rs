@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use super::readiness::WaitBudget;
 use husk_protocol::{
     read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
     FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
@@ -19,6 +20,28 @@ use husk_protocol::{
 /// Longest wait for the guest to accept a connection and shake hands.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Whether `stream` has data (or an end) to read within `within`.
+fn readable(stream: &UnixStream, within: Duration) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(within.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid pollfd for the duration of the call.
+    match unsafe { libc::poll(&mut fd, 1, ms) } {
+        -1 => {
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => Ok(false),
+                _ => Err(e),
+            }
+        }
+        n => Ok(n > 0),
+    }
+}
+
 /// Errors talking to the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -26,6 +49,8 @@ pub enum ClientError {
     Connect(String, #[source] std::io::Error),
     #[error("the guest did not accept the connection (is guest-init's agent running?): {0}")]
     Refused(String),
+    #[error("{0}")]
+    VmmGone(String),
     #[error("the agent refused the request ({kind:?}): {message}")]
     Agent { kind: ErrorKind, message: String },
     #[error("unexpected reply: {0:?}")]
@@ -190,14 +215,32 @@ impl AgentClient {
     /// Connects through the VMM's vsock socket `uds` and shakes hands.
     /// `timeout` bounds each read (see `set_read_timeout`).
     pub fn connect(uds: &Path, timeout: Duration) -> Result<Self, ClientError> {
-        let mut stream = UnixStream::connect(uds)
+        let stream = UnixStream::connect(uds)
             .map_err(|e| ClientError::Connect(uds.display().to_string(), e))?;
         // A guest that does not answer the connection at all (no agent, a
         // stopped guest) fails fast; requests then get `timeout`.
-        stream.set_read_timeout(Some(timeout.min(HANDSHAKE_TIMEOUT)))?;
+        let handshake = timeout.min(HANDSHAKE_TIMEOUT);
+        Self::handshake(stream, timeout, |stream| {
+            stream.set_read_timeout(Some(handshake))?;
+            Ok(true)
+        })
+    }
+
+    /// Sends `CONNECT`, reads the VMM's `OK`, then exchanges `Hello`;
+    /// `ready(stream)` is asked before each read whether to go on waiting
+    /// (it sets the read timeout, or returns false to give up).
+    fn handshake(
+        mut stream: UnixStream,
+        timeout: Duration,
+        mut ready: impl FnMut(&UnixStream) -> Result<bool, ClientError>,
+    ) -> Result<Self, ClientError> {
+        let unanswered = || ClientError::Io(std::io::ErrorKind::TimedOut.into());
         stream.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())?;
         let mut reader = BufReader::new(stream.try_clone()?);
         let mut line = String::new();
+        if !ready(&stream)? {
+            return Err(unanswered());
+        }
         reader.read_line(&mut line)?;
         if !line.starts_with("OK ") {
             return Err(ClientError::Refused(line.trim().to_owned()));
@@ -209,7 +252,11 @@ impl AgentClient {
                 next_id: AtomicU64::new(1),
             }),
         };
-        match client.call(Body::Hello { version: VERSION })? {
+        let id = client.send(Body::Hello { version: VERSION })?;
+        if !ready(client.reader.get_ref())? {
+            return Err(unanswered());
+        }
+        match client.reply(id)? {
             Body::Hello { version: VERSION } => {
                 client.set_read_timeout(Some(timeout))?;
                 Ok(client)
@@ -218,27 +265,79 @@ impl AgentClient {
         }
     }
 
-    /// Connects once the agent answers, trying until `deadline`: while the
-    /// guest boots (no socket, no listener yet) or right after a restore
-    /// (the guest drops connections made before it has seen the transport
-    /// reset, without a word), attempts fail or go unanswered. Each attempt
-    /// waits a little longer for the handshake, from 100 ms up to 5 s.
+    /// Connects once the agent answers, waiting up to `budget` (seconds on
+    /// a quiet host, stretched by the host's load: see [`WaitBudget`]).
+    /// See [`AgentClient::connect_patiently`].
     pub fn connect_when_ready(
         uds: &Path,
-        deadline: std::time::Instant,
+        budget: Duration,
         timeout: Duration,
     ) -> Result<Self, ClientError> {
-        let mut patience = Duration::from_millis(100);
+        Self::connect_patiently(uds, &mut WaitBudget::new(budget), &mut || Ok(()), timeout)
+    }
+
+    /// Connects once the agent answers, for a guest that is booting (no
+    /// socket yet, then no listener: the guest resets the connection) or
+    /// restoring (the VMM holds the connection until the guest has handled
+    /// its transport reset). A connection the guest has not refused is not
+    /// abandoned while it is young: each one is given twice the patience
+    /// of the one before (from 2 s), so a slow guest finishes a handshake
+    /// it has started instead of being handed a new one. Refusals are
+    /// retried with a backoff that grows to half a second. `alive` is
+    /// asked at every wake-up (e.g. whether the VMM still runs); its error
+    /// ends the wait. Gives up when `wait` expires.
+    pub fn connect_patiently(
+        uds: &Path,
+        wait: &mut WaitBudget,
+        alive: &mut dyn FnMut() -> Result<(), ClientError>,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        /// How often a waiting handshake wakes to check `alive` and `wait`.
+        const TICK: Duration = Duration::from_millis(250);
+        let mut patience = Duration::from_secs(2);
+        let mut backoff = Duration::from_millis(10);
         loop {
-            match Self::connect(uds, patience) {
-                Ok(mut client) => {
-                    client.set_read_timeout(Some(timeout))?;
-                    return Ok(client);
+            alive()?;
+            let failure = match UnixStream::connect(uds) {
+                Err(e) => ClientError::Connect(uds.display().to_string(), e),
+                Ok(stream) => {
+                    let started = std::time::Instant::now();
+                    let mut expired = false;
+                    let attempt = Self::handshake(stream, timeout, |stream| {
+                        while !readable(stream, TICK)? {
+                            alive()?;
+                            expired = wait.expired();
+                            if expired || started.elapsed() >= patience {
+                                return Ok(false);
+                            }
+                        }
+                        // The answer has begun: read it whole.
+                        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+                        Ok(true)
+                    });
+                    match attempt {
+                        Ok(client) => return Ok(client),
+                        // A version mismatch will not go away.
+                        Err(e @ ClientError::Unexpected(_)) => return Err(e),
+                        Err(e) => {
+                            if !expired && started.elapsed() >= patience {
+                                tracing::debug!(
+                                    "no answer in {patience:?} from the agent at {}; \
+                                     trying a new connection",
+                                    uds.display()
+                                );
+                                patience *= 2;
+                            }
+                            e
+                        }
+                    }
                 }
-                Err(e) if std::time::Instant::now() >= deadline => return Err(e),
-                Err(ClientError::Connect(..)) => std::thread::sleep(Duration::from_millis(2)),
-                Err(_) => patience = (patience * 2).min(Duration::from_secs(5)),
+            };
+            if wait.expired() {
+                return Err(failure);
             }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(500));
         }
     }
 

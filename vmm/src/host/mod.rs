@@ -2,3 +2,4 @@
 //! lifecycle, pools and the API).
 
 pub mod agent_client;
+pub mod readiness;

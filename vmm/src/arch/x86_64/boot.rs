@@ -271,9 +271,10 @@ const SETUP_RNG_SEED: u32 = 9;
 pub const RNG_SEED_LEN: usize = 32;
 
 /// Writes a `setup_data` entry carrying `seed` (SETUP_RNG_SEED) at
-/// SETUP_DATA_START and returns its address for the zero page. With
-/// `random.trust_bootloader=on` the kernel credits it, so the guest's RNG is
-/// ready at boot (getrandom never blocks) although it has no entropy source.
+/// SETUP_DATA_START and returns its address for the zero page. A kernel
+/// built with `CONFIG_RANDOM_TRUST_BOOTLOADER` (kernel-config/) credits it,
+/// so the guest's RNG is ready at boot (getrandom never blocks) although it
+/// has no entropy source.
 pub fn write_rng_seed(mem: &GuestMemoryMmap, seed: &[u8; RNG_SEED_LEN]) -> Result<u64, BootError> {
     let mut entry = Vec::with_capacity(16 + RNG_SEED_LEN);
     entry.extend(0u64.to_le_bytes()); // next: none

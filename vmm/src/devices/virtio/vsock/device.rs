@@ -44,6 +44,11 @@ impl VsockDevice {
         u64::from_le_bytes(self.config)
     }
 
+    /// Removes the host-side socket file (see [`Muxer::remove_socket_file`]).
+    pub fn remove_socket_file(&self) {
+        self.muxer.remove_socket_file();
+    }
+
     /// A device for guest `cid` whose host side listens on `uds_path`.
     pub fn new(cid: u64, uds_path: &Path) -> Result<Self, MuxerError> {
         let evt = || EventFd::new(libc::EFD_NONBLOCK).map_err(MuxerError::EventFd);

@@ -93,6 +93,9 @@ struct PendingStream {
 pub struct Muxer {
     guest_cid: u64,
     uds_path: PathBuf,
+    /// Device and inode of the socket file we bound: the file is removed at
+    /// exit only while it is still ours (not replaced by another VMM).
+    uds_ino: (u64, u64),
     listener: UnixListener,
     pending: HashMap<u32, PendingStream>,
     conns: HashMap<ConnKey, Conn>,
@@ -124,9 +127,11 @@ impl Muxer {
         }
         let listener = UnixListener::bind(uds_path).map_err(listen)?;
         listener.set_nonblocking(true).map_err(listen)?;
+        let uds_ino = file_id(uds_path).map_err(listen)?;
         Ok(Muxer {
             guest_cid,
             uds_path: uds_path.to_owned(),
+            uds_ino,
             listener,
             pending: HashMap::new(),
             conns: HashMap::new(),
@@ -136,6 +141,15 @@ impl Muxer {
             control: VecDeque::new(),
             rx_ready: VecDeque::new(),
         })
+    }
+
+    /// Removes the socket file, if it is still the one this muxer bound.
+    /// Called once the VM has ended; the listener itself closes with the
+    /// process.
+    pub fn remove_socket_file(&self) {
+        if file_id(&self.uds_path).is_ok_and(|id| id == self.uds_ino) {
+            let _ = std::fs::remove_file(&self.uds_path);
+        }
     }
 
     /// Watches the listener.
@@ -592,6 +606,13 @@ impl Muxer {
         }
         self.control.clear();
     }
+}
+
+/// A file's device and inode numbers (not following a symlink).
+fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::symlink_metadata(path)?;
+    Ok((meta.dev(), meta.ino()))
 }
 
 fn parse_connect(line: &[u8]) -> Option<u32> {
