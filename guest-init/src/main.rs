@@ -26,6 +26,7 @@ mod files;
 mod probe;
 mod process;
 mod reaper;
+mod simd;
 mod sys;
 mod vsock;
 mod watch;
@@ -57,6 +58,8 @@ fn main() -> std::process::ExitCode {
             "no pids limit for sandbox programs: cgroup setup failed: {e}"
         ));
     }
+    // Decided once, before any program runs (see simd.rs).
+    simd::glibc_tunables();
     let hostname = hostname_from_cmdline(&cmdline);
     if let Err(e) = sys::set_hostname(&hostname) {
         log(&format!("cannot set hostname: {e}"));

@@ -466,6 +466,9 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
     if req.pty.is_some() {
         env.push(("TERM".into(), "xterm".into()));
     }
+    if let Some(tunables) = crate::simd::glibc_tunables() {
+        env.push(("GLIBC_TUNABLES".into(), tunables.into()));
+    }
     for (k, v) in &req.env {
         env.retain(|(key, _)| key != k);
         env.push((k.clone(), v.clone()));

@@ -257,11 +257,15 @@ pub fn spawn(argv: &[String]) -> io::Result<libc::pid_t> {
     let args: Vec<CString> = argv.iter().map(|a| cstring(a)).collect::<io::Result<_>>()?;
     let mut ptrs: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     ptrs.push(std::ptr::null());
-    let env = [
+    let tunables = crate::simd::glibc_tunables()
+        .map(|t| cstring(&format!("GLIBC_TUNABLES={t}")))
+        .transpose()?;
+    let mut env = vec![
         c"PATH=/bin:/sbin:/usr/bin:/usr/sbin".as_ptr(),
         c"HOME=/root".as_ptr(),
-        std::ptr::null(),
     ];
+    env.extend(tunables.as_ref().map(|t| t.as_ptr()));
+    env.push(std::ptr::null());
     let empty = {
         // SAFETY: sigset_t is plain data; sigemptyset initialises it.
         let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
