@@ -14,14 +14,14 @@
 //!     husk pause|resume <api>
 //!     husk snapshot <api> <dir> [--diff]
 //!     husk restore <dir> [--clones N] [--run-dir DIR] [--name NAME] [--tap NAME{n}]
-//!                  [--wait-s N] [--dirty-log]
+//!                  [--wait-s N] [--dirty-log] [--parallel N]
 //!
 //! `<api>` is the VM's control socket (husk-vmm --api-sock). `restore`
 //! starts each clone as its own background husk-vmm (with its own vsock
 //! CID, a new overlay per writable drive in the run directory, and with
-//! `--tap` its own TAP and a random MAC), waits for all their agents at
-//! once (each wait stretches with the host's load, see `WaitBudget`),
-//! gives each its post-restore identity (clock, hostname `NAME-i`, fresh
+//! `--tap` its own TAP and a random MAC), at most `--parallel` (the CPU
+//! count) restoring at once, waits for each agent (the wait stretches with
+//! the host's load, see `WaitBudget`), gives each its post-restore identity (clock, hostname `NAME-i`, fresh
 //! randomness, MAC), and prints one line per clone with its sockets and
 //! timings. A clone that exits or does not answer is stopped and the
 //! files its start created are removed.
@@ -165,6 +165,10 @@ enum Command {
         /// so its first snapshot can be a diff.
         #[arg(long)]
         dirty_log: bool,
+        /// Most clones restoring at once (default: the host's CPU count);
+        /// a restoring guest needs CPU, and more at once only share it.
+        #[arg(long)]
+        parallel: Option<u32>,
     },
 }
 
@@ -179,6 +183,8 @@ struct Clones {
     /// How long each clone's agent may take to answer on a quiet host.
     wait: Duration,
     dirty_log: bool,
+    /// Most clones restoring (not yet ready) at once.
+    parallel: u32,
 }
 
 /// Sends one control request; prints the reply; fails if it says so.
@@ -222,10 +228,16 @@ struct Starting {
     started: std::time::Instant,
 }
 
+/// When a clone's agent first answered, and when it had its identity,
+/// since its husk-vmm was spawned.
+struct Ready {
+    answered: Duration,
+    ready: Duration,
+}
+
 impl Starting {
-    /// Waits for the clone's agent and gives it its identity; returns
-    /// when the agent first answered.
-    fn bring_up(&mut self, budget: Duration) -> Result<Duration, String> {
+    /// Waits for the clone's agent and gives it its identity.
+    fn bring_up(&mut self, budget: Duration) -> Result<Ready, String> {
         let mut wait = WaitBudget::new(budget);
         let child = &mut self.child;
         let mut alive = || match child.try_wait() {
@@ -249,7 +261,10 @@ impl Starting {
         client
             .restored(&self.name, self.mac)
             .map_err(|e| format!("the post-restore step failed: {e}"))?;
-        Ok(answered)
+        Ok(Ready {
+            answered,
+            ready: self.started.elapsed(),
+        })
     }
 
     /// Stops a clone that failed and removes what its start created;
@@ -376,9 +391,9 @@ fn start_clone(
     }
 }
 
-/// Starts every clone, then waits for all of them at once, each with its
-/// own budget: a clone that fails or does not answer is killed and its
-/// files removed; the others go on.
+/// Starts the clones, at most `parallel` restoring at once, and waits for
+/// each with its own budget: a clone that fails or does not answer is
+/// killed and its files removed; the others go on.
 fn restore(spec: &Clones) -> Result<u8, ClientError> {
     use husk_vmm::persist::SavedDevice;
     let vmm = std::env::var_os("HUSK_VMM").map_or_else(
@@ -410,26 +425,26 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
         ..spec.clone()
     };
     std::fs::create_dir_all(&spec.run_dir)?;
-    let mut started = Vec::new();
-    for i in 0..spec.count {
-        match start_clone(spec, &vmm, i, &writable_drives) {
-            Ok(clone) => started.push(clone),
-            Err(e) => {
-                for clone in started {
-                    clone.abandon();
-                }
-                return Err(e);
-            }
-        }
-    }
-    let budget = spec.wait;
-    let results: Vec<(Starting, Result<Duration, String>)> = std::thread::scope(|scope| {
-        let waits: Vec<_> = started
-            .into_iter()
-            .map(|mut clone| {
+    let slots = Slots::new(spec.parallel.max(1));
+    let results: Vec<(String, Result<(Starting, Ready), String>)> = std::thread::scope(|scope| {
+        let waits: Vec<_> = (0..spec.count)
+            .map(|i| {
+                let (slots, vmm, drives) = (&slots, &vmm, &writable_drives);
                 scope.spawn(move || {
-                    let ready = clone.bring_up(budget);
-                    (clone, ready)
+                    let _slot = slots.take();
+                    let mut clone = match start_clone(spec, vmm, i, drives) {
+                        Ok(clone) => clone,
+                        Err(e) => return (format!("{}-{i}", spec.name), Err(e.to_string())),
+                    };
+                    match clone.bring_up(spec.wait) {
+                        Ok(ready) => (clone.name.clone(), Ok((clone, ready))),
+                        Err(e) => {
+                            let name = clone.name.clone();
+                            let report = clone.abandon();
+                            let e = format!("{e}; stopped it and removed its files\n{report}");
+                            (name, Err(e))
+                        }
+                    }
                 })
             })
             .collect();
@@ -439,27 +454,58 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
             .collect()
     });
     let mut failed = false;
-    for (clone, ready) in results {
-        match ready {
-            Ok(answered) => println!(
-                "{} pid={} vsock={} api={} first_kvm_run_ms={} agent_ms={:.1} ready_ms={:.1}",
-                clone.name,
+    for (name, result) in results {
+        match result {
+            Ok((clone, ready)) => println!(
+                "{name} pid={} vsock={} api={} first_kvm_run_ms={} agent_ms={:.1} ready_ms={:.1}",
                 clone.child.id(),
                 clone.vsock.display(),
                 clone.api.display(),
                 first_kvm_run_ms(&clone.api),
-                answered.as_secs_f64() * 1000.0,
-                clone.started.elapsed().as_secs_f64() * 1000.0
+                ready.answered.as_secs_f64() * 1000.0,
+                ready.ready.as_secs_f64() * 1000.0
             ),
             Err(e) => {
                 failed = true;
-                let name = clone.name.clone();
-                let report = clone.abandon();
-                eprintln!("husk: {name}: {e}; stopped it and removed its files\n{report}");
+                eprintln!("husk: {name}: {e}");
             }
         }
     }
     Ok(if failed { HUSK_FAILED } else { 0 })
+}
+
+/// A counting semaphore: at most N clones restoring at once.
+struct Slots {
+    free: std::sync::Mutex<u32>,
+    returned: std::sync::Condvar,
+}
+
+/// A slot taken from [`Slots`], given back when dropped.
+struct Slot<'a>(&'a Slots);
+
+impl Slots {
+    fn new(n: u32) -> Self {
+        Slots {
+            free: std::sync::Mutex::new(n),
+            returned: std::sync::Condvar::new(),
+        }
+    }
+
+    fn take(&self) -> Slot<'_> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        while *free == 0 {
+            free = self.returned.wait(free).unwrap_or_else(|e| e.into_inner());
+        }
+        *free -= 1;
+        Slot(self)
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.returned.notify_one();
+    }
 }
 
 fn parse_env(s: &str) -> Result<(String, String), String> {
@@ -742,6 +788,7 @@ fn run(args: Args) -> Result<u8, ClientError> {
             tap,
             wait_s,
             dirty_log,
+            parallel,
         } => {
             let run_dir = run_dir.unwrap_or_else(|| dir.clone());
             restore(&Clones {
@@ -752,6 +799,9 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 tap,
                 wait: Duration::from_secs(wait_s),
                 dirty_log,
+                parallel: parallel.unwrap_or_else(|| {
+                    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+                }),
             })
         }
         Command::Cp { from, to } => match (guest_side(&from), guest_side(&to)) {
