@@ -228,6 +228,9 @@ struct Starting {
     started: std::time::Instant,
 }
 
+/// A clone's name, and the clone ready or why it is not.
+type CloneOutcome = (String, Result<(Starting, Ready), String>);
+
 /// When a clone's agent first answered, and when it had its identity,
 /// since its husk-vmm was spawned.
 struct Ready {
@@ -426,7 +429,7 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
     };
     std::fs::create_dir_all(&spec.run_dir)?;
     let slots = Slots::new(spec.parallel.max(1));
-    let results: Vec<(String, Result<(Starting, Ready), String>)> = std::thread::scope(|scope| {
+    let results: Vec<CloneOutcome> = std::thread::scope(|scope| {
         let waits: Vec<_> = (0..spec.count)
             .map(|i| {
                 let (slots, vmm, drives) = (&slots, &vmm, &writable_drives);
