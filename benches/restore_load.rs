@@ -163,8 +163,7 @@ fn main() {
         .ping()
         .expect("ping");
     let snapshot = d.join("snapshot");
-    let reply = common::control(&api, &format!("snapshot {}", snapshot.display()));
-    assert_eq!(reply["ok"], true, "{reply}");
+    common::snapshot(&api, &snapshot, false).expect("snapshot");
     drop(base);
 
     println!("restore to ready through `husk restore`, one clone at a time, interleaved:");

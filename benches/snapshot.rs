@@ -127,8 +127,7 @@ fn bench_size(mem_mib: u32, restores: usize) {
     client.ping().expect("ping");
     drop(client);
     let snapshot = d.join("snap");
-    let reply = common::control(&api, &format!("snapshot {}", snapshot.display()));
-    assert_eq!(reply["ok"], true, "{reply}");
+    let reply = common::snapshot(&api, &snapshot, false).expect("snapshot");
     drop(base);
     println!("\n{mem_mib} MiB guest");
     println!(
@@ -137,11 +136,11 @@ fn bench_size(mem_mib: u32, restores: usize) {
     );
     println!(
         "  snapshot: pause {:.2} ms, memory write {:.1} ms, state write {:.2} ms ({} bytes), total {:.1} ms",
-        reply["pause_us"].as_f64().unwrap_or(0.0) / 1000.0,
-        reply["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
-        reply["state_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
-        reply["state_bytes"],
-        reply["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+        reply.pause_us as f64 / 1000.0,
+        reply.memory_write_us as f64 / 1000.0,
+        reply.state_write_us as f64 / 1000.0,
+        reply.state_bytes,
+        reply.total_us as f64 / 1000.0,
     );
 
     let phases = [
@@ -212,21 +211,19 @@ fn bench_size(mem_mib: u32, restores: usize) {
         client
             .write_file("/tmp/one-mebibyte", 0o644, &vec![7u8; 1 << 20][..])
             .expect("write");
-        let diff = common::control(&api, &format!("snapshot-diff {}", d.join("diff").display()));
-        assert_eq!(diff["ok"], true, "{diff}");
+        let diff = common::snapshot(&api, &d.join("diff"), true).expect("diff snapshot");
         println!(
             "  diff snapshot of a clone that wrote a 1 MiB file: {:.1} MiB of pages, memory write {:.1} ms, total {:.1} ms",
-            diff["memory_bytes"].as_f64().unwrap_or(0.0) / f64::from(1 << 20),
-            diff["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
-            diff["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+            diff.memory_bytes as f64 / f64::from(1 << 20),
+            diff.memory_write_us as f64 / 1000.0,
+            diff.total_us as f64 / 1000.0,
         );
-        let full = common::control(&api, &format!("snapshot {}", d.join("full").display()));
-        assert_eq!(full["ok"], true, "{full}");
+        let full = common::snapshot(&api, &d.join("full"), false).expect("full snapshot");
         println!(
             "  full snapshot of that clone: memory write {:.1} ms, {:.1} MiB on disk, total {:.1} ms",
-            full["memory_write_us"].as_f64().unwrap_or(0.0) / 1000.0,
+            full.memory_write_us as f64 / 1000.0,
             allocated_mib(&d.join("full").join("memory")),
-            full["total_us"].as_f64().unwrap_or(0.0) / 1000.0,
+            full.total_us as f64 / 1000.0,
         );
     }
 

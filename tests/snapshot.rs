@@ -103,8 +103,7 @@ fn base() -> &'static Base {
             .expect("spawn");
         let uptime_ms = client.ping().expect("ping");
         let snapshot = dir.as_path().join("snap");
-        let reply = control(&api, &format!("snapshot {}", snapshot.display()));
-        assert_eq!(reply["ok"], true, "{reply}");
+        common::snapshot(&api, &snapshot, false).expect("snapshot");
         Base {
             _dir: dir,
             snapshot,
@@ -420,14 +419,20 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
         .expect("write");
 
     // A snapshot of a restored VM, into a directory that has one already.
-    let again = control(&api, &format!("snapshot {}", base.snapshot.display()));
+    let again = common::snapshot(&api, &base.snapshot, false);
     let second = run.as_path().join("second");
-    let reply = control(&api, &format!("snapshot {}", second.display()));
+    let reply = common::snapshot(&api, &second, false);
     // Kill the VMM while it writes a third one.
     let third = run.as_path().join("third");
     let mut stream = UnixStream::connect(&api).expect("control socket");
     stream
-        .write_all(format!("snapshot {}\n", third.display()).as_bytes())
+        .write_all(
+            husk_vmm_api::to_line(&husk_vmm_api::Request::Snapshot {
+                dir: third.clone(),
+                diff: false,
+            })
+            .as_bytes(),
+        )
         .expect("request");
     std::thread::sleep(Duration::from_millis(20));
     drop(vmm);
@@ -448,14 +453,13 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
         .exec(sh("cat /tmp/generation /tmp/file"))
         .expect("exec");
 
-    assert_eq!(again["ok"], false, "{again}");
     assert!(
-        again["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("already holds a snapshot")),
-        "{again}"
+        again
+            .as_ref()
+            .is_err_and(|e| e.contains("already holds a snapshot")),
+        "{again:?}"
     );
-    assert_eq!(reply["ok"], true, "{reply}");
+    assert!(reply.is_ok(), "{reply:?}");
     assert!(rest.is_empty(), "the killed VMM answered: {rest}");
     assert!(
         !leftovers.iter().any(|f| f == "state"),
@@ -509,14 +513,14 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     drop(client);
 
     // Both taken while paused, so they describe the same machine.
-    let paused = control(&api, "pause");
+    let paused = control(&api, &husk_vmm_api::Request::Pause);
     let diff = run.as_path().join("diff");
     let full = run.as_path().join("full");
-    let diff_reply = control(&api, &format!("snapshot-diff {}", diff.display()));
-    let full_reply = control(&api, &format!("snapshot {}", full.display()));
+    let diff_reply = common::snapshot(&api, &diff, true);
+    let full_reply = common::snapshot(&api, &full, false);
     let second_diff = run.as_path().join("diff2");
-    let empty_reply = control(&api, &format!("snapshot-diff {}", second_diff.display()));
-    control(&api, "resume");
+    let empty_reply = common::snapshot(&api, &second_diff, true);
+    let resumed = control(&api, &husk_vmm_api::Request::Resume);
 
     // base + the diff's pages must equal the full snapshot, byte for byte.
     let mut merged = std::fs::read(base.snapshot.join("memory")).expect("base memory");
@@ -536,11 +540,16 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
         .exec(sh("cat /tmp/after-base; echo; cat /tmp/file"))
         .expect("exec");
 
-    assert_eq!(paused["ok"], true, "{paused}");
-    assert_eq!(diff_reply["ok"], true, "{diff_reply}");
-    assert_eq!(full_reply["ok"], true, "{full_reply}");
-    let diff_bytes = diff_reply["memory_bytes"].as_u64().expect("bytes");
-    let full_bytes = full_reply["memory_bytes"].as_u64().expect("bytes");
+    assert!(
+        matches!(paused, Ok(husk_vmm_api::Reply::Paused { .. })),
+        "{paused:?}"
+    );
+    assert!(
+        matches!(resumed, Ok(husk_vmm_api::Reply::Resumed { .. })),
+        "{resumed:?}"
+    );
+    let diff_bytes = diff_reply.expect("diff snapshot").memory_bytes;
+    let full_bytes = full_reply.expect("full snapshot").memory_bytes;
     assert!(
         diff_bytes > 0 && diff_bytes < full_bytes / 2,
         "a diff of {diff_bytes} bytes against {full_bytes}"
@@ -552,12 +561,11 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     );
     assert!(same, "base + diff differs from the full snapshot");
     // Nothing ran between the full snapshot and this diff: (almost) empty.
-    assert_eq!(empty_reply["ok"], true, "{empty_reply}");
     assert!(
-        empty_reply["memory_bytes"]
-            .as_u64()
-            .is_some_and(|b| b < diff_bytes),
-        "{empty_reply}"
+        empty_reply
+            .as_ref()
+            .is_ok_and(|r| r.memory_bytes < diff_bytes),
+        "{empty_reply:?}"
     );
     assert_eq!(text(&seen.stdout), "written after the base\nbase");
 }

@@ -289,12 +289,11 @@ fn base_snapshot() -> &'static Path {
         .expect("base agent");
         client.ping().expect("ping");
         drop(client);
-        let snapshot = dir.join("snapshot");
-        let reply = control(&api, &format!("snapshot {}", snapshot.display()));
-        assert_eq!(reply["ok"], true, "{reply}");
+        let snapshot_dir = dir.join("snapshot");
+        snapshot(&api, &snapshot_dir, false).expect("snapshot of the base guest");
         let _ = base.kill();
         let _ = base.wait();
-        snapshot
+        snapshot_dir
     })
 }
 
@@ -369,17 +368,25 @@ pub fn sandbox(name: &str) -> Sandbox {
     sandbox
 }
 
-/// Sends one request to a VMM's control socket (`--api-sock`); returns
-/// its JSON reply.
-pub fn control(api: &Path, request: &str) -> serde_json::Value {
-    use std::io::{BufRead, Write};
-    let mut stream = std::os::unix::net::UnixStream::connect(api).expect("control socket");
-    stream
-        .write_all(format!("{request}\n").as_bytes())
-        .expect("request");
-    let mut line = String::new();
-    std::io::BufReader::new(stream)
-        .read_line(&mut line)
-        .expect("reply");
-    serde_json::from_str(&line).expect("JSON reply")
+/// Sends one request to a VMM's control socket (`--api-sock`); its reply,
+/// or the VMM's refusal.
+pub fn control(api: &Path, request: &husk_vmm_api::Request) -> Result<husk_vmm_api::Reply, String> {
+    husk_vmm_api::call(api, request, Duration::from_secs(300)).map_err(|e| e.to_string())
+}
+
+/// A snapshot of the VMM at `api` into `dir` (only the pages written since
+/// its last one with `diff`): what it wrote, or why it was refused.
+pub fn snapshot(
+    api: &Path,
+    dir: &Path,
+    diff: bool,
+) -> Result<husk_vmm_api::SnapshotReport, String> {
+    let request = husk_vmm_api::Request::Snapshot {
+        dir: dir.to_owned(),
+        diff,
+    };
+    match control(api, &request)? {
+        husk_vmm_api::Reply::Snapshot { report, .. } => Ok(report),
+        other => Err(format!("not a snapshot reply: {other:?}")),
+    }
 }

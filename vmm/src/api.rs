@@ -1,17 +1,9 @@
 //! The control socket (`husk-vmm --api-sock PATH`): one request per
-//! connection, one line each way.
+//! connection, one JSON line each way; the requests and replies are the
+//! serde types of the `husk-vmm-api` crate, which clients share.
 //!
-//! | request | reply (one JSON line) |
-//! |---|---|
-//! | `status` | `{"ok":true,"id":..,"state":"running"\|"paused"}` |
-//! | `pause` | `{"ok":true,"pause_us":N}`: every vCPU is out of KVM_RUN |
-//! | `resume` | `{"ok":true}` |
-//! | `snapshot DIR` | `{"ok":true,...timings}`: a full snapshot in DIR (see `persist`); a running VM is paused for it and resumed after |
-//! | `snapshot-diff DIR` | the same, with only the pages written since the last snapshot (or the restore) |
-//!
-//! Failures answer `{"ok":false,"error":"..."}`. Requests are carried out
-//! on the VMM's main thread between device events, so devices are quiet
-//! while a snapshot is taken.
+//! Requests are carried out on the VMM's main thread between device
+//! events, so devices are quiet while a snapshot is taken.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
@@ -21,55 +13,23 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-
-/// Longest request line.
-const MAX_LINE: u64 = 4096;
-
-/// What a client asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Request {
-    Status,
-    Pause,
-    Resume,
-    Snapshot(PathBuf),
-    SnapshotDiff(PathBuf),
-}
-
-impl std::str::FromStr for Request {
-    type Err = String;
-
-    fn from_str(line: &str) -> Result<Self, String> {
-        let line = line.trim();
-        let (verb, arg) = line.split_once(' ').unwrap_or((line, ""));
-        let arg = arg.trim();
-        match (verb, arg.is_empty()) {
-            ("status", true) => Ok(Request::Status),
-            ("pause", true) => Ok(Request::Pause),
-            ("resume", true) => Ok(Request::Resume),
-            ("snapshot", false) => Ok(Request::Snapshot(PathBuf::from(arg))),
-            ("snapshot-diff", false) => Ok(Request::SnapshotDiff(PathBuf::from(arg))),
-            ("snapshot" | "snapshot-diff", true) => {
-                Err(format!("{verb} needs a directory: `{verb} DIR`"))
-            }
-            _ => Err(format!(
-                "unknown request `{line}` (status, pause, resume, snapshot DIR, snapshot-diff DIR)"
-            )),
-        }
-    }
-}
+use husk_vmm_api::{parse_request, to_line, MAX_LINE};
+pub use husk_vmm_api::{Reply, Request, RunState, SnapshotReport};
 
 /// A request waiting for the main loop, with the connection to answer on.
 pub type Pending = Arc<Mutex<Vec<(Request, UnixStream)>>>;
 
 /// Sends one reply line; a client that left is not an error.
-pub fn reply(mut stream: UnixStream, body: &serde_json::Value) {
-    let _ = stream.write_all(format!("{body}\n").as_bytes());
+pub fn reply(mut stream: UnixStream, reply: &Reply) {
+    let _ = stream.write_all(to_line(reply).as_bytes());
 }
 
 pub fn error_reply(stream: UnixStream, message: &str) {
     reply(
         stream,
-        &serde_json::json!({ "ok": false, "error": message }),
+        &Reply::Error {
+            message: message.to_owned(),
+        },
     );
 }
 
@@ -110,7 +70,7 @@ impl ApiServer {
             Ok(s) => std::io::Read::take(BufReader::new(s), MAX_LINE).read_line(&mut line),
             Err(e) => Err(e),
         };
-        match read.map(|_| line.parse::<Request>()) {
+        match read.map(|_| parse_request(&line)) {
             Ok(Ok(request)) => self
                 .pending
                 .lock()
@@ -139,27 +99,5 @@ impl MutEventSubscriber for ApiServer {
         while let Ok((stream, _)) = self.listener.accept() {
             self.take_request(stream);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn requests_parse_and_bad_ones_say_why() {
-        assert_eq!("pause\n".parse(), Ok(Request::Pause));
-        assert_eq!(" resume ".parse(), Ok(Request::Resume));
-        assert_eq!("status".parse(), Ok(Request::Status));
-        assert_eq!(
-            "snapshot /tmp/s 1".parse(),
-            Ok(Request::Snapshot(PathBuf::from("/tmp/s 1")))
-        );
-        assert!("snapshot".parse::<Request>().is_err());
-        assert!("reboot"
-            .parse::<Request>()
-            .expect_err("unknown request")
-            .contains("unknown request"));
-        assert!("pause now".parse::<Request>().is_err());
     }
 }

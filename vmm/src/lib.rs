@@ -311,56 +311,63 @@ impl Vmm {
     }
 
     /// Carries out one control request; returns the reply.
-    fn serve_request(&mut self, request: api::Request) -> serde_json::Value {
+    fn serve_request(&mut self, request: api::Request) -> api::Reply {
         use std::time::Instant;
         let started = Instant::now();
-        let result = match &request {
-            api::Request::Status => Ok(serde_json::json!({
-                "state": if self.paused { "paused" } else { "running" },
-                "phases_us": self
+        let id = self.id.clone();
+        let result = match request {
+            api::Request::Status => Ok(api::Reply::Status {
+                id,
+                state: if self.paused {
+                    api::RunState::Paused
+                } else {
+                    api::RunState::Running
+                },
+                phases_us: self
                     .timeline
                     .report()
                     .into_iter()
-                    .map(|(name, us)| (name.to_owned(), serde_json::Value::from(us)))
-                    .collect::<serde_json::Map<_, _>>(),
-            })),
-            api::Request::Pause => self
-                .pause()
-                .map(|()| serde_json::json!({ "pause_us": started.elapsed().as_micros() as u64 })),
-            api::Request::Resume => self.resume().map(|()| serde_json::json!({})),
-            api::Request::Snapshot(dir) | api::Request::SnapshotDiff(dir) => {
-                let diff = matches!(request, api::Request::SnapshotDiff(_));
+                    .map(|(name, us)| (name.to_owned(), us))
+                    .collect(),
+            }),
+            api::Request::Pause => self.pause().map(|()| api::Reply::Paused {
+                id,
+                pause_us: started.elapsed().as_micros() as u64,
+            }),
+            api::Request::Resume => self.resume().map(|()| api::Reply::Resumed { id }),
+            api::Request::Snapshot { dir, diff } => {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {
                     let paused = started.elapsed();
-                    let times = self.snapshot(dir, diff)?;
-                    Ok(serde_json::json!({
-                        "dir": dir.display().to_string(),
-                        "diff": diff,
-                        "memory_bytes": times.memory_bytes,
-                        "pause_us": paused.as_micros() as u64,
-                        "memory_write_us": times.memory.as_micros() as u64,
-                        "state_write_us": times.state.as_micros() as u64,
-                        "state_bytes": times.state_bytes,
-                    }))
+                    let times = self.snapshot(&dir, diff)?;
+                    Ok(api::SnapshotReport {
+                        dir: dir.clone(),
+                        diff,
+                        memory_bytes: times.memory_bytes,
+                        state_bytes: times.state_bytes as u64,
+                        pause_us: paused.as_micros() as u64,
+                        memory_write_us: times.memory.as_micros() as u64,
+                        state_write_us: times.state.as_micros() as u64,
+                        total_us: 0,
+                    })
                 });
                 if was_running {
                     if let Err(e) = self.resume() {
                         tracing::error!("cannot resume after the snapshot: {e}");
                     }
                 }
-                result
+                result.map(|report| api::Reply::Snapshot {
+                    id,
+                    report: api::SnapshotReport {
+                        total_us: started.elapsed().as_micros() as u64,
+                        ..report
+                    },
+                })
             }
         };
-        match result {
-            Ok(mut body) => {
-                body["ok"] = true.into();
-                body["id"] = self.id.clone().into();
-                body["total_us"] = (started.elapsed().as_micros() as u64).into();
-                body
-            }
-            Err(e) => serde_json::json!({ "ok": false, "error": e.to_string() }),
-        }
+        result.unwrap_or_else(|e| api::Reply::Error {
+            message: e.to_string(),
+        })
     }
 
     /// Boots the guest and serves events until it ends. SIGTERM and SIGINT

@@ -45,6 +45,7 @@ use clap::{Parser, Subcommand};
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
 use husk_vmm::host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
 use husk_vmm::host::readiness::WaitBudget;
+use husk_vmm_api::{Reply, Request};
 
 /// Exit status for husk's own failures (as docker uses 125).
 const HUSK_FAILED: u8 = 125;
@@ -187,31 +188,20 @@ struct Clones {
     parallel: u32,
 }
 
-/// Sends one control request; prints the reply; fails if it says so.
-fn control(api: &std::path::Path, request: &str) -> Result<u8, ClientError> {
-    let line = control_line(api, request)?;
-    let ok = serde_json::from_str::<serde_json::Value>(&line)
-        .ok()
-        .and_then(|v| v["ok"].as_bool())
-        .unwrap_or(false);
-    if ok {
-        print!("{line}");
-        Ok(0)
-    } else {
-        eprint!("husk: {line}");
-        Ok(HUSK_FAILED)
+/// Sends one control request; prints the reply (one JSON line); fails if
+/// the VMM refused.
+fn control(api: &std::path::Path, request: &Request) -> Result<u8, ClientError> {
+    match husk_vmm_api::call(api, request, READ_TIMEOUT) {
+        Ok(reply) => {
+            print!("{}", husk_vmm_api::to_line(&reply));
+            Ok(0)
+        }
+        Err(e @ husk_vmm_api::ControlError::Refused(_)) => {
+            eprintln!("husk: {e}");
+            Ok(HUSK_FAILED)
+        }
+        Err(e) => Err(std::io::Error::other(e.to_string()).into()),
     }
-}
-
-/// Sends one control request; returns the reply line.
-fn control_line(api: &std::path::Path, request: &str) -> Result<String, ClientError> {
-    use std::io::BufRead;
-    let mut stream = std::os::unix::net::UnixStream::connect(api)
-        .map_err(|e| ClientError::Connect(api.display().to_string(), e))?;
-    stream.write_all(format!("{request}\n").as_bytes())?;
-    let mut line = String::new();
-    std::io::BufReader::new(stream).read_line(&mut line)?;
-    Ok(line)
 }
 
 /// One clone being started.
@@ -295,11 +285,13 @@ impl Starting {
 /// When the VMM at `api` first entered KVM_RUN, in ms after its start
 /// (from its `status`), or `?`.
 fn first_kvm_run_ms(api: &std::path::Path) -> String {
-    control_line(api, "status")
-        .ok()
-        .and_then(|line| serde_json::from_str::<serde_json::Value>(&line).ok())
-        .and_then(|v| v["phases_us"]["first_kvm_run"].as_f64())
-        .map_or_else(|| "?".to_owned(), |us| format!("{:.2}", us / 1000.0))
+    match husk_vmm_api::call(api, &Request::Status, READ_TIMEOUT) {
+        Ok(Reply::Status { phases_us, .. }) => phases_us.get("first_kvm_run").map_or_else(
+            || "?".to_owned(),
+            |us| format!("{:.2}", *us as f64 / 1000.0),
+        ),
+        _ => "?".to_owned(),
+    }
 }
 
 /// A random locally administered unicast MAC address.
@@ -776,12 +768,11 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 }
             }
         }
-        Command::Pause { api } => control(&api, "pause"),
-        Command::Resume { api } => control(&api, "resume"),
+        Command::Pause { api } => control(&api, &Request::Pause),
+        Command::Resume { api } => control(&api, &Request::Resume),
         Command::Snapshot { api, dir, diff } => {
             let dir = std::path::absolute(&dir)?;
-            let verb = if diff { "snapshot-diff" } else { "snapshot" };
-            control(&api, &format!("{verb} {}", dir.display()))
+            control(&api, &Request::Snapshot { dir, diff })
         }
         Command::Restore {
             dir,
