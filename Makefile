@@ -14,7 +14,7 @@ CMD ?= /bin/busybox uname -a
 
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
-	cargo build --quiet --release --locked -p husk-vmm; \
+	cargo build --quiet --release --locked -p husk-vmm -p husk-host; \
 	bin=target/release; dir=$$(mktemp -d /tmp/husk-run.XXXXXX); clone=; \
 	trap 'kill $$base $$clone 2>/dev/null; rm -rf "$$dir"' EXIT; \
 	echo "== 1. cold boot of $$kernel with $$initramfs" >&2; \

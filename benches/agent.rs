@@ -16,8 +16,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use husk_host::agent_client::AgentClient;
 use husk_protocol::ExecRequest;
-use husk_vmm::host::agent_client::AgentClient;
 
 fn percentile(samples: &mut [Duration], p: f64) -> Duration {
     samples.sort();

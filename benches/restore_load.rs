@@ -22,7 +22,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use husk_vmm::host::agent_client::AgentClient;
+use husk_host::agent_client::AgentClient;
 
 fn percentile(samples: &[f64], p: f64) -> f64 {
     let mut s = samples.to_vec();
@@ -89,7 +89,7 @@ fn parse_clone(line: &str) -> Option<(f64, f64, u32)> {
 /// `husk restore --clones n`; returns each clone's (agent_ms, ready_ms)
 /// and how many failed. Stops the clones.
 fn husk_restore(snapshot: &Path, run_dir: &Path, name: &str, n: u32) -> (Vec<(f64, f64)>, u32) {
-    let out = Command::new(env!("CARGO_BIN_EXE_husk"))
+    let out = Command::new(common::husk_binary())
         .arg("restore")
         .arg(snapshot)
         .args(["--clones", &n.to_string(), "--name", name])

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use husk_vmm::host::agent_client::AgentClient;
+use husk_host::agent_client::AgentClient;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 

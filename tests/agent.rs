@@ -9,12 +9,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
+use husk_host::agent_client::{ClientError, Event, ExecOutput};
+use husk_host::readiness::WaitBudget;
 use husk_protocol::{
     write_frame, Body, ErrorKind, ExecRequest, FileKind, Frame, FsEventKind, Stream, Termination,
     User, WindowSize, MAX_FRAME,
 };
-use husk_vmm::host::agent_client::{ClientError, Event, ExecOutput};
-use husk_vmm::host::readiness::WaitBudget;
 
 fn argv(args: &[&str]) -> ExecRequest {
     ExecRequest {
@@ -31,7 +31,7 @@ fn kind<T: std::fmt::Debug>(result: Result<T, ClientError>) -> ErrorKind {
 }
 
 fn husk() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_husk"));
+    let mut cmd = Command::new(common::husk_binary());
     cmd.stdin(Stdio::null());
     cmd
 }

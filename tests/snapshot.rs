@@ -16,8 +16,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
+use husk_host::agent_client::AgentClient;
 use husk_protocol::Termination;
-use husk_vmm::host::agent_client::AgentClient;
 use vmm_sys_util::tempdir::TempDir;
 
 const READ_TIMEOUT: Duration = Duration::from_secs(120);
@@ -586,7 +586,7 @@ impl Drop for Pids {
 fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
     let base = base();
     let run = TempDir::new().expect("tempdir");
-    let husk = env!("CARGO_BIN_EXE_husk");
+    let husk = &common::husk_binary();
 
     let out = Command::new(husk)
         .arg("restore")

@@ -83,6 +83,18 @@ pub fn vmm_binary() -> &'static str {
     env!("CARGO_BIN_EXE_husk-vmm")
 }
 
+/// The `husk` CLI (package husk-host), built next to husk-vmm by
+/// `cargo test --workspace` (husk-host's own tests need it).
+pub fn husk_binary() -> PathBuf {
+    let husk = Path::new(vmm_binary()).with_file_name("husk");
+    assert!(
+        husk.exists(),
+        "{} is missing: run the tests with `cargo test --workspace` (make test)",
+        husk.display()
+    );
+    husk
+}
+
 /// What one husk-vmm process did.
 #[derive(Debug)]
 pub struct VmmRun {
@@ -281,12 +293,9 @@ fn base_snapshot() -> &'static Path {
         die_with_parent(&mut cmd);
         let mut base = cmd.spawn().expect("spawn husk-vmm");
         let timeout = Duration::from_secs(120);
-        let mut client = husk_vmm::host::agent_client::AgentClient::connect_when_ready(
-            &uds,
-            BOOT_TIMEOUT,
-            timeout,
-        )
-        .expect("base agent");
+        let mut client =
+            husk_host::agent_client::AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, timeout)
+                .expect("base agent");
         client.ping().expect("ping");
         drop(client);
         let snapshot_dir = dir.join("snapshot");
@@ -312,8 +321,8 @@ pub struct Sandbox {
 
 impl Sandbox {
     /// A new connection to the clone's agent.
-    pub fn client(&self) -> husk_vmm::host::agent_client::AgentClient {
-        husk_vmm::host::agent_client::AgentClient::connect(&self.uds, Duration::from_secs(120))
+    pub fn client(&self) -> husk_host::agent_client::AgentClient {
+        husk_host::agent_client::AgentClient::connect(&self.uds, Duration::from_secs(120))
             .expect("agent")
     }
 
@@ -358,7 +367,7 @@ pub fn sandbox(name: &str) -> Sandbox {
         child,
     };
     let timeout = Duration::from_secs(120);
-    let mut client = husk_vmm::host::agent_client::AgentClient::connect_when_ready(
+    let mut client = husk_host::agent_client::AgentClient::connect_when_ready(
         &sandbox.uds,
         Duration::from_secs(300),
         timeout,

@@ -1,6 +1,6 @@
 //! The one place a VM's parts are wired together.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use crate::vstate::memory::GuestMemoryMmap;
@@ -171,11 +171,29 @@ pub struct RestoreConfig {
     pub net: Option<crate::config::NetConfig>,
     /// The clone's own new overlay for each writable drive, by drive name.
     pub overlays: Vec<(String, PathBuf)>,
+    /// Where to create an overlay for each writable drive not in
+    /// `overlays`: `DIR/<id>.<drive>.overlay` (the drive name made
+    /// file-safe), so a caller need not know the snapshot's drives.
+    pub overlay_dir: Option<PathBuf>,
     /// Track the pages the clone writes (KVM dirty log), so its snapshots
     /// can be diffs against the one it came from.
     pub dirty_log: bool,
     pub serial: crate::config::SerialOutput,
     pub kvm_device: std::path::PathBuf,
+}
+
+/// A drive name as part of a file name: anything but ASCII letters, digits
+/// and `-` becomes `_`.
+pub fn file_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// Files a restore created, removed again unless the restore succeeds.
@@ -269,15 +287,19 @@ fn restore_devices(
                     .overlays
                     .iter()
                     .find(|(name, _)| name == id)
-                    .map(|(_, path)| path.as_path());
+                    .map(|(_, path)| path.clone())
+                    .or_else(|| {
+                        let dir = config.overlay_dir.as_ref().filter(|_| !disk.read_only)?;
+                        Some(dir.join(format!("{}.{}.overlay", config.id, file_safe(id))))
+                    });
                 if overlay.is_none() && !disk.read_only {
                     return Err(restore_err(format!(
-                        "drive `{id}` is writable: give this clone its own new overlay with --overlay {id}=FILE"
+                        "drive `{id}` is writable: give this clone its own new overlay with --overlay {id}=FILE or --overlay-dir DIR"
                     )));
                 }
-                let opened = Disk::restore(disk, overlay)
+                let opened = Disk::restore(disk, overlay.as_deref())
                     .map_err(|e| restore_err(format!("drive `{id}`: {e}")))?;
-                created.0.extend(overlay.map(Path::to_path_buf));
+                created.0.extend(overlay);
                 let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
                 DeviceHandle::Block(Arc::new(Mutex::new(BlockDevice::new(
                     opened, id, queue_evt,

@@ -10,7 +10,6 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
-pub mod host;
 pub mod persist;
 pub mod resident;
 pub mod timeline;

@@ -185,7 +185,7 @@ mod tests {
             "{}",
             r#"{"op":"reboot"}"#,
             r#"{"op":"snapshot"}"#,
-            r#"{"op":"pause","now":1}"#,
+            r#"{"op":"snapshot","dir":"/s","now":1}"#,
         ] {
             let e = parse_request(bad).expect_err(bad);
             assert!(e.contains(r#"{"op":"status"}"#), "{e}");

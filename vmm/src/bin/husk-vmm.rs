@@ -33,6 +33,10 @@ struct Args {
     /// writes go there, over the snapshot's copy of the drive. Repeatable.
     #[arg(long = "overlay", requires = "restore", value_parser = parse_overlay)]
     overlays: Vec<(String, PathBuf)>,
+    /// With --restore: create the overlay of each writable drive not given
+    /// by --overlay in DIR, as `<id>.<drive>.overlay`.
+    #[arg(long, requires = "restore")]
+    overlay_dir: Option<PathBuf>,
     /// With --restore: track the pages the clone writes (KVM dirty log)
     /// from its first instruction, so that its first snapshot can be a diff
     /// against the one it was restored from. Off by default: tracking makes
@@ -96,7 +100,7 @@ struct Args {
 /// What to start: a boot or a restore.
 enum Start {
     Boot(Box<VmConfig>),
-    Restore(RestoreConfig),
+    Restore(Box<RestoreConfig>),
 }
 
 impl Args {
@@ -116,11 +120,16 @@ impl Args {
                 vsock: self.vsock,
                 net: self.net,
                 overlays: self.overlays,
+                overlay_dir: self.overlay_dir,
                 dirty_log: self.dirty_log,
                 serial,
                 kvm_device: self.kvm_device,
             };
-            return (Start::Restore(config), self.timeline, self.api_sock);
+            return (
+                Start::Restore(Box::new(config)),
+                self.timeline,
+                self.api_sock,
+            );
         }
         let config = VmConfig {
             id,

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use super::readiness::WaitBudget;
+use crate::readiness::WaitBudget;
 use husk_protocol::{
     read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
     FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,

@@ -42,9 +42,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use husk_host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
+use husk_host::readiness::WaitBudget;
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
-use husk_vmm::host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
-use husk_vmm::host::readiness::WaitBudget;
 use husk_vmm_api::{Reply, Request};
 
 /// Exit status for husk's own failures (as docker uses 125).
@@ -213,8 +213,8 @@ struct Starting {
     api: PathBuf,
     log: PathBuf,
     console: PathBuf,
-    /// Files this clone's start creates, removed if it fails.
-    created: Vec<PathBuf>,
+    /// Where its files are: each is named `<name>.*`.
+    run_dir: PathBuf,
     started: std::time::Instant,
 }
 
@@ -275,8 +275,14 @@ impl Starting {
             tail(&self.log),
             tail(&self.console)
         );
-        for path in &self.created {
-            let _ = std::fs::remove_file(path);
+        // Its sockets, log, console and overlays: all named `<name>.*`.
+        let prefix = format!("{}.", self.name);
+        if let Ok(entries) = std::fs::read_dir(&self.run_dir) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
         }
         report
     }
@@ -302,26 +308,8 @@ fn random_mac() -> std::io::Result<[u8; 6]> {
     Ok(mac)
 }
 
-/// A drive id as part of a file name.
-fn file_safe(id: &str) -> String {
-    id.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
 /// Starts clone `i` of the snapshot as a background husk-vmm.
-fn start_clone(
-    spec: &Clones,
-    vmm: &std::path::Path,
-    i: u32,
-    writable_drives: &[&str],
-) -> Result<Starting, ClientError> {
+fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting, ClientError> {
     use std::os::unix::process::CommandExt;
     let name = format!("{}-{i}", spec.name);
     let run_dir = &spec.run_dir;
@@ -329,14 +317,9 @@ fn start_clone(
     let api = run_dir.join(format!("{name}.api"));
     let log = run_dir.join(format!("{name}.log"));
     let console = run_dir.join(format!("{name}.console"));
-    let mut created = vec![vsock.clone(), api.clone(), log.clone(), console.clone()];
     let mut cmd = std::process::Command::new(vmm);
-    for drive in writable_drives {
-        let overlay = run_dir.join(format!("{name}.{}.overlay", file_safe(drive)));
-        cmd.arg("--overlay")
-            .arg(format!("{drive}={}", overlay.display()));
-        created.push(overlay);
-    }
+    // husk-vmm makes `<name>.<drive>.overlay` here for each writable drive.
+    cmd.arg("--overlay-dir").arg(run_dir);
     let mac = match &spec.tap {
         Some(tap) => {
             let mac = random_mac()?;
@@ -376,7 +359,7 @@ fn start_clone(
             api,
             log,
             console,
-            created,
+            run_dir: run_dir.clone(),
             started: std::time::Instant::now(),
         }),
         Err(e) => {
@@ -390,44 +373,19 @@ fn start_clone(
 /// each with its own budget: a clone that fails or does not answer is
 /// killed and its files removed; the others go on.
 fn restore(spec: &Clones) -> Result<u8, ClientError> {
-    use husk_vmm::persist::SavedDevice;
     let vmm = std::env::var_os("HUSK_VMM").map_or_else(
         || std::env::current_exe().map(|e| e.with_file_name("husk-vmm")),
         |p| Ok(PathBuf::from(p)),
     )?;
-    let (state, _) =
-        husk_vmm::persist::read(&spec.dir).map_err(|e| std::io::Error::other(e.to_string()))?;
-    let writable_drives: Vec<&str> = state
-        .devices
-        .iter()
-        .filter_map(|d| match &d.device {
-            SavedDevice::Block { id, disk } if !disk.read_only => Some(id.as_str()),
-            _ => None,
-        })
-        .collect();
-    let has_net = state
-        .devices
-        .iter()
-        .any(|d| matches!(d.device, SavedDevice::Net { .. }));
-    if has_net && spec.tap.is_none() {
-        return Err(std::io::Error::other(
-            "the snapshot has a network device: give each clone a TAP with --tap NAME{n}",
-        )
-        .into());
-    }
-    let spec = &Clones {
-        tap: spec.tap.clone().filter(|_| has_net),
-        ..spec.clone()
-    };
     std::fs::create_dir_all(&spec.run_dir)?;
     let slots = Slots::new(spec.parallel.max(1));
     let results: Vec<CloneOutcome> = std::thread::scope(|scope| {
         let waits: Vec<_> = (0..spec.count)
             .map(|i| {
-                let (slots, vmm, drives) = (&slots, &vmm, &writable_drives);
+                let (slots, vmm) = (&slots, &vmm);
                 scope.spawn(move || {
                     let _slot = slots.take();
-                    let mut clone = match start_clone(spec, vmm, i, drives) {
+                    let mut clone = match start_clone(spec, vmm, i) {
                         Ok(clone) => clone,
                         Err(e) => return (format!("{}-{i}", spec.name), Err(e.to_string())),
                     };
