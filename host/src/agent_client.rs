@@ -317,8 +317,11 @@ impl AgentClient {
                     });
                     match attempt {
                         Ok(client) => return Ok(client),
-                        // A version mismatch will not go away.
-                        Err(e @ ClientError::Unexpected(_)) => return Err(e),
+                        // A version mismatch will not go away, nor a VMM
+                        // that has exited.
+                        Err(e @ (ClientError::Unexpected(_) | ClientError::VmmGone(_))) => {
+                            return Err(e)
+                        }
                         Err(e) => {
                             if !expired && started.elapsed() >= patience {
                                 tracing::debug!(
