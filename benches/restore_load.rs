@@ -22,13 +22,8 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::percentile;
 use husk_host::agent_client::AgentClient;
-
-fn percentile(samples: &[f64], p: f64) -> f64 {
-    let mut s = samples.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[((s.len() - 1) as f64 * p).round() as usize]
-}
 
 fn summary(label: &str, samples: &[f64]) {
     if samples.is_empty() {

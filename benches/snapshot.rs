@@ -30,15 +30,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::percentile;
 use husk_host::agent_client::AgentClient;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-fn percentile(samples: &[f64], p: f64) -> f64 {
-    let mut s = samples.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[((s.len() - 1) as f64 * p).round() as usize]
-}
 
 struct Killed(Child);
 

@@ -593,9 +593,6 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         },
         |_, data| flood_bytes += data.len(),
     );
-    // A fork bomb bounded by its pids limit; the timeout ends all of it.
-    // Its first process forks once, then becomes `sleep`: it never needs a
-    // fork the limit would refuse, so only the timeout ends it.
     // The kernel logs the first fork it refuses in each cgroup: evidence
     // that outlives the bomb.
     let refusals = |client: &mut husk_host::agent_client::AgentClient| {
@@ -607,6 +604,9 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         text(&out.stdout).trim().parse::<u32>().unwrap_or(0)
     };
     let refused_before = refusals(&mut client);
+    // A fork bomb bounded by its pids limit; the timeout ends all of it.
+    // Its first process forks once, then becomes `sleep`: it never needs a
+    // fork the limit would refuse, so only the timeout ends it.
     let mut bomber = vm.client();
     let bomb = std::thread::spawn(move || {
         bomber.exec(ExecRequest {

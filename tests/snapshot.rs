@@ -53,18 +53,6 @@ fn ext4_image(path: &Path) {
     assert!(status.success(), "mkfs.ext4 failed");
 }
 
-fn wait_for_socket(path: &Path) {
-    let deadline = Instant::now() + BOOT_TIMEOUT;
-    while !path.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Boots once: a file in tmpfs, a file on the mounted data drive, a
 /// background program, then a snapshot.
 fn base() -> &'static Base {
@@ -150,7 +138,6 @@ fn restore_with(
 }
 
 fn connect(uds: &Path) -> AgentClient {
-    wait_for_socket(uds);
     AgentClient::connect_when_ready(uds, RESTORE_TIMEOUT, READ_TIMEOUT)
         .expect("the restored agent answers")
 }

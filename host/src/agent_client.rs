@@ -283,7 +283,8 @@ impl AgentClient {
     /// abandoned while it is young: each one is given twice the patience
     /// of the one before (from 2 s), so a slow guest finishes a handshake
     /// it has started instead of being handed a new one. Refusals are
-    /// retried with a backoff that grows to half a second. `alive` is
+    /// retried with a backoff that grows from 1 ms (a restore's socket
+    /// appears within milliseconds) to half a second. `alive` is
     /// asked at every wake-up (e.g. whether the VMM still runs); its error
     /// ends the wait. Gives up when `wait` expires.
     pub fn connect_patiently(
@@ -295,19 +296,17 @@ impl AgentClient {
         /// How often a waiting handshake wakes to check `alive` and `wait`.
         const TICK: Duration = Duration::from_millis(250);
         let mut patience = Duration::from_secs(2);
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = Duration::from_millis(1);
         loop {
             alive()?;
             let failure = match UnixStream::connect(uds) {
                 Err(e) => ClientError::Connect(uds.display().to_string(), e),
                 Ok(stream) => {
                     let started = std::time::Instant::now();
-                    let mut expired = false;
                     let attempt = Self::handshake(stream, timeout, |stream| {
                         while !readable(stream, TICK)? {
                             alive()?;
-                            expired = wait.expired();
-                            if expired || started.elapsed() >= patience {
+                            if wait.expired() || started.elapsed() >= patience {
                                 return Ok(false);
                             }
                         }
@@ -323,7 +322,7 @@ impl AgentClient {
                             return Err(e)
                         }
                         Err(e) => {
-                            if !expired && started.elapsed() >= patience {
+                            if started.elapsed() >= patience {
                                 tracing::debug!(
                                     "no answer in {patience:?} from the agent at {}; \
                                      trying a new connection",

@@ -95,6 +95,13 @@ pub fn husk_binary() -> PathBuf {
     husk
 }
 
+/// The `p` quantile (0..=1, nearest rank) of `samples`, for benchmarks.
+pub fn percentile(samples: &[f64], p: f64) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[((s.len() - 1) as f64 * p).round() as usize]
+}
+
 /// What one husk-vmm process did.
 #[derive(Debug)]
 pub struct VmmRun {

@@ -338,28 +338,24 @@ impl Vmm {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {
                     let paused = started.elapsed();
-                    let times = self.snapshot(&dir, diff)?;
-                    Ok(api::SnapshotReport {
-                        dir: dir.clone(),
-                        diff,
-                        memory_bytes: times.memory_bytes,
-                        state_bytes: times.state_bytes as u64,
-                        pause_us: paused.as_micros() as u64,
-                        memory_write_us: times.memory.as_micros() as u64,
-                        state_write_us: times.state.as_micros() as u64,
-                        total_us: 0,
-                    })
+                    Ok((paused, self.snapshot(&dir, diff)?))
                 });
                 if was_running {
                     if let Err(e) = self.resume() {
                         tracing::error!("cannot resume after the snapshot: {e}");
                     }
                 }
-                result.map(|report| api::Reply::Snapshot {
+                result.map(|(paused, times)| api::Reply::Snapshot {
                     id,
                     report: api::SnapshotReport {
+                        dir,
+                        diff,
+                        memory_bytes: times.memory_bytes,
+                        state_bytes: times.state_bytes as u64,
+                        pause_us: paused.as_micros() as u64,
+                        memory_write_us: times.memory.as_micros() as u64,
+                        state_write_us: times.state.as_micros() as u64,
                         total_us: started.elapsed().as_micros() as u64,
-                        ..report
                     },
                 })
             }

@@ -21,10 +21,10 @@
 //! CID, a new overlay per writable drive in the run directory, and with
 //! `--tap` its own TAP and a random MAC), at most `--parallel` (the CPU
 //! count) restoring at once, waits for each agent (the wait stretches with
-//! the host's load, see `WaitBudget`), gives each its post-restore identity (clock, hostname `NAME-i`, fresh
-//! randomness, MAC), and prints one line per clone with its sockets and
-//! timings. A clone that exits or does not answer is stopped and the
-//! files its start created are removed.
+//! the host's load, see `WaitBudget`), gives each its post-restore identity
+//! (clock, hostname `NAME-i`, fresh randomness, MAC), and prints one line
+//! per clone with its sockets and timings. A clone that exits or does not
+//! answer is stopped and the files its start created are removed.
 //!
 //! `<vm>` is the VM's vsock socket (husk-vmm --vsock cid=N,path=<vm>).
 //! `exec` streams the program's stdout and stderr to its own as they come
@@ -174,7 +174,7 @@ enum Command {
 }
 
 /// What `husk restore` starts.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct Clones {
     dir: PathBuf,
     count: u32,
@@ -204,17 +204,13 @@ fn control(api: &std::path::Path, request: &Request) -> Result<u8, ClientError> 
     }
 }
 
-/// One clone being started.
+/// One clone being started. Its files are `<run_dir>/<name>.*`: vsock,
+/// api, log, console, and the overlays husk-vmm makes.
 struct Starting {
     name: String,
+    run_dir: PathBuf,
     mac: Option<[u8; 6]>,
     child: std::process::Child,
-    vsock: PathBuf,
-    api: PathBuf,
-    log: PathBuf,
-    console: PathBuf,
-    /// Where its files are: each is named `<name>.*`.
-    run_dir: PathBuf,
     started: std::time::Instant,
 }
 
@@ -228,10 +224,20 @@ struct Ready {
     ready: Duration,
 }
 
+/// Clone `name`'s file `<name>.<kind>` in `run_dir`.
+fn clone_file(run_dir: &std::path::Path, name: &str, kind: &str) -> PathBuf {
+    run_dir.join(format!("{name}.{kind}"))
+}
+
 impl Starting {
+    fn file(&self, kind: &str) -> PathBuf {
+        clone_file(&self.run_dir, &self.name, kind)
+    }
+
     /// Waits for the clone's agent and gives it its identity.
     fn bring_up(&mut self, budget: Duration) -> Result<Ready, String> {
         let mut wait = WaitBudget::new(budget);
+        let vsock = self.file("vsock");
         let child = &mut self.child;
         let mut alive = || match child.try_wait() {
             Ok(None) => Ok(()),
@@ -239,8 +245,8 @@ impl Starting {
             Err(e) => Err(e.into()),
         };
         let mut client =
-            AgentClient::connect_patiently(&self.vsock, &mut wait, &mut alive, READ_TIMEOUT)
-                .map_err(|e| match e {
+            AgentClient::connect_patiently(&vsock, &mut wait, &mut alive, READ_TIMEOUT).map_err(
+                |e| match e {
                     ClientError::VmmGone(_) => e.to_string(),
                     _ => format!(
                         "the agent did not answer in {:.0} s (a budget of {} s on a quiet host; \
@@ -249,7 +255,8 @@ impl Starting {
                         wait.budget().as_secs(),
                         wait.last_share()
                     ),
-                })?;
+                },
+            )?;
         let answered = self.started.elapsed();
         client
             .restored(&self.name, self.mac)
@@ -272,10 +279,9 @@ impl Starting {
         };
         let report = format!(
             "  husk-vmm log:\n    {}\n  console:\n    {}",
-            tail(&self.log),
-            tail(&self.console)
+            tail(&self.file("log")),
+            tail(&self.file("console"))
         );
-        // Its sockets, log, console and overlays: all named `<name>.*`.
         let prefix = format!("{}.", self.name);
         if let Ok(entries) = std::fs::read_dir(&self.run_dir) {
             for entry in entries.flatten() {
@@ -313,10 +319,8 @@ fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting,
     use std::os::unix::process::CommandExt;
     let name = format!("{}-{i}", spec.name);
     let run_dir = &spec.run_dir;
-    let vsock = run_dir.join(format!("{name}.vsock"));
-    let api = run_dir.join(format!("{name}.api"));
-    let log = run_dir.join(format!("{name}.log"));
-    let console = run_dir.join(format!("{name}.console"));
+    let file = |kind| clone_file(run_dir, &name, kind);
+    let log = file("log");
     let mut cmd = std::process::Command::new(vmm);
     // husk-vmm makes `<name>.<drive>.overlay` here for each writable drive.
     cmd.arg("--overlay-dir").arg(run_dir);
@@ -339,11 +343,11 @@ fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting,
         .arg(&spec.dir)
         .args(["--id", &name])
         .arg("--vsock")
-        .arg(format!("cid={},path={}", 3 + i, vsock.display()))
+        .arg(format!("cid={},path={}", 3 + i, file("vsock").display()))
         .arg("--api-sock")
-        .arg(&api)
+        .arg(file("api"))
         .arg("--serial")
-        .arg(&console)
+        .arg(file("console"))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log)?)
@@ -353,13 +357,9 @@ fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting,
     match child {
         Ok(child) => Ok(Starting {
             name,
+            run_dir: run_dir.clone(),
             mac,
             child,
-            vsock,
-            api,
-            log,
-            console,
-            run_dir: run_dir.clone(),
             started: std::time::Instant::now(),
         }),
         Err(e) => {
@@ -371,50 +371,46 @@ fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting,
 
 /// Starts the clones, at most `parallel` restoring at once, and waits for
 /// each with its own budget: a clone that fails or does not answer is
-/// killed and its files removed; the others go on.
+/// killed and its files removed; the others go on. Prints them in order.
 fn restore(spec: &Clones) -> Result<u8, ClientError> {
     let vmm = std::env::var_os("HUSK_VMM").map_or_else(
         || std::env::current_exe().map(|e| e.with_file_name("husk-vmm")),
         |p| Ok(PathBuf::from(p)),
     )?;
     std::fs::create_dir_all(&spec.run_dir)?;
-    let slots = Slots::new(spec.parallel.max(1));
-    let results: Vec<CloneOutcome> = std::thread::scope(|scope| {
-        let waits: Vec<_> = (0..spec.count)
-            .map(|i| {
-                let (slots, vmm) = (&slots, &vmm);
+    // `parallel` workers take the clones in turn.
+    let next = std::sync::atomic::AtomicU32::new(0);
+    let mut results: Vec<(u32, CloneOutcome)> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..spec.parallel.clamp(1, spec.count.max(1)))
+            .map(|_| {
+                let (next, vmm) = (&next, &vmm);
                 scope.spawn(move || {
-                    let _slot = slots.take();
-                    let mut clone = match start_clone(spec, vmm, i) {
-                        Ok(clone) => clone,
-                        Err(e) => return (format!("{}-{i}", spec.name), Err(e.to_string())),
-                    };
-                    match clone.bring_up(spec.wait) {
-                        Ok(ready) => (clone.name.clone(), Ok((clone, ready))),
-                        Err(e) => {
-                            let name = clone.name.clone();
-                            let report = clone.abandon();
-                            let e = format!("{e}; stopped it and removed its files\n{report}");
-                            (name, Err(e))
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= spec.count {
+                            return done;
                         }
+                        done.push((i, bring_up_clone(spec, vmm, i)));
                     }
                 })
             })
             .collect();
-        waits
+        workers
             .into_iter()
-            .map(|w| w.join().expect("a clone's wait does not panic"))
+            .flat_map(|w| w.join().expect("a clone's worker does not panic"))
             .collect()
     });
+    results.sort_by_key(|(i, _)| *i);
     let mut failed = false;
-    for (name, result) in results {
+    for (_, (name, result)) in results {
         match result {
             Ok((clone, ready)) => println!(
                 "{name} pid={} vsock={} api={} first_kvm_run_ms={} agent_ms={:.1} ready_ms={:.1}",
                 clone.child.id(),
-                clone.vsock.display(),
-                clone.api.display(),
-                first_kvm_run_ms(&clone.api),
+                clone.file("vsock").display(),
+                clone.file("api").display(),
+                first_kvm_run_ms(&clone.file("api")),
                 ready.answered.as_secs_f64() * 1000.0,
                 ready.ready.as_secs_f64() * 1000.0
             ),
@@ -427,37 +423,23 @@ fn restore(spec: &Clones) -> Result<u8, ClientError> {
     Ok(if failed { HUSK_FAILED } else { 0 })
 }
 
-/// A counting semaphore: at most N clones restoring at once.
-struct Slots {
-    free: std::sync::Mutex<u32>,
-    returned: std::sync::Condvar,
-}
-
-/// A slot taken from [`Slots`], given back when dropped.
-struct Slot<'a>(&'a Slots);
-
-impl Slots {
-    fn new(n: u32) -> Self {
-        Slots {
-            free: std::sync::Mutex::new(n),
-            returned: std::sync::Condvar::new(),
+/// Starts clone `i` and brings it up; a clone that fails is stopped and
+/// its files removed.
+fn bring_up_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> CloneOutcome {
+    let mut clone = match start_clone(spec, vmm, i) {
+        Ok(clone) => clone,
+        Err(e) => return (format!("{}-{i}", spec.name), Err(e.to_string())),
+    };
+    match clone.bring_up(spec.wait) {
+        Ok(ready) => (clone.name.clone(), Ok((clone, ready))),
+        Err(e) => {
+            let name = clone.name.clone();
+            let report = clone.abandon();
+            (
+                name,
+                Err(format!("{e}; stopped it and removed its files\n{report}")),
+            )
         }
-    }
-
-    fn take(&self) -> Slot<'_> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        while *free == 0 {
-            free = self.returned.wait(free).unwrap_or_else(|e| e.into_inner());
-        }
-        *free -= 1;
-        Slot(self)
-    }
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.0.returned.notify_one();
     }
 }
 

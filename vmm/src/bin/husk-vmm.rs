@@ -39,13 +39,14 @@ struct Args {
     overlay_dir: Option<PathBuf>,
     /// With --restore: track the pages the clone writes (KVM dirty log)
     /// from its first instruction, so that its first snapshot can be a diff
-    /// against the one it was restored from. Off by default: tracking makes
-    /// the clone's first write to each page a fault, which slows its way to
-    /// ready; without it the clone's diff snapshots are refused until it has
-    /// taken a full one.
+    /// against the one it was restored from. Off by default, as only such a
+    /// clone needs it: on hardware KVM it makes the first write to each page
+    /// a fault. Without it the clone's diff snapshots are refused until it
+    /// has taken a full one.
     #[arg(long, requires = "restore")]
     dirty_log: bool,
-    /// Serve the control socket (status, pause, resume, snapshot DIR) here.
+    /// Serve the control socket here (status, pause, resume, snapshot: see
+    /// the husk-vmm-api crate).
     #[arg(long)]
     api_sock: Option<PathBuf>,
     /// initramfs (newc cpio) to unpack as the root file system.
