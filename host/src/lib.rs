@@ -2,6 +2,15 @@
 //! processes and talks to them through their control socket
 //! (`husk-vmm-api`) and to their guests through guest-init's agent.
 //!
+//! - [`daemon`]: templates, sandboxes and warm pools, their limits, and
+//!   the background work (VMM exits, time to live, pool refills);
+//! - [`api`]: the daemon's HTTP API (`husk serve`), and [`api_client`] a
+//!   small blocking client of it (the CLI's);
+//! - [`store`]: the daemon's state in SQLite, with the audit log;
+//! - [`template`], [`rootfs`]: template builds, checksums, root file
+//!   system images from a directory or a tar archive;
+//! - [`vmm_process`]: one husk-vmm process (start, find again, stop);
+//! - [`metrics`]: Prometheus text at /metrics;
 //! - [`agent_client`]: a typed client of the guest agent over the VMM's
 //!   vsock socket;
 //! - [`readiness`]: how long to wait for a guest that boots or restores,
@@ -10,4 +19,12 @@
 //! The `husk` command line is `src/bin/husk.rs`.
 
 pub mod agent_client;
+pub mod api;
+pub mod api_client;
+pub mod daemon;
+pub mod metrics;
 pub mod readiness;
+pub mod rootfs;
+pub mod store;
+pub mod template;
+pub mod vmm_process;

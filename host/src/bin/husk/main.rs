@@ -1,4 +1,20 @@
-//! husk: the command line for running sandboxes' guests.
+//! husk: the command line for husk sandboxes.
+//!
+//! With the daemon (`husk serve`, reached at `$HUSK_HOST` or the default
+//! state directory's socket), sandboxes are named by id:
+//!
+//!     husk serve [--state-dir DIR] [--kernel K] [--initramfs I] [--tcp ADDR --token-file F]
+//!     husk template build NAME [--dir DIR | --tar FILE] [--warmup CMD]... [--vcpus N] [--mem-mib N]
+//!     husk template ls|inspect|rm|verify [NAME]
+//!     husk pool set TEMPLATE SIZE | husk pool ls
+//!     husk run TEMPLATE [--ttl-s N] [--label K=V]... [--rm] [-- CMD [ARGS]...]
+//!     husk ps [--label K=V]... [--state S] [--json]
+//!     husk exec|cp|pause|resume|logs|inspect|rm|fork SANDBOX ...
+//!     husk snapshot SANDBOX TEMPLATE_NAME
+//!     husk audit [--sandbox ID]
+//!
+//! Without it, one VM is driven through its own sockets (a target with a
+//! `/` is a socket path):
 //!
 //!     husk exec <vm> [-i] [-t] [-d] [--timeout-ms N] [--cwd DIR] [--env K=V]...
 //!                    [--user UID[:GID]] [--pids-max N] -- CMD [ARGS]...
@@ -43,9 +59,13 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use husk_host::agent_client::{AgentClient, ClientError, Event, ProgramInput};
+use husk_host::api::ExecSpec;
 use husk_host::readiness::WaitBudget;
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
 use husk_vmm_api::{Reply, Request};
+
+mod sandboxes;
+mod serve;
 
 /// Exit status for husk's own failures (as docker uses 125).
 const HUSK_FAILED: u8 = 125;
@@ -67,8 +87,8 @@ struct Args {
 enum Command {
     /// Run a program in the guest; stdout, stderr and the exit code mirror it.
     Exec {
-        /// The VM's vsock socket.
-        vm: PathBuf,
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
         /// Forward this process's stdin to the program.
         #[arg(short, long)]
         interactive: bool,
@@ -97,8 +117,19 @@ enum Command {
         #[arg(last = true, required = true)]
         argv: Vec<String>,
     },
-    /// List the programs the agent started that were not collected yet.
-    Ps { vm: PathBuf },
+    /// List the daemon's sandboxes; with a VM socket, the programs its
+    /// agent started that were not collected yet.
+    Ps {
+        vm: Option<PathBuf>,
+        /// Only sandboxes with this label (repeatable).
+        #[arg(long = "label", value_parser = parse_env)]
+        labels: Vec<(String, String)>,
+        /// Only sandboxes in this state (running, paused, failed).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stream a background program's output until it ends; exit like it.
     Attach { vm: PathBuf, pid: i32 },
     /// Wait for a background program to end; exit like it.
@@ -129,17 +160,70 @@ enum Command {
     },
     /// Print the guest's clock, memory, load and process count.
     Health { vm: PathBuf },
-    /// Stop the VM's vCPUs (its control socket).
-    Pause { api: PathBuf },
-    /// Let a paused VM run again.
-    Resume { api: PathBuf },
-    /// Write a snapshot of the VM to DIR (a running VM is paused for it).
+    /// Stop a sandbox's vCPUs (or a VM's, by its control socket).
+    Pause { target: String },
+    /// Let a paused sandbox (or VM) run again.
+    Resume { target: String },
+    /// Snapshot a sandbox into a new template named DEST; or write a
+    /// snapshot of the VM whose control socket is TARGET to the directory
+    /// DEST (a running VM is paused for it).
     Snapshot {
-        api: PathBuf,
-        dir: PathBuf,
+        target: String,
+        dest: String,
         /// Only the pages written since the VM's last snapshot (or restore).
         #[arg(long)]
         diff: bool,
+    },
+    /// Run the daemon: templates, sandboxes, pools, the HTTP API.
+    Serve(serve::ServeArgs),
+    /// Create a sandbox from a template (a warm pool's clone when one is
+    /// ready); with a command, run it there.
+    Run {
+        template: String,
+        /// Seconds to live.
+        #[arg(long)]
+        ttl_s: Option<u64>,
+        /// Pause it, not destroy it, when its time runs out.
+        #[arg(long)]
+        pause_on_expiry: bool,
+        #[arg(long = "label", value_parser = parse_env)]
+        labels: Vec<(String, String)>,
+        /// Destroy the sandbox when the command ends.
+        #[arg(long)]
+        rm: bool,
+        #[arg(last = true)]
+        argv: Vec<String>,
+    },
+    /// Show a sandbox as JSON.
+    Inspect { id: String },
+    /// Print a sandbox's console.
+    Logs { id: String },
+    /// Destroy sandboxes.
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Fork a running sandbox into COUNT new ones (through a template).
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// Name of the template the fork makes.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Templates: build, list, inspect, remove, verify.
+    #[command(subcommand)]
+    Template(TemplateCommand),
+    /// Warm pools: set a template's size, list.
+    #[command(subcommand)]
+    Pool(PoolCommand),
+    /// The daemon's audit log.
+    Audit {
+        #[arg(long)]
+        sandbox: Option<String>,
+        #[arg(long)]
+        json: bool,
     },
     /// Start clones of the snapshot in DIR, each its own husk-vmm.
     Restore {
@@ -170,6 +254,52 @@ enum Command {
         /// a restoring guest needs CPU, and more at once only share it.
         #[arg(long)]
         parallel: Option<u32>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TemplateCommand {
+    /// Boot a template once, warm it up and snapshot it.
+    Build {
+        name: String,
+        /// Root file system from this directory (default: husk's own).
+        #[arg(long, conflicts_with = "tar")]
+        dir: Option<PathBuf>,
+        /// Root file system from this tar archive (an exported container).
+        #[arg(long)]
+        tar: Option<PathBuf>,
+        /// A shell command to run before the snapshot (repeatable).
+        #[arg(long)]
+        warmup: Vec<String>,
+        #[arg(long, default_value_t = 1)]
+        vcpus: u8,
+        #[arg(long, default_value_t = 128)]
+        mem_mib: u32,
+    },
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    Inspect {
+        name: String,
+    },
+    /// Remove a template no sandbox or pool uses.
+    Rm {
+        name: String,
+    },
+    /// Check a template's files against their checksums.
+    Verify {
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum PoolCommand {
+    /// Keep SIZE clones of TEMPLATE restored and parked (0: no pool).
+    Set { template: String, size: u32 },
+    Ls {
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -578,8 +708,149 @@ fn block_sigwinch() {
     }
 }
 
-fn run(args: Args) -> Result<u8, ClientError> {
-    match args.command {
+/// The commands that go through the daemon, or None for the others.
+fn through_daemon(command: &Command) -> bool {
+    match command {
+        Command::Exec { vm, .. } => sandboxes::is_sandbox_id(vm),
+        Command::Ps { vm, .. } => vm.is_none(),
+        Command::Pause { target } | Command::Resume { target } => sandboxes::is_sandbox_id(target),
+        Command::Snapshot { target, .. } => sandboxes::is_sandbox_id(target),
+        Command::Cp { from, to } => [from, to].iter().any(|side| {
+            side.split_once(':')
+                .is_some_and(|(t, p)| p.starts_with('/') && sandboxes::is_sandbox_id(t))
+        }),
+        Command::Run { .. }
+        | Command::Inspect { .. }
+        | Command::Logs { .. }
+        | Command::Rm { .. }
+        | Command::Fork { .. }
+        | Command::Template(_)
+        | Command::Pool(_)
+        | Command::Audit { .. } => true,
+        _ => false,
+    }
+}
+
+/// A daemon command; its errors are the daemon's messages.
+fn run_daemon(command: Command) -> sandboxes::CliResult {
+    match command {
+        Command::Exec {
+            vm,
+            interactive,
+            tty,
+            detach,
+            timeout_ms,
+            cwd,
+            env,
+            user,
+            pids_max,
+            argv,
+        } => {
+            if tty || detach {
+                eprintln!("husk: -t and -d need the VM's socket (husk exec <vm socket>), not a sandbox id");
+                return Ok(HUSK_FAILED);
+            }
+            let mut stdin = String::new();
+            if interactive {
+                std::io::stdin().read_to_string(&mut stdin)?;
+            }
+            sandboxes::exec(
+                &vm,
+                &ExecSpec {
+                    argv,
+                    env: env.into_iter().collect(),
+                    cwd,
+                    user,
+                    stdin,
+                    timeout_ms,
+                    pids_max,
+                },
+            )
+        }
+        Command::Ps {
+            labels,
+            state,
+            json,
+            ..
+        } => sandboxes::ps(&labels, state.as_deref(), json),
+        Command::Pause { target } => sandboxes::lifecycle(&target, "pause"),
+        Command::Resume { target } => sandboxes::lifecycle(&target, "resume"),
+        Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),
+        Command::Cp { from, to } => match (from.split_once(':'), to.split_once(':')) {
+            (Some((id, path)), None) if path.starts_with('/') => sandboxes::cp_from(id, path, &to),
+            (None, Some((id, path))) if path.starts_with('/') => sandboxes::cp_to(&from, id, path),
+            _ => {
+                eprintln!("husk cp: exactly one side must be <sandbox>:<absolute guest path>");
+                Ok(HUSK_FAILED)
+            }
+        },
+        Command::Run {
+            template,
+            ttl_s,
+            pause_on_expiry,
+            labels,
+            rm,
+            argv,
+        } => {
+            let created = sandboxes::create(&template, ttl_s, &labels, pause_on_expiry)?;
+            let id = created.sandbox.id;
+            eprintln!(
+                "{id}: created in {:.1} ms ({})",
+                created.create_ms,
+                if created.pooled {
+                    "from the warm pool"
+                } else {
+                    "restored"
+                }
+            );
+            if argv.is_empty() {
+                println!("{id}");
+                return Ok(0);
+            }
+            let code = sandboxes::exec(
+                &id,
+                &ExecSpec {
+                    argv,
+                    ..ExecSpec::default()
+                },
+            );
+            if rm {
+                sandboxes::rm(std::slice::from_ref(&id))?;
+            }
+            code
+        }
+        Command::Inspect { id } => sandboxes::inspect(&id),
+        Command::Logs { id } => sandboxes::logs(&id),
+        Command::Rm { ids } => sandboxes::rm(&ids),
+        Command::Fork { id, count, name } => sandboxes::fork(&id, count, name.as_deref()),
+        Command::Template(TemplateCommand::Build {
+            name,
+            dir,
+            tar,
+            warmup,
+            vcpus,
+            mem_mib,
+        }) => sandboxes::template_build(sandboxes::BuildArgs {
+            name,
+            vcpus,
+            mem_mib,
+            dir,
+            tar,
+            warmup,
+        }),
+        Command::Template(TemplateCommand::Ls { json }) => sandboxes::template_ls(json),
+        Command::Template(TemplateCommand::Inspect { name }) => sandboxes::template_inspect(&name),
+        Command::Template(TemplateCommand::Rm { name }) => sandboxes::template_rm(&name),
+        Command::Template(TemplateCommand::Verify { name }) => sandboxes::template_verify(&name),
+        Command::Pool(PoolCommand::Set { template, size }) => sandboxes::pool_set(&template, size),
+        Command::Pool(PoolCommand::Ls { json }) => sandboxes::pool_ls(json),
+        Command::Audit { sandbox, json } => sandboxes::audit(sandbox.as_deref(), json),
+        _ => unreachable!("through_daemon() chose this command"),
+    }
+}
+
+fn run(command: Command) -> Result<u8, ClientError> {
+    match command {
         Command::Ping { vm, wait_s } => {
             let mut client = if wait_s == 0 {
                 AgentClient::connect(&vm, READ_TIMEOUT)?
@@ -621,6 +892,7 @@ fn run(args: Args) -> Result<u8, ClientError> {
             if tty {
                 block_sigwinch();
             }
+            let vm = PathBuf::from(vm);
             let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
             let req = ExecRequest {
                 argv,
@@ -654,7 +926,7 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 }
             }
         }
-        Command::Ps { vm } => {
+        Command::Ps { vm: Some(vm), .. } => {
             let list = AgentClient::connect(&vm, READ_TIMEOUT)?.processes()?;
             println!(
                 "{:>7}  {:<10}  {:>9}  {:>9}  COMMAND",
@@ -708,11 +980,11 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 }
             }
         }
-        Command::Pause { api } => control(&api, &Request::Pause),
-        Command::Resume { api } => control(&api, &Request::Resume),
-        Command::Snapshot { api, dir, diff } => {
-            let dir = std::path::absolute(&dir)?;
-            control(&api, &Request::Snapshot { dir, diff })
+        Command::Pause { target } => control(target.as_ref(), &Request::Pause),
+        Command::Resume { target } => control(target.as_ref(), &Request::Resume),
+        Command::Snapshot { target, dest, diff } => {
+            let dir = std::path::absolute(&dest)?;
+            control(target.as_ref(), &Request::Snapshot { dir, diff })
         }
         Command::Restore {
             dir,
@@ -763,13 +1035,44 @@ fn run(args: Args) -> Result<u8, ClientError> {
                 Ok(HUSK_FAILED)
             }
         },
+        _ => unreachable!("through_daemon() took this command"),
     }
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Command::Serve(serve_args) = args.command {
+        return match serve::serve(serve_args) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("husk serve: {e}");
+                ExitCode::from(HUSK_FAILED)
+            }
+        };
+    }
     let exec = matches!(args.command, Command::Exec { .. });
-    match run(args) {
+    if through_daemon(&args.command) {
+        return match run_daemon(args.command) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("husk: {e}");
+                ExitCode::from(match &e {
+                    // The program was not found (404 from the agent) or
+                    // may not run (403), as docker exec exits.
+                    husk_host::api_client::ApiClientError::Status {
+                        status: 404,
+                        message,
+                    } if exec && message.contains("agent") => 127,
+                    husk_host::api_client::ApiClientError::Status { status: 403, .. } if exec => {
+                        126
+                    }
+                    husk_host::api_client::ApiClientError::Status { status: 504, .. } => 124,
+                    _ => HUSK_FAILED,
+                })
+            }
+        };
+    }
+    match run(args.command) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("husk: {e}");

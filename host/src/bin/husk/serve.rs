@@ -1,0 +1,219 @@
+//! `husk serve`: the daemon.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use husk_host::api::{self, Peer};
+use husk_host::daemon::{Daemon, DaemonConfig};
+
+/// The daemon's options.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// State directory: database, templates, sandboxes' files (default
+    /// $HUSK_STATE_DIR, else /var/lib/husk for root, else
+    /// ~/.local/share/husk).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// The API's Unix socket (default <state dir>/husk.sock, mode 0660:
+    /// who may open it may use the API).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Also listen on this TCP address (HOST:PORT); requests there need
+    /// the bearer token in --token-file.
+    #[arg(long, requires = "token_file")]
+    pub tcp: Option<String>,
+    /// File holding the TCP API's bearer token.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Default guest kernel of template builds.
+    #[arg(long, env = "HUSK_KERNEL")]
+    pub kernel: Option<PathBuf>,
+    /// Default root file system (initramfs) of template builds.
+    #[arg(long, env = "HUSK_INITRAMFS")]
+    pub initramfs: Option<PathBuf>,
+    /// Static guest-init, put into root file systems built from a
+    /// directory or tar archive.
+    #[arg(long, env = "HUSK_GUEST_INIT")]
+    pub guest_init: Option<PathBuf>,
+    /// The husk-vmm binary (default: next to this one).
+    #[arg(long, env = "HUSK_VMM")]
+    pub vmm: Option<PathBuf>,
+    /// Most sandboxes on this host, pooled clones included.
+    #[arg(long, default_value_t = 64)]
+    pub max_sandboxes: u32,
+    /// Guest memory all sandboxes together may have, in MiB (default:
+    /// three quarters of the host's memory).
+    #[arg(long)]
+    pub memory_mib: Option<u64>,
+    /// Most restores at once (default: the CPU count).
+    #[arg(long)]
+    pub restore_parallel: Option<u32>,
+    /// Seconds a restored clone may take to answer on a quiet host
+    /// (stretched by load).
+    #[arg(long, default_value_t = 120)]
+    pub restore_wait_s: u64,
+    /// Seconds a template's boot may take on a quiet host.
+    #[arg(long, default_value_t = 900)]
+    pub boot_wait_s: u64,
+}
+
+/// The state directory when none is given.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("HUSK_STATE_DIR") {
+        return PathBuf::from(dir);
+    }
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } == 0 {
+        return PathBuf::from("/var/lib/husk");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+    home.join(".local/share/husk")
+}
+
+fn host_memory_mib() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(4096, |kib| kib / 1024)
+}
+
+pub fn serve(args: ServeArgs) -> Result<u8, String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir).map_err(|e| {
+        format!(
+            "cannot create the state directory {}: {e}",
+            state_dir.display()
+        )
+    })?;
+    let state_dir = std::fs::canonicalize(&state_dir).map_err(|e| e.to_string())?;
+    let vmm = match args.vmm {
+        Some(v) => v,
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("husk-vmm"),
+    };
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let cfg = DaemonConfig {
+        state_dir: state_dir.clone(),
+        vmm,
+        kernel: args.kernel,
+        initramfs: args.initramfs,
+        guest_init: args.guest_init,
+        max_sandboxes: args.max_sandboxes,
+        memory_mib: args.memory_mib.unwrap_or_else(|| host_memory_mib() * 3 / 4),
+        restore_parallel: args.restore_parallel.unwrap_or(cpus),
+        restore_wait: Duration::from_secs(args.restore_wait_s),
+        boot_wait: Duration::from_secs(args.boot_wait_s),
+    };
+    let token = match &args.token_file {
+        Some(f) => Some(
+            std::fs::read_to_string(f)
+                .map_err(|e| format!("cannot read the token file {}: {e}", f.display()))?
+                .trim()
+                .to_owned(),
+        )
+        .filter(|t| t.len() >= 16)
+        .ok_or("the bearer token must be at least 16 characters")?
+        .into(),
+        None => None,
+    };
+    let socket = args.socket.unwrap_or_else(|| state_dir.join("husk.sock"));
+    let daemon = Daemon::start(cfg).map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let result = runtime.block_on(listen(daemon.clone(), &socket, args.tcp, token));
+    daemon.stop();
+    let _ = std::fs::remove_file(&socket);
+    result.map(|()| 0)
+}
+
+async fn listen(
+    daemon: Arc<Daemon>,
+    socket: &std::path::Path,
+    tcp: Option<String>,
+    token: Option<String>,
+) -> Result<(), String> {
+    // A socket left by a daemon that died is replaced; one that answers
+    // belongs to a running daemon.
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(format!(
+            "another husk daemon is listening on {}",
+            socket.display()
+        ));
+    }
+    let _ = std::fs::remove_file(socket);
+    let unix = tokio::net::UnixListener::bind(socket)
+        .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))
+            .map_err(|e| e.to_string())?;
+    }
+    tracing::info!("listening on {}", socket.display());
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    let unix_app = api::router(daemon.clone(), None).into_make_service_with_connect_info::<Peer>();
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut stop_unix = stop_tx.subscribe();
+    let unix_server = tokio::spawn(async move {
+        axum::serve(unix, unix_app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_unix.recv().await;
+            })
+            .await
+    });
+    let tcp_server = match tcp {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            tracing::info!("listening on tcp {addr} (bearer token required)");
+            let app = api::router(daemon, token).into_make_service_with_connect_info::<Peer>();
+            let mut stop_tcp = stop_tx.subscribe();
+            Some(tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop_tcp.recv().await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
+    stop.await;
+    tracing::info!("stopping; sandboxes keep running for the next daemon");
+    let _ = stop_tx.send(());
+    // Streams in flight (a long exec) are not waited for past a moment.
+    let _ = tokio::time::timeout(Duration::from_secs(5), unix_server).await;
+    if let Some(t) = tcp_server {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,452 @@
+//! Templates: a kernel, a root file system and a VM shape, booted once,
+//! warmed up and snapshotted. Every sandbox of a template restores that
+//! snapshot.
+//!
+//! A template lives in `<state dir>/templates/<id>/`: `snapshot/` (what
+//! clones restore), `rootfs.ext4` when its root file system was built from
+//! a directory or a tar archive, and `build.console` (the boot's console).
+//! Each file of the snapshot has a SHA-256 in the store, checked by
+//! [`verify`]: a restore maps the memory file as it is, so a flipped byte
+//! there would otherwise restore silently.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Component, Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::agent_client::{AgentClient, ClientError};
+use crate::daemon::{DaemonConfig, AGENT_TIMEOUT};
+use crate::readiness::WaitBudget;
+use crate::store::{now_unix_ms, SandboxRecord, TemplateRecord};
+use crate::vmm_process::{self, Launch};
+
+/// Errors building or checking a template.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the template's build failed: {0}")]
+    Build(String),
+    #[error("{0}")]
+    Corrupt(String),
+    #[error("I/O error on {0}: {1}")]
+    Io(PathBuf, #[source] std::io::Error),
+}
+
+/// Where a template's root file system comes from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum RootfsSource {
+    /// husk's own: busybox and guest-init, as an initramfs.
+    #[default]
+    Default,
+    /// A directory on the daemon's host, copied into an ext4 image.
+    Dir { path: PathBuf },
+    /// A tar archive on the daemon's host (an exported container file
+    /// system), unpacked into an ext4 image.
+    Tar { path: PathBuf },
+}
+
+/// What to build.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateSpec {
+    pub name: String,
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    #[serde(default = "default_mem_mib")]
+    pub mem_mib: u32,
+    #[serde(default)]
+    pub rootfs: RootfsSource,
+    /// Commands run once the guest is up, before the snapshot; each must
+    /// exit 0.
+    #[serde(default)]
+    pub warmup: Vec<Vec<String>>,
+    /// A guest kernel other than the daemon's.
+    #[serde(default)]
+    pub kernel: Option<PathBuf>,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+
+fn default_mem_mib() -> u32 {
+    128
+}
+
+/// Names are 1-63 characters of `[a-z0-9._-]`, starting with a letter or
+/// digit.
+pub fn check_name(name: &str) -> Result<(), TemplateError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(TemplateError::Invalid(format!(
+            "template name `{name}`: use 1-63 characters of [a-z0-9._-], starting with a letter or digit"
+        )))
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateError + '_ {
+    move |e| TemplateError::Io(path.to_owned(), e)
+}
+
+/// Builds template `id` from `spec`: the files go in
+/// `<state dir>/templates/<id>/`; on failure nothing is left there.
+pub fn build(
+    cfg: &DaemonConfig,
+    id: &str,
+    spec: TemplateSpec,
+    progress: &mut dyn FnMut(&str),
+) -> Result<TemplateRecord, TemplateError> {
+    if !(1..=32).contains(&spec.vcpus) || !(32..=65536).contains(&spec.mem_mib) {
+        return Err(TemplateError::Invalid(
+            "a template has 1-32 vCPUs and 32-65536 MiB of memory".into(),
+        ));
+    }
+    let dir = cfg.state_dir.join("templates").join(id);
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let result = build_in(cfg, id, &dir, spec, progress);
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    result
+}
+
+fn build_in(
+    cfg: &DaemonConfig,
+    id: &str,
+    dir: &Path,
+    spec: TemplateSpec,
+    progress: &mut dyn FnMut(&str),
+) -> Result<TemplateRecord, TemplateError> {
+    let mut phases = BTreeMap::new();
+    let kernel = spec
+        .kernel
+        .clone()
+        .or_else(|| cfg.kernel.clone())
+        .ok_or_else(|| {
+            TemplateError::Invalid("no guest kernel: start the daemon with --kernel".into())
+        })?;
+    let phase = Instant::now();
+    let (initramfs, drives, cmdline, source) = match &spec.rootfs {
+        RootfsSource::Default => {
+            let initramfs = cfg.initramfs.clone().ok_or_else(|| {
+                TemplateError::Invalid(
+                    "no default root file system: start the daemon with --initramfs".into(),
+                )
+            })?;
+            (Some(initramfs), vec![], None, "default".to_owned())
+        }
+        RootfsSource::Dir { .. } | RootfsSource::Tar { .. } => {
+            progress("making the root file system image");
+            let image = dir.join("rootfs.ext4");
+            let source = crate::rootfs::make_image(cfg, &spec.rootfs, &image, &dir.join("stage"))?;
+            phases.insert("rootfs".to_owned(), ms(phase));
+            (
+                None,
+                vec![format!("path={}", image.display())],
+                Some("root=/dev/vda rw rootfstype=ext4 init=/init".to_owned()),
+                source,
+            )
+        }
+    };
+    let run = dir.join("build");
+    std::fs::create_dir_all(&run).map_err(io(&run))?;
+    progress(&format!(
+        "booting {} ({} vCPU, {} MiB)",
+        kernel.display(),
+        spec.vcpus,
+        spec.mem_mib
+    ));
+    let launch = Launch::Boot {
+        kernel,
+        initramfs,
+        drives,
+        cmdline,
+        vcpus: spec.vcpus,
+        mem_mib: spec.mem_mib,
+    };
+    let mut child = vmm_process::spawn(&cfg.vmm, id, &run, &launch).map_err(io(&cfg.vmm))?;
+    let outcome = boot_and_snapshot(cfg, &run, dir, &mut child, &spec, &mut phases, progress);
+    let _ = child.kill();
+    let _ = child.wait();
+    let console = run.join(vmm_process::CONSOLE);
+    let failure_report = || {
+        format!(
+            "\n  husk-vmm log:\n    {}\n  console:\n    {}",
+            vmm_process::tail(&run.join(vmm_process::LOG), 10).replace('\n', "\n    "),
+            vmm_process::tail(&console, 15).replace('\n', "\n    ")
+        )
+    };
+    if let Err(e) = outcome {
+        return Err(TemplateError::Build(format!("{e}{}", failure_report())));
+    }
+    let _ = std::fs::rename(&console, dir.join("build.console"));
+    let _ = std::fs::remove_dir_all(&run);
+    let _ = std::fs::remove_dir_all(dir.join("stage"));
+    progress("checksumming the snapshot");
+    let phase = Instant::now();
+    let snapshot_dir = dir.join("snapshot");
+    let checksums = checksum_dir(&snapshot_dir)?;
+    phases.insert("checksum".to_owned(), ms(phase));
+    Ok(TemplateRecord {
+        id: id.to_owned(),
+        name: spec.name,
+        created_unix_ms: now_unix_ms(),
+        snapshot_dir,
+        vcpus: spec.vcpus,
+        mem_mib: spec.mem_mib,
+        source,
+        checksums,
+        build_ms: phases,
+    })
+}
+
+fn ms(since: Instant) -> f64 {
+    (since.elapsed().as_secs_f64() * 1000.0 * 10.0).round() / 10.0
+}
+
+/// Waits for the booting guest's agent, runs the warm-up commands and
+/// snapshots the guest into `dir/snapshot`.
+fn boot_and_snapshot(
+    cfg: &DaemonConfig,
+    run: &Path,
+    dir: &Path,
+    child: &mut std::process::Child,
+    spec: &TemplateSpec,
+    phases: &mut BTreeMap<String, f64>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(), String> {
+    let phase = Instant::now();
+    let mut wait = WaitBudget::new(cfg.boot_wait);
+    let mut alive = || match child.try_wait() {
+        Ok(None) => Ok(()),
+        Ok(Some(status)) => Err(ClientError::VmmGone(format!(
+            "husk-vmm exited during the boot ({status})"
+        ))),
+        Err(e) => Err(e.into()),
+    };
+    let mut client = AgentClient::connect_patiently(
+        &run.join(vmm_process::VSOCK),
+        &mut wait,
+        &mut alive,
+        AGENT_TIMEOUT,
+    )
+    .map_err(|e| format!("the guest's agent did not come up: {e}"))?;
+    phases.insert("boot".to_owned(), ms(phase));
+    progress(&format!(
+        "guest agent answered after {:.1} s",
+        phase.elapsed().as_secs_f64()
+    ));
+    let phase = Instant::now();
+    for (i, argv) in spec.warmup.iter().enumerate() {
+        progress(&format!("warm-up {}: {}", i + 1, argv.join(" ")));
+        let out = client
+            .exec(husk_protocol::ExecRequest {
+                argv: argv.clone(),
+                timeout_ms: Some(AGENT_TIMEOUT.as_millis() as u64),
+                ..Default::default()
+            })
+            .map_err(|e| format!("warm-up command {:?}: {e}", argv))?;
+        if out.report.termination != husk_protocol::Termination::Code(0) {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            return Err(format!(
+                "warm-up command {:?} ended with {:?}: {}",
+                argv,
+                out.report.termination,
+                stderr
+                    .chars()
+                    .rev()
+                    .take(2000)
+                    .collect::<String>()
+                    .chars()
+                    .rev()
+                    .collect::<String>()
+            ));
+        }
+    }
+    if !spec.warmup.is_empty() {
+        phases.insert("warmup".to_owned(), ms(phase));
+    }
+    drop(client);
+    progress("snapshotting");
+    let phase = Instant::now();
+    let request = husk_vmm_api::Request::Snapshot {
+        dir: dir.join("snapshot"),
+        diff: false,
+    };
+    match husk_vmm_api::call(&run.join(vmm_process::API), &request, AGENT_TIMEOUT) {
+        Ok(husk_vmm_api::Reply::Snapshot { .. }) => {}
+        Ok(other) => return Err(format!("the snapshot was refused: {other:?}")),
+        Err(e) => return Err(format!("the snapshot failed: {e}")),
+    }
+    phases.insert("snapshot".to_owned(), ms(phase));
+    Ok(())
+}
+
+/// Snapshots running sandbox `rec` into template `id` named `name`.
+pub fn from_sandbox(
+    cfg: &DaemonConfig,
+    id: &str,
+    name: &str,
+    rec: &SandboxRecord,
+    parent: Option<&TemplateRecord>,
+) -> Result<TemplateRecord, TemplateError> {
+    let dir = cfg.state_dir.join("templates").join(id);
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let snapshot_dir = dir.join("snapshot");
+    let started = Instant::now();
+    let request = husk_vmm_api::Request::Snapshot {
+        dir: snapshot_dir.clone(),
+        diff: false,
+    };
+    let reply = husk_vmm_api::call(&rec.run_dir.join(vmm_process::API), &request, AGENT_TIMEOUT);
+    let checked = match reply {
+        Ok(husk_vmm_api::Reply::Snapshot { .. }) => checksum_dir(&snapshot_dir),
+        Ok(other) => Err(TemplateError::Build(format!(
+            "the VMM refused the snapshot: {other:?}"
+        ))),
+        Err(e) => Err(TemplateError::Build(format!("the snapshot failed: {e}"))),
+    };
+    let checksums = match checked {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+    };
+    Ok(TemplateRecord {
+        id: id.to_owned(),
+        name: name.to_owned(),
+        created_unix_ms: now_unix_ms(),
+        snapshot_dir,
+        vcpus: parent.map_or(1, |p| p.vcpus),
+        mem_mib: rec.mem_mib,
+        source: format!("sandbox:{}", rec.id),
+        checksums,
+        build_ms: BTreeMap::from([("snapshot".to_owned(), ms(started))]),
+    })
+}
+
+/// SHA-256 of each regular file in `dir`.
+fn checksum_dir(dir: &Path) -> Result<BTreeMap<String, String>, TemplateError> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let entry = entry.map_err(io(dir))?;
+        let path = entry.path();
+        if entry.file_type().map_err(io(&path))?.is_file() {
+            out.insert(
+                entry.file_name().to_string_lossy().into_owned(),
+                sha256(&path)?,
+            );
+        }
+    }
+    Ok(out)
+}
+
+fn sha256(path: &Path) -> Result<String, TemplateError> {
+    let mut file = std::fs::File::open(path).map_err(io(path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io(path))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+/// Checks every file of a template's snapshot against its checksum;
+/// returns the files checked.
+pub fn verify(t: &TemplateRecord) -> Result<Vec<String>, TemplateError> {
+    let mut bad = Vec::new();
+    for (file, want) in &t.checksums {
+        let path = t.snapshot_dir.join(file);
+        match sha256(&path) {
+            Ok(got) if got == *want => {}
+            Ok(_) => bad.push(format!("{file}: checksum mismatch")),
+            Err(e) => bad.push(format!("{file}: {e}")),
+        }
+    }
+    if bad.is_empty() {
+        Ok(t.checksums.keys().cloned().collect())
+    } else {
+        Err(TemplateError::Corrupt(format!(
+            "template `{}` is corrupt ({}): remove it and build it again",
+            t.name,
+            bad.join("; ")
+        )))
+    }
+}
+
+/// A path inside an archive that stays inside the directory it is
+/// unpacked in: relative, without `..`.
+pub fn is_contained(path: &Path) -> bool {
+    path.components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("py-3.12").is_ok());
+        for bad in ["", "-x", "A", "a/b", "a b", &"x".repeat(64)] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn archive_paths_must_stay_inside() {
+        assert!(is_contained(Path::new("usr/bin/x")));
+        assert!(is_contained(Path::new("./etc")));
+        assert!(!is_contained(Path::new("/etc/passwd")));
+        assert!(!is_contained(Path::new("a/../../x")));
+    }
+
+    #[test]
+    fn a_flipped_byte_fails_verification() {
+        let dir = std::env::temp_dir().join(format!("husk-verify-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("memory"), vec![7u8; 4096]).expect("write");
+        let mut t = TemplateRecord {
+            id: "tpl-x".into(),
+            name: "x".into(),
+            created_unix_ms: 0,
+            snapshot_dir: dir.clone(),
+            vcpus: 1,
+            mem_mib: 128,
+            source: "default".into(),
+            checksums: checksum_dir(&dir).expect("checksums"),
+            build_ms: BTreeMap::new(),
+        };
+        assert!(verify(&t).is_ok());
+
+        let mut bytes = std::fs::read(dir.join("memory")).expect("read");
+        bytes[100] ^= 1;
+        std::fs::write(dir.join("memory"), bytes).expect("write");
+
+        let err = verify(&t).expect_err("corrupt").to_string();
+        assert!(err.contains("memory: checksum mismatch"), "{err}");
+        t.checksums.clear();
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+}

@@ -1,0 +1,165 @@
+//! One `husk-vmm` process as the daemon sees it: how it is started (boot
+//! or restore), its files, whether it still runs, and how it is stopped.
+//!
+//! A VMM runs in its own process group, so that it outlives the daemon: a
+//! restarted daemon finds it again by its pid and that process's start
+//! time (a pid alone may have been reused).
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// A VMM's files in its run directory.
+pub const VSOCK: &str = "vsock";
+pub const API: &str = "api";
+pub const CONSOLE: &str = "console";
+pub const LOG: &str = "vmm.log";
+
+/// The guest's vsock CID. Every VMM has its own vsock device and socket,
+/// so all guests can have the same one (and a clone keeps its template's,
+/// which spares the guest a transport reset).
+const GUEST_CID: u32 = 3;
+
+/// How a VMM is started.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// Boot a kernel.
+    Boot {
+        kernel: PathBuf,
+        initramfs: Option<PathBuf>,
+        /// `--drive` specs (the first is the root when `cmdline` says so).
+        drives: Vec<String>,
+        cmdline: Option<String>,
+        vcpus: u8,
+        mem_mib: u32,
+    },
+    /// Restore a snapshot; each writable drive gets an overlay in the run
+    /// directory.
+    Restore { snapshot: PathBuf },
+}
+
+/// Starts `husk-vmm` for sandbox `id` with its files in `run_dir` (which
+/// must exist). stderr (its log) goes to `run_dir/vmm.log`.
+pub fn spawn(vmm: &Path, id: &str, run_dir: &Path, launch: &Launch) -> std::io::Result<Child> {
+    let mut cmd = Command::new(vmm);
+    cmd.args(["--id", id]);
+    match launch {
+        Launch::Boot {
+            kernel,
+            initramfs,
+            drives,
+            cmdline,
+            vcpus,
+            mem_mib,
+        } => {
+            cmd.arg("--kernel").arg(kernel);
+            if let Some(initramfs) = initramfs {
+                cmd.arg("--initramfs").arg(initramfs);
+            }
+            for drive in drives {
+                cmd.args(["--drive", drive]);
+            }
+            if let Some(cmdline) = cmdline {
+                cmd.args(["--cmdline", cmdline]);
+            }
+            cmd.args(["--vcpus", &vcpus.to_string()])
+                .args(["--mem-mib", &mem_mib.to_string()]);
+        }
+        Launch::Restore { snapshot } => {
+            cmd.arg("--restore")
+                .arg(snapshot)
+                .arg("--overlay-dir")
+                .arg(run_dir);
+        }
+    }
+    let log = std::fs::File::create(run_dir.join(LOG))?;
+    cmd.arg("--vsock")
+        .arg(format!(
+            "cid={GUEST_CID},path={}",
+            run_dir.join(VSOCK).display()
+        ))
+        .arg("--api-sock")
+        .arg(run_dir.join(API))
+        .arg("--serial")
+        .arg(run_dir.join(CONSOLE))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        // Its own process group: a signal to the daemon's group (Ctrl-C)
+        // does not reach the sandboxes, and they outlive a daemon restart.
+        .process_group(0);
+    cmd.spawn()
+}
+
+/// The start time of process `pid` (clock ticks since boot, field 22 of
+/// /proc/PID/stat), or None if there is no such process.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: fields
+    // are counted after its closing parenthesis.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether `pid` is still the process started at `pid_start`, and is not
+/// a zombie.
+pub fn is_alive(pid: u32, pid_start: u64) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return false;
+    };
+    let mut fields = rest.split_whitespace();
+    let state = fields.next();
+    let start = fields.nth(18).and_then(|s| s.parse::<u64>().ok());
+    state != Some("Z") && start == Some(pid_start)
+}
+
+/// Sends SIGKILL to the VMM if it is still the process we started.
+pub fn kill(pid: u32, pid_start: u64) {
+    if pid != 0 && is_alive(pid, pid_start) {
+        // SAFETY: kill(2) with a pid we checked is our VMM; no memory is
+        // involved.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+}
+
+/// The last `lines` lines of a text file (a console or a log), or "".
+pub fn tail(path: &Path, lines: usize) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    // Only the end of the file is read: a guest may have flooded its console.
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map_or(0, |m| m.len());
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(16 << 10)));
+    let mut bytes = Vec::new();
+    let _ = file.read_to_end(&mut bytes);
+    let text = String::from_utf8_lossy(&bytes);
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn this_process_is_alive_with_its_own_start_time() {
+        let me = std::process::id();
+        let start = start_time(me).expect("own stat");
+
+        assert!(is_alive(me, start));
+        assert!(!is_alive(me, start + 1));
+    }
+
+    #[test]
+    fn tail_keeps_the_last_lines() {
+        let path = std::env::temp_dir().join(format!("husk-tail-{}", std::process::id()));
+        std::fs::write(&path, "a\nb\nc\nd\n").expect("write");
+
+        assert_eq!(tail(&path, 2), "c\nd");
+        std::fs::remove_file(path).expect("cleanup");
+    }
+}
