@@ -229,9 +229,19 @@ pub fn router(daemon: Shared, token: Option<String>) -> Router {
     r.with_state(daemon)
 }
 
+/// Counts requests, and gives axum's own plain-text refusals (a body over
+/// the limit) the API's JSON error shape.
 async fn count(State(d): State<Shared>, req: Request, next: Next) -> Response {
     d.metrics.request();
-    next.run(req).await
+    let resp = next.run(req).await;
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is over the {MAX_JSON}-byte limit of JSON requests"),
+        )
+        .into_response();
+    }
+    resp
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

@@ -232,26 +232,15 @@ impl ApiClient {
                 "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
             ),
         }
-        conn.write_all(head.as_bytes())?;
-        match payload {
-            Payload::None => {}
-            Payload::Json(body) => conn.write_all(&body)?,
-            Payload::Stream(reader) => {
-                let mut buf = vec![0u8; 64 << 10];
-                loop {
-                    let n = reader.read(&mut buf)?;
-                    if n == 0 {
-                        break;
-                    }
-                    conn.write_all(format!("{n:x}\r\n").as_bytes())?;
-                    conn.write_all(&buf[..n])?;
-                    conn.write_all(b"\r\n")?;
-                }
-                conn.write_all(b"0\r\n\r\n")?;
-            }
-        }
-        conn.flush()?;
-        let response = read_head(BufReader::new(conn))?;
+        // A daemon that refuses the request early (a body over its limit)
+        // answers and closes before the body is all sent: its answer is
+        // what matters, so a failed write is reported only without one.
+        let written = write_request(&mut *conn, head.as_bytes(), payload);
+        let response = match (read_head(BufReader::new(conn)), written) {
+            (Ok(r), _) => r,
+            (Err(_), Err(e)) => return Err(e.into()),
+            (Err(e), Ok(())) => return Err(e),
+        };
         if response.status >= 400 {
             let status = response.status;
             let message = match response.json::<serde_json::Value>() {
@@ -276,6 +265,28 @@ impl ApiClient {
         };
         self.send(method, path, payload)?.json()
     }
+}
+
+fn write_request(conn: &mut dyn Conn, head: &[u8], payload: Payload<'_>) -> std::io::Result<()> {
+    conn.write_all(head)?;
+    match payload {
+        Payload::None => {}
+        Payload::Json(body) => conn.write_all(&body)?,
+        Payload::Stream(reader) => {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = reader.read(&mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                conn.write_all(format!("{n:x}\r\n").as_bytes())?;
+                conn.write_all(&buf[..n])?;
+                conn.write_all(b"\r\n")?;
+            }
+            conn.write_all(b"0\r\n\r\n")?;
+        }
+    }
+    conn.flush()
 }
 
 fn read_head(mut conn: BufReader<Box<dyn Conn>>) -> Result<Response, ApiClientError> {

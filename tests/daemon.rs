@@ -1,0 +1,1044 @@
+//! The daemon (`husk serve`) with real guests: one daemon per test binary,
+//! one template booted once ("base"); every sandbox is a restore of it (or
+//! of a template made from one of its sandboxes). Tests talk HTTP to the
+//! daemon's Unix socket, as any client would, and check the host side
+//! (processes, files) themselves.
+//!
+//! Tests that restart the daemon take the write side of `DAEMON_LOCK`;
+//! the others hold its read side while they run.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use husk_host::api::ExecEvent;
+use husk_host::api_client::{ApiClient, ApiClientError, Endpoint, Payload};
+use husk_host::daemon::{Created, PoolInfo, SandboxInfo};
+use husk_host::store::{AuditEntry, SandboxState, TemplateRecord};
+use serde_json::{json, Value};
+
+/// How long a guest-side step may take here before a test gives up.
+const PATIENCE: Duration = Duration::from_secs(300);
+
+struct TestDaemon {
+    state_dir: PathBuf,
+    tcp: String,
+    token: String,
+    child: Mutex<Option<Child>>,
+}
+
+static DAEMON_LOCK: RwLock<()> = RwLock::new(());
+
+/// Kills every process whose command line names `dir` (the daemon and
+/// its VMMs), at exit: they run in their own process groups.
+fn kill_everything_under(dir: &Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&needle) {
+            // SAFETY: kill(2) on a pid read from /proc.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+fn guest_init() -> PathBuf {
+    if let Some(p) = std::env::var_os("HUSK_GUEST_INIT") {
+        return PathBuf::from(p);
+    }
+    common::initramfs(); // builds guest-init if it is not built
+    let p = common::repo_root().join("target/x86_64-unknown-linux-musl/guest/guest-init");
+    assert!(
+        p.exists(),
+        "{} is missing: run guest-init/build-rootfs.sh",
+        p.display()
+    );
+    p
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+impl TestDaemon {
+    /// Starts `husk serve` on the state dir with `extra` arguments and
+    /// waits for it to answer.
+    fn start(&self, extra: &[&str]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state_dir.with_extension("log"))
+            .expect("daemon log");
+        let child = Command::new(common::husk_binary())
+            .arg("serve")
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--kernel")
+            .arg(common::kernel())
+            .arg("--initramfs")
+            .arg(common::initramfs())
+            .arg("--guest-init")
+            .arg(guest_init())
+            .arg("--vmm")
+            .arg(common::vmm_binary())
+            .args(["--tcp", &self.tcp])
+            .arg("--token-file")
+            .arg(self.state_dir.with_extension("token"))
+            .args(extra)
+            .env("RUST_LOG", "husk_host=debug,info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("husk serve");
+        *self.child.lock().expect("lock") = Some(child);
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            if api().call::<Value>("GET", "/v1/info", None).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the daemon did not come up");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Kills the daemon (SIGKILL: no goodbye); its sandboxes run on.
+    fn kill(&self) {
+        if let Some(mut child) = self.child.lock().expect("lock").take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn daemon() -> &'static TestDaemon {
+    static DAEMON: OnceLock<TestDaemon> = OnceLock::new();
+    DAEMON.get_or_init(|| {
+        extern "C" fn cleanup() {
+            let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
+            kill_everything_under(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_file(dir.with_extension("token"));
+        }
+        let state_dir =
+            std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
+        std::fs::create_dir_all(&state_dir).expect("state dir");
+        // SAFETY: registers a plain function to run at exit.
+        unsafe { libc::atexit(cleanup) };
+        let token = "test-token-0123456789abcdef".to_owned();
+        std::fs::write(state_dir.with_extension("token"), &token).expect("token");
+        let d = TestDaemon {
+            state_dir,
+            tcp: format!("127.0.0.1:{}", free_port()),
+            token,
+            child: Mutex::new(None),
+        };
+        d.start(&[]);
+        build_template(
+            "base",
+            json!({ "name": "base", "warmup": [["/bin/sh", "-c", "echo warm > /etc/warm"]] }),
+        )
+        .expect("the base template builds");
+        d
+    })
+}
+
+/// The shared daemon, held for one test (a restart waits for it).
+fn shared() -> (&'static TestDaemon, RwLockReadGuard<'static, ()>) {
+    let d = daemon();
+    (d, DAEMON_LOCK.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn api() -> ApiClient {
+    let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
+    ApiClient::new(Endpoint::Unix(dir.join("husk.sock"))).with_timeout(PATIENCE)
+}
+
+/// The HTTP status of a failed call.
+fn status<T: std::fmt::Debug>(result: Result<T, ApiClientError>) -> (u16, String) {
+    match result {
+        Err(ApiClientError::Status { status, message }) => (status, message),
+        other => panic!("expected an HTTP error, got {other:?}"),
+    }
+}
+
+/// Builds a template through the API, following its progress stream.
+fn build_template(name: &str, spec: Value) -> Result<TemplateRecord, (u16, String)> {
+    let mut resp = api()
+        .send(
+            "POST",
+            "/v1/templates",
+            Payload::Json(serde_json::to_vec(&spec).expect("json")),
+        )
+        .map_err(|e| status::<()>(Err(e)))?;
+    while let Some(event) = resp.next_line::<Value>().expect("progress line") {
+        match event["type"].as_str() {
+            Some("progress") => {}
+            Some("done") => {
+                return Ok(serde_json::from_value(event["template"].clone()).expect("template"))
+            }
+            Some("error") => {
+                return Err((
+                    event["status"].as_u64().unwrap_or(0) as u16,
+                    event["error"].as_str().unwrap_or("").to_owned(),
+                ))
+            }
+            other => panic!("{name}: unexpected build event {other:?}"),
+        }
+    }
+    panic!("{name}: the build stream ended without a result")
+}
+
+fn create(template: &str) -> Created {
+    create_with(json!({ "template": template })).expect("create")
+}
+
+fn create_with(body: Value) -> Result<Created, ApiClientError> {
+    api().call("POST", "/v1/sandboxes", Some(&body))
+}
+
+fn get(id: &str) -> Result<SandboxInfo, ApiClientError> {
+    api().call("GET", &format!("/v1/sandboxes/{id}"), None)
+}
+
+fn destroy(id: &str) {
+    api()
+        .send("DELETE", &format!("/v1/sandboxes/{id}"), Payload::None)
+        .expect("destroy");
+}
+
+/// What an exec printed and how it ended.
+#[derive(Debug)]
+struct Ran {
+    stdout: String,
+    stderr: String,
+    code: Option<i32>,
+}
+
+fn exec(id: &str, argv: &[&str]) -> Result<Ran, ApiClientError> {
+    let mut resp = api().send(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Payload::Json(serde_json::to_vec(&json!({ "argv": argv })).expect("json")),
+    )?;
+    let b64 = |d: &str| {
+        String::from_utf8_lossy(
+            &base64::engine::general_purpose::STANDARD
+                .decode(d)
+                .expect("base64"),
+        )
+        .into_owned()
+    };
+    let mut ran = Ran {
+        stdout: String::new(),
+        stderr: String::new(),
+        code: None,
+    };
+    while let Some(event) = resp.next_line::<ExecEvent>()? {
+        match event {
+            ExecEvent::Stdout { data } => ran.stdout += &b64(&data),
+            ExecEvent::Stderr { data } => ran.stderr += &b64(&data),
+            ExecEvent::Exit { code, .. } => ran.code = code,
+            ExecEvent::Error { error, .. } => ran.stderr += &error,
+            _ => {}
+        }
+    }
+    Ok(ran)
+}
+
+fn sh(id: &str, script: &str) -> Ran {
+    exec(id, &["/bin/sh", "-c", script]).expect("exec")
+}
+
+fn upload(id: &str, path: &str, content: &[u8]) -> Result<(), ApiClientError> {
+    let mut reader: &[u8] = content;
+    api().send(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path={path}"),
+        Payload::Stream(&mut reader),
+    )?;
+    Ok(())
+}
+
+fn download(id: &str, path: &str) -> Result<Vec<u8>, ApiClientError> {
+    let mut resp = api().send(
+        "GET",
+        &format!("/v1/sandboxes/{id}/files?path={path}"),
+        Payload::None,
+    )?;
+    let mut out = Vec::new();
+    resp.read_to_end(&mut out)?;
+    Ok(out)
+}
+
+/// Waits (polling every 200 ms) until `check` holds; panics with `what`.
+fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn pool(template: &str) -> PoolInfo {
+    let pools: Vec<PoolInfo> = api().call("GET", "/v1/pools", None).expect("pools");
+    pools
+        .into_iter()
+        .find(|p| p.template_name == template)
+        .unwrap_or_else(|| panic!("no pool for {template}"))
+}
+
+/// A template of its own for a test: a snapshot of a fresh base sandbox.
+fn own_template(name: &str) -> TemplateRecord {
+    let s = create("base");
+    let t: TemplateRecord = api()
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{}/snapshot", s.sandbox.id),
+            Some(&json!({ "name": name })),
+        )
+        .expect("snapshot into a template");
+    destroy(&s.sandbox.id);
+    t
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[test]
+fn a_sandbox_runs_commands_and_moves_files_both_ways() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+
+    let ran = sh(&s.id, "cat /etc/warm; hostname; echo oops >&2; exit 3");
+    let content: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    upload(&s.id, "/tmp/blob", &content).expect("upload");
+    let back = download(&s.id, "/tmp/blob").expect("download");
+
+    assert_eq!(ran.stdout, format!("warm\n{}\n", s.id), "{ran:?}");
+    assert_eq!(ran.stderr, "oops\n");
+    assert_eq!(ran.code, Some(3));
+    assert!(back == content, "the file came back different");
+    destroy(&s.id);
+}
+
+#[test]
+fn a_pooled_create_hands_out_a_parked_clone_with_its_own_identity() {
+    let (_d, _g) = shared();
+    let t = own_template("pooled");
+    let p: PoolInfo = api()
+        .call("PUT", "/v1/pools/pooled", Some(&json!({ "size": 2 })))
+        .expect("set pool");
+    assert_eq!(p.target, 2);
+    wait_until("the pool to fill", || pool("pooled").ready == 2);
+
+    let a = create("pooled");
+    let b = create("pooled");
+    let hostnames = (
+        sh(&a.sandbox.id, "hostname").stdout,
+        sh(&b.sandbox.id, "hostname").stdout,
+    );
+    let randoms = (
+        sh(&a.sandbox.id, "head -c 16 /dev/urandom | od -An -tx1").stdout,
+        sh(&b.sandbox.id, "head -c 16 /dev/urandom | od -An -tx1").stdout,
+    );
+
+    assert!(a.pooled && b.pooled, "{a:?} {b:?}");
+    assert_eq!(hostnames.0.trim(), a.sandbox.id);
+    assert_eq!(hostnames.1.trim(), b.sandbox.id);
+    assert_ne!(randoms.0, randoms.1, "two clones share random state");
+    wait_until("the pool to refill", || pool("pooled").ready == 2);
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/pooled", Some(&json!({ "size": 0 })))
+        .expect("pool off");
+    destroy(&a.sandbox.id);
+    destroy(&b.sandbox.id);
+    api()
+        .send("DELETE", &format!("/v1/templates/{}", t.id), Payload::None)
+        .expect("remove template");
+}
+
+#[test]
+fn eight_concurrent_creates_against_a_pool_of_four_all_succeed() {
+    let (_d, _g) = shared();
+    own_template("pool4");
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/pool4", Some(&json!({ "size": 4 })))
+        .expect("set pool");
+    wait_until("the pool to fill", || pool("pool4").ready == 4);
+
+    let created: Vec<Created> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..8).map(|_| s.spawn(|| create("pool4"))).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("create"))
+            .collect()
+    });
+    let ids: std::collections::BTreeSet<&str> =
+        created.iter().map(|c| c.sandbox.id.as_str()).collect();
+    let hostnames: Vec<(String, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = created
+            .iter()
+            .map(|c| s.spawn(|| (c.sandbox.id.clone(), sh(&c.sandbox.id, "hostname").stdout)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("exec"))
+            .collect()
+    });
+
+    assert_eq!(ids.len(), 8);
+    assert!(
+        created.iter().filter(|c| c.pooled).count() >= 4,
+        "{created:?}"
+    );
+    for (id, hostname) in hostnames {
+        assert_eq!(hostname.trim(), id);
+    }
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/pool4", Some(&json!({ "size": 0 })))
+        .expect("pool off");
+    for c in &created {
+        destroy(&c.sandbox.id);
+    }
+    api()
+        .send("DELETE", "/v1/templates/pool4", Payload::None)
+        .expect("remove template");
+}
+
+#[test]
+fn a_fork_copies_a_running_sandbox_and_its_template_creates_more() {
+    let (_d, _g) = shared();
+    let parent = create("base").sandbox;
+    upload(&parent.id, "/root/state", b"parent's work").expect("upload");
+
+    #[derive(serde::Deserialize)]
+    struct Forked {
+        template: TemplateRecord,
+        sandboxes: Vec<Created>,
+    }
+    let forked: Forked = api()
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{}/fork", parent.id),
+            Some(&json!({ "name": "forked", "count": 2 })),
+        )
+        .expect("fork");
+    let later = create("forked").sandbox;
+
+    assert_eq!(forked.sandboxes.len(), 2);
+    for id in forked
+        .sandboxes
+        .iter()
+        .map(|c| c.sandbox.id.as_str())
+        .chain([later.id.as_str()])
+    {
+        assert_eq!(
+            download(id, "/root/state").expect("download"),
+            b"parent's work"
+        );
+    }
+    assert_eq!(forked.template.source, format!("sandbox:{}", parent.id));
+    // The parent runs on after its fork.
+    assert_eq!(sh(&parent.id, "cat /root/state").stdout, "parent's work");
+    let (code, msg) = status(api().send("DELETE", "/v1/templates/forked", Payload::None));
+    assert_eq!(code, 409, "{msg}");
+    for c in &forked.sandboxes {
+        destroy(&c.sandbox.id);
+    }
+    destroy(&later.id);
+    destroy(&parent.id);
+    api()
+        .send("DELETE", "/v1/templates/forked", Payload::None)
+        .expect("remove template");
+}
+
+#[test]
+fn a_paused_sandbox_refuses_exec_until_resumed() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+
+    let paused: SandboxInfo = api()
+        .call("POST", &format!("/v1/sandboxes/{}/pause", s.id), None)
+        .expect("pause");
+    let refused = status(exec(&s.id, &["true"]));
+    let resumed: SandboxInfo = api()
+        .call("POST", &format!("/v1/sandboxes/{}/resume", s.id), None)
+        .expect("resume");
+    let ran = sh(&s.id, "echo back");
+
+    assert_eq!(paused.state, SandboxState::Paused);
+    assert_eq!(refused.0, 409, "{}", refused.1);
+    assert!(refused.1.contains("paused"), "{}", refused.1);
+    assert_eq!(resumed.state, SandboxState::Running);
+    assert_eq!(ran.stdout, "back\n");
+    destroy(&s.id);
+}
+
+#[test]
+fn time_to_live_destroys_or_pauses_by_policy() {
+    let (d, _g) = shared();
+    let doomed = create_with(json!({ "template": "base", "ttl_s": 1 }))
+        .expect("create")
+        .sandbox;
+    let sleeper = create_with(json!({ "template": "base", "ttl_s": 3600, "on_expiry": "pause" }))
+        .expect("create")
+        .sandbox;
+    let extended: SandboxInfo = api()
+        .call(
+            "PATCH",
+            &format!("/v1/sandboxes/{}", sleeper.id),
+            Some(&json!({ "ttl_s": 1, "labels": { "kept": "yes" } })),
+        )
+        .expect("patch");
+
+    wait_until("the first sandbox's expiry", || get(&doomed.id).is_err());
+    wait_until("the second sandbox's pause", || {
+        get(&sleeper.id).expect("kept").state == SandboxState::Paused
+    });
+
+    assert_eq!(status(get(&doomed.id)).0, 404);
+    assert!(!d.state_dir.join("sandboxes").join(&doomed.id).exists());
+    assert!(!pid_alive(doomed.pid));
+    assert_eq!(extended.labels.get("kept").map(String::as_str), Some("yes"));
+    destroy(&sleeper.id);
+}
+
+#[test]
+fn destroy_leaves_no_process_socket_or_file() {
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let run_dir = d.state_dir.join("sandboxes").join(&s.id);
+    assert!(run_dir.join("vsock").exists() && pid_alive(s.pid));
+
+    destroy(&s.id);
+
+    assert!(!pid_alive(s.pid), "VMM {} still runs", s.pid);
+    assert!(!run_dir.exists(), "{} is left", run_dir.display());
+    assert_eq!(status(get(&s.id)).0, 404);
+    assert_eq!(status(exec(&s.id, &["true"])).0, 404);
+    assert_eq!(status(download(&s.id, "/etc/hostname")).0, 404);
+    let (code, msg) =
+        status(api().send("DELETE", &format!("/v1/sandboxes/{}", s.id), Payload::None));
+    assert_eq!(code, 404, "{msg}");
+}
+
+#[test]
+fn a_killed_vmm_is_reported_failed_and_the_others_carry_on() {
+    let (d, _g) = shared();
+    let victim = create("base").sandbox;
+    let bystander = create("base").sandbox;
+
+    // SAFETY: kill(2) on the VMM's pid, which the daemon reported.
+    unsafe { libc::kill(victim.pid as i32, libc::SIGKILL) };
+    wait_until("the daemon to notice", || {
+        get(&victim.id).expect("still listed").state == SandboxState::Failed
+    });
+    let failed = get(&victim.id).expect("failed sandbox");
+    let refused = status(exec(&victim.id, &["true"]));
+
+    assert!(
+        failed.error.as_deref().unwrap_or("").contains("SIGKILL"),
+        "{failed:?}"
+    );
+    assert_eq!(refused.0, 409);
+    assert_eq!(sh(&bystander.id, "echo fine").stdout, "fine\n");
+    destroy(&victim.id);
+    assert!(!d.state_dir.join("sandboxes").join(&victim.id).exists());
+    destroy(&bystander.id);
+}
+
+#[test]
+fn a_restarted_daemon_finds_its_sandboxes_and_reports_the_vanished() {
+    let d = daemon();
+    let _exclusive = DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner());
+    let survivor = create("base").sandbox;
+    let vanished = create("base").sandbox;
+    upload(&survivor.id, "/tmp/note", b"still here").expect("upload");
+
+    d.kill();
+    // SAFETY: kill(2) on a VMM's pid while its daemon is down.
+    unsafe { libc::kill(vanished.pid as i32, libc::SIGKILL) };
+    wait_until("the VMM to go", || {
+        !pid_alive(vanished.pid) || {
+            let stat =
+                std::fs::read_to_string(format!("/proc/{}/stat", vanished.pid)).unwrap_or_default();
+            stat.contains(") Z ")
+        }
+    });
+    d.start(&[]);
+
+    let found = get(&survivor.id).expect("the survivor is listed");
+    let lost = get(&vanished.id).expect("the vanished one is listed");
+
+    assert_eq!(found.state, SandboxState::Running);
+    assert_eq!(
+        download(&survivor.id, "/tmp/note").expect("download"),
+        b"still here"
+    );
+    assert_eq!(lost.state, SandboxState::Failed);
+    assert!(
+        lost.error
+            .as_deref()
+            .unwrap_or("")
+            .contains("gone when the daemon started"),
+        "{lost:?}"
+    );
+    destroy(&survivor.id);
+    destroy(&vanished.id);
+}
+
+#[test]
+fn a_full_host_refuses_creates_with_429() {
+    let d = daemon();
+    let _exclusive = DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner());
+    let live: Vec<SandboxInfo> = api().call("GET", "/v1/sandboxes", None).expect("list");
+    let max = (live.len() + 1).to_string();
+    d.kill();
+    d.start(&["--max-sandboxes", &max]);
+
+    let fits = create("base").sandbox;
+    let refused = status(create_with(json!({ "template": "base" })));
+    destroy(&fits.id);
+    let fits_again = create("base").sandbox;
+    d.kill();
+    d.start(&[]);
+
+    assert_eq!(refused.0, 429, "{}", refused.1);
+    assert!(refused.1.contains("maximum"), "{}", refused.1);
+    destroy(&fits_again.id);
+}
+
+#[test]
+fn creates_succeed_with_both_cores_busy() {
+    let (_d, _g) = shared();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let created: Vec<Created> = std::thread::scope(|s| {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        for _ in 0..cpus {
+            s.spawn(|| {
+                let mut x = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                }
+            });
+        }
+        let made = (0..3).map(|_| create("base")).collect();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        made
+    });
+
+    for c in &created {
+        assert_eq!(sh(&c.sandbox.id, "hostname").stdout.trim(), c.sandbox.id);
+        destroy(&c.sandbox.id);
+    }
+}
+
+#[test]
+fn bad_requests_get_clear_errors_and_change_nothing() {
+    let (d, _g) = shared();
+    let templates_before = std::fs::read_dir(d.state_dir.join("templates"))
+        .expect("templates dir")
+        .count();
+    let raw = |method: &str, path: &str, body: &[u8]| {
+        status(api().send(method, path, Payload::Json(body.to_vec())))
+    };
+    let s = create("base").sandbox;
+
+    let cases = [
+        (raw("POST", "/v1/sandboxes", b"{bad"), 400, "malformed JSON"),
+        (
+            raw("POST", "/v1/sandboxes", br#"{"template":"base","x":1}"#),
+            400,
+            "unknown field",
+        ),
+        (
+            raw("POST", "/v1/sandboxes", br#"{"template":"nope"}"#),
+            404,
+            "no template",
+        ),
+        (
+            raw(
+                "POST",
+                "/v1/sandboxes",
+                br#"{"template":"base","labels":{"a b":"c"}}"#,
+            ),
+            400,
+            "label",
+        ),
+        (
+            raw("POST", "/v1/sandboxes", &vec![b' '; 2 << 20]),
+            413,
+            "limit",
+        ),
+        (
+            raw("GET", "/v1/sandboxes?state=weird", b""),
+            400,
+            "unknown state",
+        ),
+        (
+            raw(
+                "POST",
+                &format!("/v1/sandboxes/{}/exec", s.id),
+                br#"{"argv":[]}"#,
+            ),
+            400,
+            "argv",
+        ),
+        (
+            raw(
+                "GET",
+                &format!("/v1/sandboxes/{}/files?path=relative", s.id),
+                b"",
+            ),
+            400,
+            "absolute",
+        ),
+        (
+            raw(
+                "GET",
+                &format!("/v1/sandboxes/{}/files?path=/nonexistent", s.id),
+                b"",
+            ),
+            404,
+            "No such file",
+        ),
+        (
+            raw(
+                "POST",
+                &format!("/v1/sandboxes/{}/exec", s.id),
+                br#"{"argv":["/nonexistent"]}"#,
+            ),
+            404,
+            "cannot run",
+        ),
+        (
+            raw("PUT", "/v1/pools/nope", br#"{"size":1}"#),
+            404,
+            "no template",
+        ),
+        (
+            raw("POST", "/v1/templates", br#"{"name":"Bad Name"}"#),
+            400,
+            "template name",
+        ),
+        (
+            raw("POST", "/v1/templates", br#"{"name":"base"}"#),
+            409,
+            "exists",
+        ),
+        (raw("POST", "/v1/nowhere", b""), 404, "no such route"),
+    ];
+    let hostile_tar = d.state_dir.with_extension("hostile.tar");
+    std::fs::write(&hostile_tar, hostile_tar_bytes()).expect("tar");
+    let tar_build = build_template(
+        "hostile",
+        json!({ "name": "hostile", "rootfs": { "kind": "tar", "path": hostile_tar } }),
+    );
+    let boot_failure = build_template(
+        "noboot",
+        json!({ "name": "noboot", "kernel": "/nonexistent/vmlinux" }),
+    );
+
+    for ((code, message), want, says) in cases {
+        assert_eq!(code, want, "{message}");
+        assert!(message.contains(says), "{message} (wanted `{says}`)");
+    }
+    let (code, message) = tar_build.expect_err("hostile tar");
+    assert_eq!(code, 400, "{message}");
+    assert!(message.contains("absolute"), "{message}");
+    let (_, message) = boot_failure.expect_err("boot failure");
+    assert!(message.contains("nonexistent"), "{message}");
+    let templates_after = std::fs::read_dir(d.state_dir.join("templates"))
+        .expect("templates dir")
+        .count();
+    assert_eq!(
+        templates_before, templates_after,
+        "a failed build left files"
+    );
+    // The daemon and the sandbox are unharmed.
+    assert_eq!(sh(&s.id, "echo ok").stdout, "ok\n");
+    destroy(&s.id);
+    let _ = std::fs::remove_file(hostile_tar);
+}
+
+/// A tar whose one entry has an absolute path.
+fn hostile_tar_bytes() -> Vec<u8> {
+    let mut h = [0u8; 512];
+    let name = b"/etc/shadow";
+    h[..name.len()].copy_from_slice(name);
+    h[100..108].copy_from_slice(b"0000644\0");
+    h[108..116].copy_from_slice(b"0000000\0");
+    h[116..124].copy_from_slice(b"0000000\0");
+    h[124..136].copy_from_slice(b"00000000000\0");
+    h[136..148].copy_from_slice(b"00000000000\0");
+    h[156] = b'0';
+    h[257..263].copy_from_slice(b"ustar\0");
+    h[263..265].copy_from_slice(b"00");
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+    h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+    let mut out = h.to_vec();
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+#[test]
+fn destroy_racing_exec_ends_the_stream_and_leaves_the_daemon_whole() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+    let other = create("base").sandbox;
+    let mut resp = api()
+        .send(
+            "POST",
+            &format!("/v1/sandboxes/{}/exec", s.id),
+            Payload::Json(
+                serde_json::to_vec(
+                    &json!({ "argv": ["/bin/sh", "-c", "echo started; sleep 600"] }),
+                )
+                .expect("json"),
+            ),
+        )
+        .expect("exec");
+    while !matches!(
+        resp.next_line::<ExecEvent>().expect("line"),
+        Some(ExecEvent::Stdout { .. })
+    ) {}
+
+    destroy(&s.id);
+    // The stream ends (an error event, or a body cut short), it does not
+    // hang until the program's sleep is over.
+    let mut ended_well = false;
+    loop {
+        match resp.next_line::<ExecEvent>() {
+            Ok(Some(ExecEvent::Exit { .. })) => ended_well = true,
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+
+    assert!(!ended_well, "the program cannot have exited on its own");
+    assert_eq!(status(get(&s.id)).0, 404);
+    assert!(!pid_alive(s.pid));
+    assert_eq!(sh(&other.id, "echo ok").stdout, "ok\n");
+    destroy(&other.id);
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_gets_its_program_killed() {
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let mut resp = api()
+        .send(
+            "POST",
+            &format!("/v1/sandboxes/{}/exec", s.id),
+            Payload::Json(
+                serde_json::to_vec(
+                    &json!({ "argv": ["/bin/sh", "-c", "while true; do echo flood; done"] }),
+                )
+                .expect("json"),
+            ),
+        )
+        .expect("exec");
+    let mut seen = 0;
+    while seen < 3 {
+        if let Some(ExecEvent::Stdout { .. }) = resp.next_line::<ExecEvent>().expect("line") {
+            seen += 1;
+        }
+    }
+    drop(resp);
+
+    // The guest's agent, asked directly: nothing of the flood is left.
+    let vsock = d.state_dir.join("sandboxes").join(&s.id).join("vsock");
+    wait_until("the flood to be killed", || {
+        let mut agent =
+            husk_host::agent_client::AgentClient::connect(&vsock, PATIENCE).expect("agent");
+        agent
+            .processes()
+            .expect("processes")
+            .iter()
+            .all(|p| p.exit.is_some() || !p.argv.join(" ").contains("flood"))
+    });
+    assert_eq!(sh(&s.id, "echo ok").stdout, "ok\n");
+    destroy(&s.id);
+}
+
+#[test]
+fn a_flipped_byte_in_a_template_fails_verification() {
+    let (_d, _g) = shared();
+    let t = own_template("corrupt-me");
+    let ok: Value = api()
+        .call("POST", "/v1/templates/corrupt-me/verify", None)
+        .expect("verify");
+    let memory = t.snapshot_dir.join("memory");
+    let mut bytes = std::fs::read(&memory).expect("memory file");
+    bytes[4096 * 7 + 3] ^= 0x40;
+    std::fs::write(&memory, bytes).expect("flip");
+
+    let (code, message) =
+        status(api().call::<Value>("POST", "/v1/templates/corrupt-me/verify", None));
+
+    assert_eq!(ok["ok"], true);
+    assert_eq!(code, 409);
+    assert!(message.contains("memory: checksum mismatch"), "{message}");
+    api()
+        .send("DELETE", "/v1/templates/corrupt-me", Payload::None)
+        .expect("remove");
+}
+
+#[test]
+fn every_documented_route_is_served() {
+    let (_d, _g) = shared();
+    let doc: Value =
+        serde_json::from_str(include_str!("../host/openapi.json")).expect("openapi.json");
+
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for method in item.as_object().expect("item").keys() {
+            let concrete = path
+                .replace("{id}", "sb-000000000000")
+                .replace("{template}", "nope");
+            let result = api().send(
+                &method.to_uppercase(),
+                &format!("{concrete}?path=/x"),
+                Payload::Json(b"{}".to_vec()),
+            );
+            if let Err(ApiClientError::Status { status, message }) = result {
+                assert!(
+                    status != 405 && !message.contains("no such route"),
+                    "{method} {path}: {status} {message}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_tcp_api_wants_the_bearer_token() {
+    let (d, _g) = shared();
+    let anonymous = ApiClient::new(Endpoint::Tcp(d.tcp.clone(), String::new()));
+    let wrong = ApiClient::new(Endpoint::Tcp(d.tcp.clone(), "x".repeat(26)));
+    let right = ApiClient::new(Endpoint::Tcp(d.tcp.clone(), d.token.clone()));
+
+    assert_eq!(
+        status(anonymous.call::<Value>("GET", "/v1/info", None)).0,
+        401
+    );
+    assert_eq!(
+        status(wrong.call::<Value>("GET", "/v1/sandboxes", None)).0,
+        401
+    );
+    assert!(right.call::<Value>("GET", "/v1/info", None).is_ok());
+}
+
+#[test]
+fn metrics_and_the_audit_log_record_the_work() {
+    let (_d, _g) = shared();
+    let s = create_with(json!({ "template": "base", "labels": { "suite": "metrics" } }))
+        .expect("create")
+        .sandbox;
+    sh(&s.id, "true");
+    let listed: Vec<SandboxInfo> = api()
+        .call("GET", "/v1/sandboxes?label=suite%3Dmetrics", None)
+        .expect("filtered list");
+    destroy(&s.id);
+
+    let mut text = String::new();
+    api()
+        .send("GET", "/metrics", Payload::None)
+        .expect("metrics")
+        .read_to_string(&mut text)
+        .expect("text");
+    let audit: Vec<AuditEntry> = api()
+        .call("GET", &format!("/v1/audit?sandbox={}", s.id), None)
+        .expect("audit");
+    let actions: Vec<&str> = audit.iter().map(|e| e.action.as_str()).collect();
+
+    assert_eq!(
+        listed.iter().map(|l| l.id.as_str()).collect::<Vec<_>>(),
+        [s.id.as_str()]
+    );
+    assert!(
+        text.contains("husk_create_seconds_count{pooled=\"false\"}"),
+        "{text}"
+    );
+    assert!(text.contains("husk_sandboxes{state=\"running\"}"), "{text}");
+    assert!(text.contains("husk_daemon_resident_bytes"), "{text}");
+    assert_eq!(actions, ["create", "exec", "destroy"]);
+    assert!(audit[0].who.starts_with("uid="), "{:?}", audit[0]);
+}
+
+#[test]
+fn a_template_from_a_tar_archive_boots_with_its_files() {
+    let (d, _g) = shared();
+    let tree = d.state_dir.with_extension("ctr");
+    let _ = std::fs::remove_dir_all(&tree);
+    std::fs::create_dir_all(tree.join("bin")).expect("bin");
+    std::fs::create_dir_all(tree.join("etc")).expect("etc");
+    std::fs::copy("/bin/busybox", tree.join("bin/busybox")).expect("busybox");
+    std::os::unix::fs::symlink("busybox", tree.join("bin/sh")).expect("sh");
+    std::os::unix::fs::symlink("busybox", tree.join("bin/cat")).expect("cat");
+    std::fs::write(tree.join("etc/motd"), "from the archive\n").expect("motd");
+    let archive = d.state_dir.with_extension("ctr.tar");
+    let tarred = Command::new("tar")
+        .arg("-C")
+        .arg(&tree)
+        .arg("-cf")
+        .arg(&archive)
+        .arg(".")
+        .status()
+        .expect("tar");
+    assert!(tarred.success());
+
+    let t = build_template(
+        "fromtar",
+        json!({ "name": "fromtar", "rootfs": { "kind": "tar", "path": archive } }),
+    )
+    .expect("build from tar");
+    let s = create("fromtar").sandbox;
+    let ran = sh(&s.id, "cat /etc/motd; cat /proc/mounts | grep ' / '");
+
+    assert_eq!(t.source, format!("tar:{}", archive.display()));
+    assert!(ran.stdout.starts_with("from the archive\n"), "{ran:?}");
+    assert!(ran.stdout.contains(" / ext4 rw"), "{ran:?}");
+    destroy(&s.id);
+    api()
+        .send("DELETE", "/v1/templates/fromtar", Payload::None)
+        .expect("remove");
+    let _ = std::fs::remove_dir_all(tree);
+    let _ = std::fs::remove_file(archive);
+}
+
+#[test]
+fn labels_filter_the_list() {
+    let (_d, _g) = shared();
+    let a = create_with(json!({ "template": "base", "labels": { "team": "red", "tier": "x" } }))
+        .expect("a")
+        .sandbox;
+    let b = create_with(json!({ "template": "base", "labels": { "team": "blue" } }))
+        .expect("b")
+        .sandbox;
+
+    let red: Vec<SandboxInfo> = api()
+        .call("GET", "/v1/sandboxes?label=team%3Dred&label=tier%3Dx", None)
+        .expect("list");
+    let blue: Vec<SandboxInfo> = api()
+        .call("GET", "/v1/sandboxes?label=team%3Dblue&state=running", None)
+        .expect("list");
+
+    assert_eq!(red.iter().map(|s| &s.id).collect::<Vec<_>>(), [&a.id]);
+    assert_eq!(blue.iter().map(|s| &s.id).collect::<Vec<_>>(), [&b.id]);
+    let _: BTreeMap<String, String> = a.labels;
+    destroy(&a.id);
+    destroy(&b.id);
+}
