@@ -1042,3 +1042,33 @@ fn labels_filter_the_list() {
     destroy(&a.id);
     destroy(&b.id);
 }
+
+#[test]
+fn each_vmm_runs_in_its_own_limited_cgroup() {
+    let (_d, _g) = shared();
+    let info: Value = api().call("GET", "/v1/info", None).expect("info");
+    if info["cgroups"] == "none" {
+        eprintln!("skipped: the daemon has no cgroup hierarchy it may manage here (not root?)");
+        return;
+    }
+    let s = create("base").sandbox;
+
+    let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", s.pid)).expect("cgroup");
+    let memory_line = membership
+        .lines()
+        .find(|l| l.contains(":memory:") || l.starts_with("0::"))
+        .expect("a memory cgroup");
+    let rel = memory_line.rsplit(':').next().expect("path");
+    let (limit_file, mount) = if info["cgroups"] == "v1" {
+        ("memory.limit_in_bytes", "/sys/fs/cgroup/memory")
+    } else {
+        ("memory.max", "/sys/fs/cgroup")
+    };
+    let dir = Path::new(mount).join(rel.trim_start_matches('/'));
+    let limit = std::fs::read_to_string(dir.join(limit_file)).expect("limit");
+    destroy(&s.id);
+
+    assert!(rel.ends_with(&format!("husk/{}", s.id)), "{membership}");
+    assert_eq!(limit.trim(), ((128u64 + 128) << 20).to_string());
+    assert!(!dir.exists(), "{} is left after destroy", dir.display());
+}

@@ -256,6 +256,8 @@ struct Info {
     max_sandboxes: u32,
     memory_mib: u64,
     restore_parallel: u32,
+    /// Which cgroup hierarchy limits VMMs ("v1", "v2"), or "none".
+    cgroups: &'static str,
 }
 
 async fn info(State(d): State<Shared>) -> Response {
@@ -267,6 +269,7 @@ async fn info(State(d): State<Shared>) -> Response {
             max_sandboxes: cfg.max_sandboxes,
             memory_mib: cfg.memory_mib,
             restore_parallel: cfg.restore_parallel,
+            cgroups: cfg.cgroups.as_ref().map_or("none", |h| h.name()),
         },
     )
 }

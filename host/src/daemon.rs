@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::agent_client::{AgentClient, ClientError};
+use crate::cgroup::{Cgroup, Hierarchy, Limits};
 use crate::metrics::Metrics;
 use crate::readiness::WaitBudget;
 use crate::store::{
@@ -52,6 +53,8 @@ pub struct DaemonConfig {
     pub restore_wait: Duration,
     /// How long a template's boot may take, on a quiet host.
     pub boot_wait: Duration,
+    /// Where each VMM's cgroup goes (None: no limits, a warning).
+    pub cgroups: Option<Hierarchy>,
 }
 
 /// Why a daemon request failed; `api` maps each kind to an HTTP status.
@@ -621,10 +624,25 @@ impl Daemon {
         let launch = Launch::Restore {
             snapshot: t.snapshot_dir.clone(),
         };
-        let child = match vmm_process::spawn(&self.cfg.vmm, &id, &run_dir, &launch) {
+        let cgroup = match &self.cfg.cgroups {
+            Some(h) => match Cgroup::create(h, &id, Limits::for_vm(t.vcpus, t.mem_mib)) {
+                Ok(cg) => Some(cg),
+                Err(e) => {
+                    Cgroup::existing(h, &id).remove();
+                    let _ = std::fs::remove_dir_all(&run_dir);
+                    return Err(DaemonError::Failed(e.to_string()));
+                }
+            },
+            None => None,
+        };
+        let child = match vmm_process::spawn(&self.cfg.vmm, &id, &run_dir, &launch, cgroup.as_ref())
+        {
             Ok(child) => child,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&run_dir);
+                if let Some(cg) = cgroup {
+                    cg.remove();
+                }
                 return Err(DaemonError::Failed(format!(
                     "cannot start {}: {e}",
                     self.cfg.vmm.display()
@@ -985,6 +1003,7 @@ impl Daemon {
             }
         }
         let _ = std::fs::remove_dir_all(&live.rec.run_dir);
+        self.remove_cgroup(id);
         if let Err(e) = self.store.remove_sandbox(id) {
             tracing::error!(sandbox = %id, "cannot remove it from the store: {e}");
         }
@@ -1207,6 +1226,7 @@ impl Daemon {
                 live.rec.clone()
             };
             tracing::warn!(sandbox = %id, "VMM exited ({status}): sandbox failed");
+            self.remove_cgroup(&id);
             let _ = self.store.put_sandbox(&rec);
             let _ = self
                 .store
@@ -1250,6 +1270,12 @@ impl Daemon {
                 Ok(()) => tracing::info!(sandbox = %id, ?policy, "time to live ran out"),
                 Err(e) => tracing::warn!(sandbox = %id, "expiry failed: {e}"),
             }
+        }
+    }
+
+    fn remove_cgroup(&self, id: &str) {
+        if let Some(h) = &self.cfg.cgroups {
+            Cgroup::existing(h, id).remove();
         }
     }
 

@@ -10,6 +10,7 @@
 //! - [`template`], [`rootfs`]: template builds, checksums, root file
 //!   system images from a directory or a tar archive;
 //! - [`vmm_process`]: one husk-vmm process (start, find again, stop);
+//!   [`cgroup`]: its memory, CPU and pid limits (cgroup v2 or v1);
 //! - [`metrics`]: Prometheus text at /metrics;
 //! - [`agent_client`]: a typed client of the guest agent over the VMM's
 //!   vsock socket;
@@ -21,6 +22,7 @@
 pub mod agent_client;
 pub mod api;
 pub mod api_client;
+pub mod cgroup;
 pub mod daemon;
 pub mod metrics;
 pub mod readiness;

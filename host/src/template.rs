@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::agent_client::{AgentClient, ClientError};
+use crate::cgroup::{Cgroup, Limits};
 use crate::daemon::{DaemonConfig, AGENT_TIMEOUT};
 use crate::readiness::WaitBudget;
 use crate::store::{now_unix_ms, SandboxRecord, TemplateRecord};
@@ -176,10 +177,27 @@ fn build_in(
         vcpus: spec.vcpus,
         mem_mib: spec.mem_mib,
     };
-    let mut child = vmm_process::spawn(&cfg.vmm, id, &run, &launch).map_err(io(&cfg.vmm))?;
-    let outcome = boot_and_snapshot(cfg, &run, dir, &mut child, &spec, &mut phases, progress);
-    let _ = child.kill();
-    let _ = child.wait();
+    let cgroup = match &cfg.cgroups {
+        Some(h) => Some(
+            Cgroup::create(h, id, Limits::for_vm(spec.vcpus, spec.mem_mib))
+                .map_err(|e| TemplateError::Build(e.to_string()))?,
+        ),
+        None => None,
+    };
+    let spawned = vmm_process::spawn(&cfg.vmm, id, &run, &launch, cgroup.as_ref());
+    let outcome = match spawned {
+        Ok(mut child) => {
+            let outcome =
+                boot_and_snapshot(cfg, &run, dir, &mut child, &spec, &mut phases, progress);
+            let _ = child.kill();
+            let _ = child.wait();
+            outcome
+        }
+        Err(e) => Err(format!("cannot start {}: {e}", cfg.vmm.display())),
+    };
+    if let Some(cg) = cgroup {
+        cg.remove();
+    }
     let console = run.join(vmm_process::CONSOLE);
     let failure_report = || {
         format!(

@@ -9,6 +9,8 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use crate::cgroup::Cgroup;
+
 /// A VMM's files in its run directory.
 pub const VSOCK: &str = "vsock";
 pub const API: &str = "api";
@@ -39,8 +41,15 @@ pub enum Launch {
 }
 
 /// Starts `husk-vmm` for sandbox `id` with its files in `run_dir` (which
-/// must exist). stderr (its log) goes to `run_dir/vmm.log`.
-pub fn spawn(vmm: &Path, id: &str, run_dir: &Path, launch: &Launch) -> std::io::Result<Child> {
+/// must exist), in `cgroup` if given. stderr (its log) goes to
+/// `run_dir/vmm.log`.
+pub fn spawn(
+    vmm: &Path,
+    id: &str,
+    run_dir: &Path,
+    launch: &Launch,
+    cgroup: Option<&Cgroup>,
+) -> std::io::Result<Child> {
     let mut cmd = Command::new(vmm);
     cmd.args(["--id", id]);
     match launch {
@@ -88,6 +97,14 @@ pub fn spawn(vmm: &Path, id: &str, run_dir: &Path, launch: &Launch) -> std::io::
         // Its own process group: a signal to the daemon's group (Ctrl-C)
         // does not reach the sandboxes, and they outlive a daemon restart.
         .process_group(0);
+    if let Some(cgroup) = cgroup {
+        let procs = cgroup.procs_files();
+        // SAFETY: join_in_child allocates nothing and makes only
+        // async-signal-safe calls (getpid, open, write, close).
+        unsafe {
+            cmd.pre_exec(move || crate::cgroup::join_in_child(&procs));
+        }
+    }
     cmd.spawn()
 }
 

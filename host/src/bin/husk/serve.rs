@@ -56,6 +56,10 @@ pub struct ServeArgs {
     /// Seconds a template's boot may take on a quiet host.
     #[arg(long, default_value_t = 900)]
     pub boot_wait_s: u64,
+    /// Run VMMs without cgroup limits (by default each gets memory, CPU
+    /// and pid limits when this host's cgroups can be managed).
+    #[arg(long)]
+    pub no_cgroups: bool,
 }
 
 /// The state directory when none is given.
@@ -114,6 +118,18 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         restore_parallel: args.restore_parallel.unwrap_or(cpus),
         restore_wait: Duration::from_secs(args.restore_wait_s),
         boot_wait: Duration::from_secs(args.boot_wait_s),
+        cgroups: if args.no_cgroups {
+            None
+        } else {
+            let h = husk_host::cgroup::Hierarchy::detect();
+            match &h {
+                Some(h) => tracing::info!("VMMs get cgroup {} limits", h.name()),
+                None => tracing::warn!(
+                    "no writable cgroup hierarchy with memory, cpu and pids: VMMs run without limits"
+                ),
+            }
+            h
+        },
     };
     let token = match &args.token_file {
         Some(f) => Some(
