@@ -1,6 +1,7 @@
 # The two commands a new user needs (see README.md):
-#   make run    build what is missing, boot a sandbox, run a command in it, snapshot it,
-#               restore a clone and run the command there, showing the timings
+#   make run    build what is missing, start the daemon, build a template (one boot and a
+#               snapshot), fill a warm pool, create a sandbox from it, run a command in it,
+#               destroy it, showing the timings
 #   make test   run every test (unit tests and real-guest integration tests)
 #
 # The guest kernel is built once and cached under ~/.cache/husk (kernel-config/build.sh);
@@ -15,22 +16,23 @@ CMD ?= /bin/busybox uname -a
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
 	cargo build --quiet --release --locked -p husk-vmm -p husk-host; \
-	bin=target/release; dir=$$(mktemp -d /tmp/husk-run.XXXXXX); clone=; \
-	trap 'kill $$base $$clone 2>/dev/null; rm -rf "$$dir"' EXIT; \
-	echo "== 1. cold boot of $$kernel with $$initramfs" >&2; \
-	$$bin/husk-vmm --kernel "$$kernel" --initramfs "$$initramfs" --serial "$$dir/boot.console" \
-		--vsock "cid=3,path=$$dir/boot.vsock" --api-sock "$$dir/boot.api" > "$$dir/boot.out" & base=$$!; \
-	$$bin/husk ping --wait-s 900 "$$dir/boot.vsock"; \
-	echo "== 2. run in it: $(CMD)" >&2; \
-	$$bin/husk exec "$$dir/boot.vsock" -- $(CMD); \
-	echo "== 3. snapshot it (times in microseconds)" >&2; \
-	$$bin/husk snapshot "$$dir/boot.api" "$$dir/snapshot"; \
-	kill $$base; wait $$base || true; cat "$$dir/boot.out"; \
-	echo "== 4. restore a clone of the snapshot (times in ms since its husk-vmm started)" >&2; \
-	restored=$$($$bin/husk restore "$$dir/snapshot" --run-dir "$$dir" --name sandbox); \
-	echo "$$restored"; clone=$$(echo "$$restored" | sed -n 's/.* pid=\([0-9]*\) .*/\1/p'); \
-	echo "== 5. run in the clone: $(CMD)" >&2; \
-	$$bin/husk exec "$$dir/sandbox-0.vsock" -- $(CMD)
+	husk=$$PWD/target/release/husk; dir=$$(mktemp -d /tmp/husk-run.XXXXXX); daemon=; \
+	export HUSK_HOST=$$dir/husk.sock; \
+	trap '{ [ -z "$$daemon" ] || kill $$daemon; wait; pkill -9 -f "$$dir"; } 2>/dev/null || true; rm -rf "$$dir"' EXIT; \
+	echo "== 1. start the daemon (husk serve, state in $$dir)" >&2; \
+	$$husk serve --state-dir "$$dir" --kernel "$$kernel" --initramfs "$$initramfs" 2> "$$dir/daemon.log" & daemon=$$!; \
+	for i in $$(seq 100); do $$husk template ls >/dev/null 2>&1 && break; sleep 0.1; done; \
+	echo "== 2. build a template: boot $$kernel once, snapshot it" >&2; \
+	$$husk template build base; \
+	echo "== 3. fill a warm pool of 2 clones (restored, then paused)" >&2; \
+	start=$$(date +%s%N); $$husk pool set base 2 >/dev/null; \
+	until $$husk pool ls --json | grep -q '"ready": 2'; do sleep 0.2; done; \
+	echo "pool ready in $$(( ($$(date +%s%N) - start) / 1000000 )) ms" >&2; \
+	echo "== 4. create a sandbox from the pool and run in it: $(CMD)" >&2; \
+	start=$$(date +%s%N); $$husk run --rm base -- $(CMD); \
+	echo "create + exec + destroy in $$(( ($$(date +%s%N) - start) / 1000000 )) ms" >&2; \
+	echo "== 5. the pool, refilled" >&2; \
+	$$husk pool ls; $$husk pool set base 0 >/dev/null; $$husk ps
 
 test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
@@ -44,4 +46,5 @@ lint:
 
 bench:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
-	cargo bench --locked --bench boot_timeline --bench devices --bench agent --bench snapshot
+	cargo build --release --locked -p husk-host; \
+	cargo bench --locked --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon

@@ -115,7 +115,9 @@ pub struct Cgroup {
 
 /// Errors setting up a cgroup.
 #[derive(Debug, thiserror::Error)]
-#[error("cgroup {path}: {source} (run the daemon as root, or on a host whose cgroups it may manage)")]
+#[error(
+    "cgroup {path}: {source} (run the daemon as root, or on a host whose cgroups it may manage)"
+)]
 pub struct CgroupError {
     path: PathBuf,
     #[source]
@@ -192,7 +194,9 @@ impl Cgroup {
     pub fn procs_files(&self) -> Vec<CString> {
         self.dirs
             .iter()
-            .filter_map(|d| CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok())
+            .filter_map(|d| {
+                CString::new(d.join("cgroup.procs").into_os_string().into_encoded_bytes()).ok()
+            })
             .collect()
     }
 
