@@ -1,9 +1,11 @@
 //! The daemon (`husk serve`) end to end, as a client sees it:
 //!
 //!     make bench   (or: cargo build --release -p husk-host && cargo bench --bench daemon)
-//!     HUSK_BENCH_CREATES=20 HUSK_BENCH_RESTORES=10 HUSK_BENCH_IDLE=10
+//!     HUSK_BENCH_CREATES=20 HUSK_BENCH_RESTORES=20 HUSK_BENCH_IDLE=10
 //!
 //! Starts a daemon, builds a 128 MiB template (one boot), then measures:
+//! - pool refill: an empty pool of 4 filled, on a quiet host and with
+//!   every core busy;
 //! - pooled create: the API call (`POST /v1/sandboxes`) until the daemon
 //!   answers with a sandbox whose agent has answered (a parked clone is
 //!   resumed and its clock set: one guest round trip);
@@ -220,6 +222,36 @@ fn main() {
         info["cgroups"]
     );
 
+    // Pool refill: from empty to 4 parked clones, quiet, then with every
+    // core busy.
+    let fill = |label: &str| {
+        let t = Instant::now();
+        bench
+            .api
+            .call::<PoolInfo>("PUT", "/v1/pools/base", Some(&json!({ "size": 4 })))
+            .expect("pool");
+        while bench.pool().ready < 4 {
+            assert!(
+                t.elapsed() < Duration::from_secs(900),
+                "the pool did not fill"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        println!(
+            "pool of 4 filled from empty ({label}): {:.0} ms",
+            t.elapsed().as_secs_f64() * 1000.0
+        );
+        bench
+            .api
+            .call::<PoolInfo>("PUT", "/v1/pools/base", Some(&json!({ "size": 0 })))
+            .expect("pool off");
+    };
+    fill("quiet host");
+    {
+        let _load = Load::start();
+        fill("all cores busy");
+    }
+
     // Pooled creates.
     let creates = env_count("HUSK_BENCH_CREATES", 20);
     bench
@@ -248,7 +280,7 @@ fn main() {
     summary("pooled create", &pooled);
 
     // Creates without a pool, quiet and busy.
-    let restores = env_count("HUSK_BENCH_RESTORES", 10);
+    let restores = env_count("HUSK_BENCH_RESTORES", 20);
     let (mut quiet, mut first_output, mut quiet_failed) = (Vec::new(), Vec::new(), 0);
     for _ in 0..restores {
         match bench.create("base") {

@@ -129,6 +129,7 @@ fn daemon() -> &'static TestDaemon {
             kill_everything_under(&dir);
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
+            let _ = std::fs::remove_file(dir.with_extension("log"));
         }
         let state_dir =
             std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
@@ -385,6 +386,10 @@ fn eight_concurrent_creates_against_a_pool_of_four_all_succeed() {
             .map(|h| h.join().expect("create"))
             .collect()
     });
+    // No more refills while the guests run their commands.
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/pool4", Some(&json!({ "size": 0 })))
+        .expect("pool off");
     let ids: std::collections::BTreeSet<&str> =
         created.iter().map(|c| c.sandbox.id.as_str()).collect();
     let hostnames: Vec<(String, String)> = std::thread::scope(|s| {
@@ -406,9 +411,6 @@ fn eight_concurrent_creates_against_a_pool_of_four_all_succeed() {
     for (id, hostname) in hostnames {
         assert_eq!(hostname.trim(), id);
     }
-    api()
-        .call::<PoolInfo>("PUT", "/v1/pools/pool4", Some(&json!({ "size": 0 })))
-        .expect("pool off");
     for c in &created {
         destroy(&c.sandbox.id);
     }
@@ -1071,4 +1073,81 @@ fn each_vmm_runs_in_its_own_limited_cgroup() {
     assert!(rel.ends_with(&format!("husk/{}", s.id)), "{membership}");
     assert_eq!(limit.trim(), ((128u64 + 128) << 20).to_string());
     assert!(!dir.exists(), "{} is left after destroy", dir.display());
+}
+
+/// A reader that gives `n` bytes, then fails (a client that dies).
+struct BreaksAfter(usize);
+
+impl Read for BreaksAfter {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.0 == 0 {
+            return Err(std::io::Error::other("the client died"));
+        }
+        let n = buf.len().min(self.0);
+        buf[..n].fill(b'x');
+        self.0 -= n;
+        Ok(n)
+    }
+}
+
+#[test]
+fn an_upload_broken_off_leaves_no_file() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+
+    let broken = api().send(
+        "PUT",
+        &format!("/v1/sandboxes/{}/files?path=/tmp/partial", s.id),
+        Payload::Stream(&mut BreaksAfter(200_000)),
+    );
+    // The daemon sees the body end early and drops the agent connection;
+    // the agent removes its temporary file and never renames it into
+    // place. A committed partial file would stay, and this would time out.
+    wait_until("no trace of the broken upload in the guest", || {
+        !sh(&s.id, "ls -a /tmp").stdout.contains("partial")
+    });
+
+    assert!(broken.is_err());
+    assert_eq!(status(download(&s.id, "/tmp/partial")).0, 404);
+    destroy(&s.id);
+}
+
+#[test]
+fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
+    let (_d, _g) = shared();
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: creating TAP devices needs root (CAP_NET_ADMIN)");
+        return;
+    }
+    let t = build_template("net", json!({ "name": "net", "network": true }))
+        .expect("build a template with a network device");
+    let a = create("net").sandbox;
+    let b = create("net").sandbox;
+    let tap_a = a.tap.clone().expect("a TAP");
+    let tap_exists = |tap: &str| {
+        Command::new("ip")
+            .args(["link", "show", tap])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("ip")
+            .success()
+    };
+
+    let mac_a = sh(&a.id, "cat /sys/class/net/eth0/address").stdout;
+    let mac_b = sh(&b.id, "cat /sys/class/net/eth0/address").stdout;
+    let up_while_running = tap_exists(&tap_a);
+    destroy(&a.id);
+
+    assert!(t.network);
+    assert_eq!(mac_a.trim(), a.mac.as_deref().expect("a MAC"));
+    assert_eq!(mac_b.trim(), b.mac.as_deref().expect("a MAC"));
+    assert_ne!(a.mac, b.mac);
+    assert!(up_while_running, "{tap_a} missing while its sandbox runs");
+    assert!(!tap_exists(&tap_a), "{tap_a} is left after destroy");
+    destroy(&b.id);
+    api()
+        .send("DELETE", "/v1/templates/net", Payload::None)
+        .expect("remove");
 }

@@ -235,7 +235,13 @@ impl ApiClient {
         // A daemon that refuses the request early (a body over its limit)
         // answers and closes before the body is all sent: its answer is
         // what matters, so a failed write is reported only without one.
-        let written = write_request(&mut *conn, head.as_bytes(), payload);
+        let written = match write_request(&mut *conn, head.as_bytes(), payload) {
+            // Our own body failed (a file that cannot be read): the
+            // request is abandoned, and the connection closed with it.
+            Err(Failed::Payload(e)) => return Err(e.into()),
+            Err(Failed::Socket(e)) => Err(e),
+            Ok(()) => Ok(()),
+        };
         let response = match (read_head(BufReader::new(conn)), written) {
             (Ok(r), _) => r,
             (Err(_), Err(e)) => return Err(e.into()),
@@ -267,26 +273,36 @@ impl ApiClient {
     }
 }
 
-fn write_request(conn: &mut dyn Conn, head: &[u8], payload: Payload<'_>) -> std::io::Result<()> {
-    conn.write_all(head)?;
+/// Why a request could not be written.
+enum Failed {
+    /// The request body's reader failed.
+    Payload(std::io::Error),
+    /// The connection failed (the daemon may have answered early).
+    Socket(std::io::Error),
+}
+
+fn write_request(conn: &mut dyn Conn, head: &[u8], payload: Payload<'_>) -> Result<(), Failed> {
+    let sock = Failed::Socket;
+    conn.write_all(head).map_err(sock)?;
     match payload {
         Payload::None => {}
-        Payload::Json(body) => conn.write_all(&body)?,
+        Payload::Json(body) => conn.write_all(&body).map_err(sock)?,
         Payload::Stream(reader) => {
             let mut buf = vec![0u8; 64 << 10];
             loop {
-                let n = reader.read(&mut buf)?;
+                let n = reader.read(&mut buf).map_err(Failed::Payload)?;
                 if n == 0 {
                     break;
                 }
-                conn.write_all(format!("{n:x}\r\n").as_bytes())?;
-                conn.write_all(&buf[..n])?;
-                conn.write_all(b"\r\n")?;
+                conn.write_all(format!("{n:x}\r\n").as_bytes())
+                    .map_err(sock)?;
+                conn.write_all(&buf[..n]).map_err(sock)?;
+                conn.write_all(b"\r\n").map_err(sock)?;
             }
-            conn.write_all(b"0\r\n\r\n")?;
+            conn.write_all(b"0\r\n\r\n").map_err(sock)?;
         }
     }
-    conn.flush()
+    conn.flush().map_err(sock)
 }
 
 fn read_head(mut conn: BufReader<Box<dyn Conn>>) -> Result<Response, ApiClientError> {

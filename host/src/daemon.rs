@@ -112,6 +112,11 @@ pub struct SandboxInfo {
     pub on_expiry: ExpiryPolicy,
     pub labels: BTreeMap<String, String>,
     pub error: Option<String>,
+    /// Its TAP device and the guest's MAC address, if it has a network.
+    #[serde(default)]
+    pub tap: Option<String>,
+    #[serde(default)]
+    pub mac: Option<String>,
 }
 
 /// What a create did.
@@ -174,6 +179,9 @@ struct Inner {
     hits: HashMap<String, (u64, u64)>,
     /// Template names being built.
     building: Vec<String>,
+    /// Room promised to creates whose restore has not registered its
+    /// sandbox yet: (guest MiB, sandboxes).
+    reserved: (u64, u32),
 }
 
 /// A counting semaphore for restore slots.
@@ -239,6 +247,8 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         on_expiry: rec.on_expiry,
         labels: rec.labels.clone(),
         error: rec.error.clone(),
+        tap: rec.tap.clone(),
+        mac: rec.mac.clone(),
     }
 }
 
@@ -469,9 +479,10 @@ impl Daemon {
         let (mut rec, pooled) = match self.claim(&t)? {
             Some(rec) => (rec, true),
             None => {
-                self.make_room(&t)?;
+                let room = self.make_room(&t)?;
                 let _slot = self.slots.acquire();
-                (self.restore(&t, SandboxState::Running)?.0, false)
+                let restored = self.restore(&t, SandboxState::Running, Some(room))?;
+                (restored.0, false)
             }
         };
         rec.expires_unix_ms = expires;
@@ -570,12 +581,16 @@ impl Daemon {
             .sandboxes
             .values()
             .filter(|l| l.rec.state != SandboxState::Failed);
-        live.fold((0, 0), |(m, n), l| (m + u64::from(l.rec.mem_mib), n + 1))
+        live.fold(inner.reserved, |(m, n), l| {
+            (m + u64::from(l.rec.mem_mib), n + 1)
+        })
     }
 
     /// Makes room for one more sandbox of `t`: parked clones go first
-    /// (oldest first); refused if that is not enough.
-    fn make_room(&self, t: &TemplateRecord) -> Result<(), DaemonError> {
+    /// (oldest first); refused if that is not enough. The room is held
+    /// for the caller until the guard drops (concurrent creates cannot
+    /// both take the last room).
+    fn make_room(&self, t: &TemplateRecord) -> Result<Reservation<'_>, DaemonError> {
         loop {
             let victim = {
                 let mut inner = self.lock();
@@ -583,7 +598,12 @@ impl Daemon {
                 let fits = count < self.cfg.max_sandboxes
                     && mem + u64::from(t.mem_mib) <= self.cfg.memory_mib;
                 if fits {
-                    return Ok(());
+                    inner.reserved.0 += u64::from(t.mem_mib);
+                    inner.reserved.1 += 1;
+                    return Ok(Reservation {
+                        daemon: self,
+                        mem_mib: u64::from(t.mem_mib),
+                    });
                 }
                 let victim = inner.parked.values_mut().find_map(|q| q.pop_front());
                 match victim {
@@ -616,6 +636,7 @@ impl Daemon {
         &self,
         t: &TemplateRecord,
         state: SandboxState,
+        room: Option<Reservation<'_>>,
     ) -> Result<(SandboxRecord, AgentClient), DaemonError> {
         let started = Instant::now();
         let id = new_id("sb");
@@ -635,8 +656,20 @@ impl Daemon {
             },
             None => None,
         };
-        let child = match vmm_process::spawn(&self.cfg.vmm, &id, &run_dir, &launch, cgroup.as_ref())
-        {
+        let nic = if t.network {
+            Some(vmm_process::Nic::for_vm("hk", &id)?)
+        } else {
+            None
+        };
+        let spawned = vmm_process::spawn(
+            &self.cfg.vmm,
+            &id,
+            &run_dir,
+            &launch,
+            cgroup.as_ref(),
+            nic.as_ref(),
+        );
+        let child = match spawned {
             Ok(child) => child,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&run_dir);
@@ -663,6 +696,8 @@ impl Daemon {
             on_expiry: ExpiryPolicy::Destroy,
             labels: BTreeMap::new(),
             error: None,
+            tap: nic.as_ref().map(|n| n.tap.clone()),
+            mac: nic.as_ref().map(vmm_process::Nic::mac_text),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -674,7 +709,9 @@ impl Daemon {
                 child: Some(child),
             },
         );
-        let result = self.bring_up(&rec);
+        // The sandbox now counts itself.
+        drop(room);
+        let result = self.bring_up(&rec, nic.map(|n| n.mac));
         match result {
             Ok(client) => {
                 self.metrics
@@ -704,7 +741,11 @@ impl Daemon {
     }
 
     /// Waits for a restored clone's agent (its VMM exiting ends the wait).
-    fn bring_up(&self, rec: &SandboxRecord) -> Result<AgentClient, DaemonError> {
+    fn bring_up(
+        &self,
+        rec: &SandboxRecord,
+        mac: Option<[u8; 6]>,
+    ) -> Result<AgentClient, DaemonError> {
         let mut wait = WaitBudget::new(self.cfg.restore_wait);
         let mut alive = || {
             if self.stopping.load(Ordering::SeqCst) {
@@ -733,7 +774,7 @@ impl Daemon {
                 )),
                 },
             )?;
-        client.restored(&rec.id, None)?;
+        client.restored(&rec.id, mac)?;
         Ok(client)
     }
 
@@ -1021,6 +1062,24 @@ impl Daemon {
             )));
         }
         self.store.set_pool(&t.id, size)?;
+        // A shrink waits for the refills in flight (each parks its clone
+        // only if the pool still wants it), so that when it returns the
+        // pool has no more than `size` clones.
+        {
+            let mut inner = self.lock();
+            let give_up = Instant::now() + self.cfg.restore_wait * crate::readiness::MAX_STRETCH;
+            while inner.restoring.get(&t.id).copied().unwrap_or(0) > 0
+                && inner.parked.get(&t.id).map_or(0, VecDeque::len) as u32
+                    + inner.restoring.get(&t.id).copied().unwrap_or(0)
+                    > size
+                && Instant::now() < give_up
+            {
+                inner = self
+                    .pool_wakeup
+                    .wait_timeout(inner, Duration::from_secs(1))
+                    .map_or_else(|e| e.into_inner().0, |(g, _)| g);
+            }
+        }
         // Shrink at once; growing is the pool manager's.
         loop {
             let extra = {
@@ -1131,17 +1190,29 @@ impl Daemon {
     fn refill(&self, t: TemplateRecord) {
         let result = {
             let _slot = self.slots.acquire();
-            self.restore(&t, SandboxState::Starting)
+            self.restore(&t, SandboxState::Starting, None)
         };
         let parked = result.and_then(|(rec, agent)| {
             control(&rec.run_dir, &husk_vmm_api::Request::Pause)?;
             Ok((rec, agent))
         });
+        let target = self
+            .store
+            .pools()
+            .ok()
+            .and_then(|p| p.get(&t.id).copied())
+            .unwrap_or(0);
         let mut inner = self.lock();
         if let Some(n) = inner.restoring.get_mut(&t.id) {
             *n = n.saturating_sub(1);
         }
+        let wanted = (inner.parked.get(&t.id).map_or(0, VecDeque::len) as u32) < target;
         match parked {
+            Ok((rec, _)) if !wanted => {
+                // The pool shrank while this clone restored.
+                drop(inner);
+                self.destroy_quietly(&rec.id);
+            }
             Ok((mut rec, agent)) => {
                 rec.state = SandboxState::Pooled;
                 if let Some(live) = inner.sandboxes.get_mut(&rec.id) {
@@ -1300,6 +1371,20 @@ impl Daemon {
             guest_mem_mib: mem,
             memory_budget_mib: self.cfg.memory_mib,
         }
+    }
+}
+
+/// Room held for one create (see `Daemon::make_room`).
+struct Reservation<'a> {
+    daemon: &'a Daemon,
+    mem_mib: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        let mut inner = self.daemon.lock();
+        inner.reserved.0 -= self.mem_mib;
+        inner.reserved.1 -= 1;
     }
 }
 

@@ -77,6 +77,10 @@ pub struct TemplateRecord {
     pub checksums: BTreeMap<String, String>,
     /// How long the build took, by phase, in ms.
     pub build_ms: BTreeMap<String, f64>,
+    /// Whether its VMs have a network device (each sandbox its own TAP
+    /// and MAC).
+    #[serde(default)]
+    pub network: bool,
 }
 
 /// Where a sandbox is in its life.
@@ -142,6 +146,11 @@ pub struct SandboxRecord {
     pub labels: BTreeMap<String, String>,
     /// Why it failed.
     pub error: Option<String>,
+    /// Its TAP device and the guest's MAC, for a template with a network.
+    #[serde(default)]
+    pub tap: Option<String>,
+    #[serde(default)]
+    pub mac: Option<String>,
 }
 
 /// One entry of the audit log.
@@ -363,6 +372,8 @@ mod tests {
             on_expiry: ExpiryPolicy::Pause,
             labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
             error: None,
+            tap: None,
+            mac: None,
         }
     }
 
@@ -406,6 +417,7 @@ mod tests {
             source: "default".to_owned(),
             checksums: BTreeMap::new(),
             build_ms: BTreeMap::new(),
+            network: false,
         };
         store.put_template(&t).expect("put");
 

@@ -69,6 +69,12 @@ pub struct TemplateSpec {
     /// A guest kernel other than the daemon's.
     #[serde(default)]
     pub kernel: Option<PathBuf>,
+    /// Give its VMs a virtio-net device (each sandbox its own TAP, created
+    /// by its VMM and gone with it, and its own MAC). The TAP is left
+    /// unconfigured: where it leads is the host's (or an egress policy's)
+    /// business.
+    #[serde(default)]
+    pub network: bool,
 }
 
 fn default_vcpus() -> u8 {
@@ -184,7 +190,12 @@ fn build_in(
         ),
         None => None,
     };
-    let spawned = vmm_process::spawn(&cfg.vmm, id, &run, &launch, cgroup.as_ref());
+    let nic = if spec.network {
+        Some(vmm_process::Nic::for_vm("hb", id).map_err(io(Path::new("/dev/urandom")))?)
+    } else {
+        None
+    };
+    let spawned = vmm_process::spawn(&cfg.vmm, id, &run, &launch, cgroup.as_ref(), nic.as_ref());
     let outcome = match spawned {
         Ok(mut child) => {
             let outcome =
@@ -227,6 +238,7 @@ fn build_in(
         source,
         checksums,
         build_ms: phases,
+        network: spec.network,
     })
 }
 
@@ -353,6 +365,7 @@ pub fn from_sandbox(
         source: format!("sandbox:{}", rec.id),
         checksums,
         build_ms: BTreeMap::from([("snapshot".to_owned(), ms(started))]),
+        network: rec.tap.is_some(),
     })
 }
 
@@ -455,6 +468,7 @@ mod tests {
             source: "default".into(),
             checksums: checksum_dir(&dir).expect("checksums"),
             build_ms: BTreeMap::new(),
+            network: false,
         };
         assert!(verify(&t).is_ok());
 

@@ -22,6 +22,37 @@ pub const LOG: &str = "vmm.log";
 /// which spares the guest a transport reset).
 const GUEST_CID: u32 = 3;
 
+/// A VMM's network device: a TAP that husk-vmm creates when it opens it
+/// (so the kernel removes it when the VMM exits: nothing to clean up),
+/// and the guest's MAC address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nic {
+    pub tap: String,
+    pub mac: [u8; 6],
+}
+
+impl Nic {
+    /// A NIC for VM `id`: TAP `<prefix><first 12 hex digits of the id>`
+    /// and a random locally administered MAC.
+    pub fn for_vm(prefix: &str, id: &str) -> std::io::Result<Self> {
+        use std::io::Read;
+        let hex: String = id.chars().filter(char::is_ascii_hexdigit).collect();
+        let tail = &hex[hex.len().saturating_sub(12)..];
+        let mut mac = [0u8; 6];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut mac)?;
+        mac[0] = 0x06;
+        Ok(Nic {
+            tap: format!("{prefix}{tail}"),
+            mac,
+        })
+    }
+
+    pub fn mac_text(&self) -> String {
+        let parts: Vec<String> = self.mac.iter().map(|b| format!("{b:02x}")).collect();
+        parts.join(":")
+    }
+}
+
 /// How a VMM is started.
 #[derive(Debug, Clone)]
 pub enum Launch {
@@ -41,17 +72,22 @@ pub enum Launch {
 }
 
 /// Starts `husk-vmm` for sandbox `id` with its files in `run_dir` (which
-/// must exist), in `cgroup` if given. stderr (its log) goes to
-/// `run_dir/vmm.log`.
+/// must exist), in `cgroup` if given, with `nic` if given. stderr (its
+/// log) goes to `run_dir/vmm.log`.
 pub fn spawn(
     vmm: &Path,
     id: &str,
     run_dir: &Path,
     launch: &Launch,
     cgroup: Option<&Cgroup>,
+    nic: Option<&Nic>,
 ) -> std::io::Result<Child> {
     let mut cmd = Command::new(vmm);
     cmd.args(["--id", id]);
+    if let Some(nic) = nic {
+        cmd.arg("--net")
+            .arg(format!("tap={},mac={}", nic.tap, nic.mac_text()));
+    }
     match launch {
         Launch::Boot {
             kernel,

@@ -275,6 +275,9 @@ enum TemplateCommand {
         vcpus: u8,
         #[arg(long, default_value_t = 128)]
         mem_mib: u32,
+        /// Give its sandboxes a network device (each its own TAP and MAC).
+        #[arg(long)]
+        network: bool,
     },
     Ls {
         #[arg(long)]
@@ -830,7 +833,9 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             warmup,
             vcpus,
             mem_mib,
+            network,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
+            network,
             name,
             vcpus,
             mem_mib,

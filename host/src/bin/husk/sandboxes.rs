@@ -259,6 +259,7 @@ pub struct BuildArgs {
     pub dir: Option<PathBuf>,
     pub tar: Option<PathBuf>,
     pub warmup: Vec<String>,
+    pub network: bool,
 }
 
 /// Builds a template, showing its progress.
@@ -280,6 +281,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
             .map(|c| vec!["/bin/sh".to_owned(), "-c".to_owned(), c])
             .collect(),
         kernel: None,
+        network: a.network,
     };
     let started = std::time::Instant::now();
     let mut resp = client().send(
