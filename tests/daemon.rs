@@ -51,6 +51,39 @@ fn kill_everything_under(dir: &Path) {
     }
 }
 
+/// Removes the cgroups of the sandboxes and templates under `dir` (the
+/// daemon's, left when the test process kills it), once their processes
+/// are gone.
+fn remove_cgroups_of(dir: &Path) {
+    let ids: Vec<String> = ["sandboxes", "templates"]
+        .iter()
+        .flat_map(|sub| {
+            std::fs::read_dir(dir.join(sub))
+                .into_iter()
+                .flatten()
+                .flatten()
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    for id in ids {
+        for base in [
+            "/sys/fs/cgroup",
+            "/sys/fs/cgroup/memory",
+            "/sys/fs/cgroup/cpu",
+            "/sys/fs/cgroup/pids",
+        ] {
+            let cg = Path::new(base).join("husk").join(&id);
+            // A killed process leaves its cgroup a moment after SIGKILL.
+            for _ in 0..50 {
+                if !cg.exists() || std::fs::remove_dir(&cg).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
 fn guest_init() -> PathBuf {
     if let Some(p) = std::env::var_os("HUSK_GUEST_INIT") {
         return PathBuf::from(p);
@@ -127,6 +160,7 @@ fn daemon() -> &'static TestDaemon {
         extern "C" fn cleanup() {
             let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
             kill_everything_under(&dir);
+            remove_cgroups_of(&dir);
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
             let _ = std::fs::remove_file(dir.with_extension("log"));
@@ -742,7 +776,7 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
         ),
         (raw("POST", "/v1/nowhere", b""), 404, "no such route"),
     ];
-    let hostile_tar = d.state_dir.with_extension("hostile.tar");
+    let hostile_tar = d.state_dir.join("hostile.tar");
     std::fs::write(&hostile_tar, hostile_tar_bytes()).expect("tar");
     let tar_build = build_template(
         "hostile",
@@ -983,7 +1017,7 @@ fn metrics_and_the_audit_log_record_the_work() {
 #[test]
 fn a_template_from_a_tar_archive_boots_with_its_files() {
     let (d, _g) = shared();
-    let tree = d.state_dir.with_extension("ctr");
+    let tree = d.state_dir.join("ctr");
     let _ = std::fs::remove_dir_all(&tree);
     std::fs::create_dir_all(tree.join("bin")).expect("bin");
     std::fs::create_dir_all(tree.join("etc")).expect("etc");
@@ -991,7 +1025,7 @@ fn a_template_from_a_tar_archive_boots_with_its_files() {
     std::os::unix::fs::symlink("busybox", tree.join("bin/sh")).expect("sh");
     std::os::unix::fs::symlink("busybox", tree.join("bin/cat")).expect("cat");
     std::fs::write(tree.join("etc/motd"), "from the archive\n").expect("motd");
-    let archive = d.state_dir.with_extension("ctr.tar");
+    let archive = d.state_dir.join("ctr.tar");
     let tarred = Command::new("tar")
         .arg("-C")
         .arg(&tree)
