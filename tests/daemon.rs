@@ -347,6 +347,26 @@ fn own_template(name: &str) -> TemplateRecord {
     t
 }
 
+/// A process's v1 `cpu.shares` (None where the cpu controller is not v1).
+fn cpu_shares(pid: u32) -> Option<u64> {
+    let membership = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let rel = membership
+        .lines()
+        .find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|c| c.split(',').any(|x| x == "cpu"))
+        })?
+        .rsplit(':')
+        .next()?
+        .trim_start_matches('/')
+        .to_owned();
+    let shares =
+        std::fs::read_to_string(Path::new("/sys/fs/cgroup/cpu").join(rel).join("cpu.shares"))
+            .ok()?;
+    shares.trim().parse().ok()
+}
+
 fn pid_alive(pid: u32) -> bool {
     Path::new(&format!("/proc/{pid}")).exists()
 }
@@ -390,6 +410,10 @@ fn a_pooled_create_hands_out_a_parked_clone_with_its_own_identity() {
     );
 
     assert!(a.pooled && b.pooled, "{a:?} {b:?}");
+    // Parked clones yield the CPU; a claimed one gets its full share.
+    if let Some(shares) = cpu_shares(a.sandbox.pid) {
+        assert_eq!(shares, 1024);
+    }
     assert_eq!(hostnames.0.trim(), a.sandbox.id);
     assert_eq!(hostnames.1.trim(), b.sandbox.id);
     assert_ne!(randoms.0, randoms.1, "two clones share random state");

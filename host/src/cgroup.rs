@@ -111,6 +111,19 @@ impl Limits {
 #[derive(Debug, Clone)]
 pub struct Cgroup {
     dirs: Vec<PathBuf>,
+    /// Where its CPU weight is set, and whether that is v2's `cpu.weight`
+    /// (else v1's `cpu.shares`).
+    cpu: PathBuf,
+    v2: bool,
+}
+
+/// A cgroup's share of contended CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    /// A sandbox someone is using.
+    Normal,
+    /// A pool clone restoring or parked: it yields to the sandboxes in use.
+    Background,
 }
 
 /// Errors setting up a cgroup.
@@ -157,7 +170,11 @@ impl Cgroup {
                     &format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
                 )?;
                 write(dir.join("pids.max"), &limits.pids_max.to_string())?;
-                Cgroup { dirs: vec![dir] }
+                Cgroup {
+                    cpu: dir.clone(),
+                    dirs: vec![dir],
+                    v2: true,
+                }
             }
             Hierarchy::V1 { memory, cpu, pids } => {
                 let m = mk(memory)?;
@@ -171,7 +188,9 @@ impl Cgroup {
                 let p = mk(pids)?;
                 write(p.join("pids.max"), &limits.pids_max.to_string())?;
                 Cgroup {
+                    cpu: c.clone(),
                     dirs: vec![m, c, p],
+                    v2: false,
                 }
             }
         };
@@ -180,14 +199,36 @@ impl Cgroup {
 
     /// The sandbox's cgroup `id`, to remove (it need not exist).
     pub fn existing(h: &Hierarchy, id: &str) -> Self {
-        let dirs = match h {
-            Hierarchy::V2(root) => vec![root.join("husk").join(id)],
-            Hierarchy::V1 { memory, cpu, pids } => [memory, cpu, pids]
-                .iter()
-                .map(|b| b.join("husk").join(id))
-                .collect(),
+        match h {
+            Hierarchy::V2(root) => Cgroup {
+                dirs: vec![root.join("husk").join(id)],
+                cpu: root.join("husk").join(id),
+                v2: true,
+            },
+            Hierarchy::V1 { memory, cpu, pids } => Cgroup {
+                dirs: [memory, cpu, pids]
+                    .iter()
+                    .map(|b| b.join("husk").join(id))
+                    .collect(),
+                cpu: cpu.join("husk").join(id),
+                v2: false,
+            },
+        }
+    }
+
+    /// Sets its share of contended CPU (v1 `cpu.shares`, v2 `cpu.weight`:
+    /// a background cgroup gets an eighth of a normal one's).
+    pub fn set_priority(&self, priority: Priority) -> Result<(), CgroupError> {
+        let (file, normal) = if self.v2 {
+            ("cpu.weight", 100)
+        } else {
+            ("cpu.shares", 1024)
         };
-        Cgroup { dirs }
+        let value = match priority {
+            Priority::Normal => normal,
+            Priority::Background => normal / 8,
+        };
+        write(self.cpu.join(file), &value.to_string())
     }
 
     /// The `cgroup.procs` files a process joins, for [`join_in_child`].

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::agent_client::{AgentClient, ClientError};
-use crate::cgroup::{Cgroup, Hierarchy, Limits};
+use crate::cgroup::{Cgroup, Hierarchy, Limits, Priority};
 use crate::metrics::Metrics;
 use crate::readiness::WaitBudget;
 use crate::store::{
@@ -549,6 +549,11 @@ impl Daemon {
     /// Resumes a parked clone and gives it its identity.
     fn wake(&self, rec: &SandboxRecord, agent: Option<AgentClient>) -> Result<(), DaemonError> {
         let t0 = Instant::now();
+        if let Some(h) = &self.cfg.cgroups {
+            if let Err(e) = Cgroup::existing(h, &rec.id).set_priority(Priority::Normal) {
+                tracing::warn!(sandbox = %rec.id, "{e}");
+            }
+        }
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
         let t1 = Instant::now();
         let vsock = rec.run_dir.join(vmm_process::VSOCK);
@@ -647,7 +652,16 @@ impl Daemon {
         };
         let cgroup = match &self.cfg.cgroups {
             Some(h) => match Cgroup::create(h, &id, Limits::for_vm(t.vcpus, t.mem_mib)) {
-                Ok(cg) => Some(cg),
+                Ok(cg) => {
+                    // A pool clone yields the CPU to sandboxes in use
+                    // until it is claimed.
+                    if state == SandboxState::Starting {
+                        if let Err(e) = cg.set_priority(Priority::Background) {
+                            tracing::warn!(sandbox = %id, "{e}");
+                        }
+                    }
+                    Some(cg)
+                }
                 Err(e) => {
                     Cgroup::existing(h, &id).remove();
                     let _ = std::fs::remove_dir_all(&run_dir);
