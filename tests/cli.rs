@@ -63,3 +63,39 @@ fn a_restore_of_a_directory_without_a_snapshot_fails_and_leaves_nothing() {
     );
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn serve_without_a_vmm_binary_says_what_to_build() {
+    let dir = std::env::temp_dir().join(format!("husk-cli-serve-{}", std::process::id()));
+
+    let out = husk(&[
+        "serve",
+        "--state-dir",
+        dir.to_str().expect("utf-8"),
+        "--vmm",
+        "/nonexistent/husk-vmm",
+    ]);
+
+    assert_eq!(out.status.code(), Some(125));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("/nonexistent/husk-vmm") && err.contains("--vmm"),
+        "{err}"
+    );
+    assert!(!dir.join("husk.sock").exists());
+    std::fs::remove_dir_all(dir).expect("cleanup");
+}
+
+#[test]
+fn a_sandbox_command_without_a_daemon_says_to_start_one() {
+    let out = Command::new(env!("CARGO_BIN_EXE_husk"))
+        .args(["ps"])
+        .env("HUSK_HOST", "/nonexistent/husk.sock")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run husk");
+
+    assert_eq!(out.status.code(), Some(125));
+    let err = text(&out.stderr);
+    assert!(err.contains("husk serve"), "{err}");
+}

@@ -106,6 +106,13 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             .map_err(|e| e.to_string())?
             .with_file_name("husk-vmm"),
     };
+    if !vmm.is_file() {
+        return Err(format!(
+            "the VMM binary {} does not exist: build it (cargo build --release -p husk-vmm) or \
+             pass --vmm",
+            vmm.display()
+        ));
+    }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let cfg = DaemonConfig {
         state_dir: state_dir.clone(),
