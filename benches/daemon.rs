@@ -23,11 +23,11 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::percentile;
+use common::{kill_everything_under, percentile, Load};
 use husk_host::api::ExecEvent;
 use husk_host::api_client::{ApiClient, Endpoint, Payload};
 use husk_host::daemon::{Created, PoolInfo};
@@ -54,34 +54,6 @@ fn summary(label: &str, samples: &[f64]) {
     );
 }
 
-/// Busy loops on every core until dropped.
-struct Load(Vec<Child>);
-
-impl Load {
-    fn start() -> Self {
-        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Load(
-            (0..n)
-                .map(|_| {
-                    Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .spawn()
-                        .expect("busy loop")
-                })
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Proportional set size of a process, in KiB.
 fn pss_kib(pid: u32) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
@@ -89,21 +61,6 @@ fn pss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("Pss:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
-}
-
-/// Kills the daemon and every VMM whose command line names the state dir.
-fn kill_everything_under(dir: &Path) {
-    let needle = dir.to_string_lossy().into_owned();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&needle) {
-            // SAFETY: kill(2) on a pid read from /proc.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
 }
 
 struct Bench {
@@ -248,7 +205,7 @@ fn main() {
     };
     fill("quiet host");
     {
-        let _load = Load::start();
+        let _load = Load::start(std::thread::available_parallelism().map_or(2, |n| n.get()));
         fill("all cores busy");
     }
 
@@ -297,7 +254,7 @@ fn main() {
     }
     let (mut busy, mut busy_failed) = (Vec::new(), 0);
     {
-        let _load = Load::start();
+        let _load = Load::start(std::thread::available_parallelism().map_or(2, |n| n.get()));
         for _ in 0..restores {
             match bench.create("base") {
                 Ok((c, ms)) => {

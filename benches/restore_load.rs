@@ -19,10 +19,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::percentile;
+use common::{percentile, Load};
 use husk_host::agent_client::AgentClient;
 
 fn summary(label: &str, samples: &[f64]) {
@@ -38,33 +38,6 @@ fn summary(label: &str, samples: &[f64]) {
         percentile(samples, 0.9),
         percentile(samples, 1.0)
     );
-}
-
-/// Busy loops on every core until dropped.
-struct Load(Vec<Child>);
-
-impl Load {
-    fn start(n: usize) -> Self {
-        Load(
-            (0..n)
-                .map(|_| {
-                    Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .spawn()
-                        .expect("busy loop")
-                })
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
 /// One clone line of `husk restore`: (agent_ms, ready_ms, pid).

@@ -9,7 +9,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use husk_host::api::ExecEvent;
-use husk_host::api_client::{ApiClient, ApiClientError, Endpoint, Payload};
+use husk_host::api_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
 use husk_host::daemon::{Created, PoolInfo, SandboxInfo};
 use husk_host::store::{AuditEntry, SandboxState, TemplateRecord};
 use serde_json::{json, Value};
@@ -35,21 +34,8 @@ struct TestDaemon {
 
 static DAEMON_LOCK: RwLock<()> = RwLock::new(());
 
-/// Kills every process whose command line names `dir` (the daemon and
-/// its VMMs), at exit: they run in their own process groups.
-fn kill_everything_under(dir: &Path) {
-    let needle = dir.to_string_lossy().into_owned();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&needle) {
-            // SAFETY: kill(2) on a pid read from /proc.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-}
+/// Whether a test has panicked (its daemon's log is then kept).
+static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Removes the cgroups of the sandboxes and templates under `dir` (the
 /// daemon's, left when the test process kills it), once their processes
@@ -159,12 +145,26 @@ fn daemon() -> &'static TestDaemon {
     DAEMON.get_or_init(|| {
         extern "C" fn cleanup() {
             let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
-            kill_everything_under(&dir);
+            common::kill_everything_under(&dir);
             remove_cgroups_of(&dir);
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
-            let _ = std::fs::remove_file(dir.with_extension("log"));
+            let log = dir.with_extension("log");
+            if FAILED.load(std::sync::atomic::Ordering::SeqCst) {
+                eprintln!(
+                    "a test failed: the daemon's log is kept in {}",
+                    log.display()
+                );
+            } else {
+                let _ = std::fs::remove_file(log);
+            }
         }
+        // A failed test keeps the daemon's log for its diagnosis.
+        let default_hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            FAILED.store(true, std::sync::atomic::Ordering::SeqCst);
+            default_hook(info);
+        }));
         let state_dir =
             std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
         std::fs::create_dir_all(&state_dir).expect("state dir");
@@ -260,12 +260,17 @@ struct Ran {
     code: Option<i32>,
 }
 
-fn exec(id: &str, argv: &[&str]) -> Result<Ran, ApiClientError> {
-    let mut resp = api().send(
+/// Starts a program; its events are read from the answer as they come.
+fn exec_stream(id: &str, argv: &[&str]) -> Result<Response, ApiClientError> {
+    api().send(
         "POST",
         &format!("/v1/sandboxes/{id}/exec"),
         Payload::Json(serde_json::to_vec(&json!({ "argv": argv })).expect("json")),
-    )?;
+    )
+}
+
+fn exec(id: &str, argv: &[&str]) -> Result<Ran, ApiClientError> {
+    let mut resp = exec_stream(id, argv)?;
     let b64 = |d: &str| {
         String::from_utf8_lossy(
             &base64::engine::general_purpose::STANDARD
@@ -504,10 +509,9 @@ fn a_fork_copies_a_running_sandbox_and_its_template_creates_more() {
         .map(|c| c.sandbox.id.as_str())
         .chain([later.id.as_str()])
     {
-        assert_eq!(
-            download(id, "/root/state").expect("download"),
-            b"parent's work"
-        );
+        let content = download(id, "/root/state")
+            .unwrap_or_else(|e| panic!("download from fork {id}: {e:?}"));
+        assert_eq!(content, b"parent's work");
     }
     assert_eq!(forked.template.source, format!("sandbox:{}", parent.id));
     // The parent runs on after its fork.
@@ -859,18 +863,7 @@ fn destroy_racing_exec_ends_the_stream_and_leaves_the_daemon_whole() {
     let (_d, _g) = shared();
     let s = create("base").sandbox;
     let other = create("base").sandbox;
-    let mut resp = api()
-        .send(
-            "POST",
-            &format!("/v1/sandboxes/{}/exec", s.id),
-            Payload::Json(
-                serde_json::to_vec(
-                    &json!({ "argv": ["/bin/sh", "-c", "echo started; sleep 600"] }),
-                )
-                .expect("json"),
-            ),
-        )
-        .expect("exec");
+    let mut resp = exec_stream(&s.id, &["/bin/sh", "-c", "echo started; sleep 600"]).expect("exec");
     while !matches!(
         resp.next_line::<ExecEvent>().expect("line"),
         Some(ExecEvent::Stdout { .. })
@@ -899,18 +892,8 @@ fn destroy_racing_exec_ends_the_stream_and_leaves_the_daemon_whole() {
 fn a_client_that_leaves_mid_stream_gets_its_program_killed() {
     let (d, _g) = shared();
     let s = create("base").sandbox;
-    let mut resp = api()
-        .send(
-            "POST",
-            &format!("/v1/sandboxes/{}/exec", s.id),
-            Payload::Json(
-                serde_json::to_vec(
-                    &json!({ "argv": ["/bin/sh", "-c", "while true; do echo flood; done"] }),
-                )
-                .expect("json"),
-            ),
-        )
-        .expect("exec");
+    let mut resp =
+        exec_stream(&s.id, &["/bin/sh", "-c", "while true; do echo flood; done"]).expect("exec");
     let mut seen = 0;
     while seen < 3 {
         if let Some(ExecEvent::Stdout { .. }) = resp.next_line::<ExecEvent>().expect("line") {
@@ -1098,7 +1081,6 @@ fn labels_filter_the_list() {
 
     assert_eq!(red.iter().map(|s| &s.id).collect::<Vec<_>>(), [&a.id]);
     assert_eq!(blue.iter().map(|s| &s.id).collect::<Vec<_>>(), [&b.id]);
-    let _: BTreeMap<String, String> = a.labels;
     destroy(&a.id);
     destroy(&b.id);
 }

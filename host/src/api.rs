@@ -201,6 +201,7 @@ pub fn router(daemon: Shared, token: Option<String>) -> Router {
             )
         })
         .layer(DefaultBodyLimit::max(MAX_JSON))
+        .layer(axum::middleware::from_fn(json_refusals))
         .layer(axum::middleware::from_fn_with_state(daemon.clone(), count));
     if let Some(token) = token {
         let token = Arc::new(token);
@@ -229,10 +230,14 @@ pub fn router(daemon: Shared, token: Option<String>) -> Router {
     r.with_state(daemon)
 }
 
-/// Counts requests, and gives axum's own plain-text refusals (a body over
-/// the limit) the API's JSON error shape.
 async fn count(State(d): State<Shared>, req: Request, next: Next) -> Response {
     d.metrics.request();
+    next.run(req).await
+}
+
+/// Gives axum's own plain-text refusal of a body over the limit the API's
+/// JSON error shape (every other error is an [`ApiError`] already).
+async fn json_refusals(req: Request, next: Next) -> Response {
     let resp = next.run(req).await;
     if resp.status() == StatusCode::PAYLOAD_TOO_LARGE {
         return ApiError(

@@ -382,18 +382,8 @@ impl Daemon {
         who: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<TemplateRecord, DaemonError> {
-        template::check_name(&spec.name)?;
-        {
-            let mut inner = self.lock();
-            if self.store.template(&spec.name)?.is_some() || inner.building.contains(&spec.name) {
-                return Err(DaemonError::Conflict(format!(
-                    "a template named `{}` exists: remove it or pick another name",
-                    spec.name
-                )));
-            }
-            inner.building.push(spec.name.clone());
-        }
         let name = spec.name.clone();
+        self.reserve_name(&name)?;
         let result = template::build(&self.cfg, &new_id("tpl"), spec, progress);
         self.lock().building.retain(|n| *n != name);
         let record = result?;
@@ -401,6 +391,20 @@ impl Daemon {
         self.store
             .audit(who, "template-build", None, Some(&record.id), &record.name)?;
         Ok(record)
+    }
+
+    /// Holds a new template's name while it is made (release it by
+    /// removing it from `building`); refused if a template has it.
+    fn reserve_name(&self, name: &str) -> Result<(), DaemonError> {
+        template::check_name(name)?;
+        let mut inner = self.lock();
+        if self.store.template(name)?.is_some() || inner.building.iter().any(|n| n == name) {
+            return Err(DaemonError::Conflict(format!(
+                "a template named `{name}` exists: remove it or pick another name"
+            )));
+        }
+        inner.building.push(name.to_owned());
+        Ok(())
     }
 
     pub fn templates(&self) -> Result<Vec<TemplateRecord>, DaemonError> {
@@ -481,7 +485,7 @@ impl Daemon {
             None => {
                 let room = self.make_room(&t)?;
                 let _slot = self.slots.acquire();
-                let restored = self.restore(&t, SandboxState::Running, Some(room))?;
+                let restored = self.restore(&t, Priority::Normal, Some(room))?;
                 (restored.0, false)
             }
         };
@@ -636,11 +640,13 @@ impl Daemon {
     /// Restores a new clone of `t`, waits for its agent and gives it its
     /// identity: hostname (its id), clock and fresh randomness, so that no
     /// two clones share random state (a pool clone's clock is set again
-    /// when it is claimed). On failure nothing is left.
+    /// when it is claimed). It is returned `starting` (the caller gives it
+    /// its state); a pool's clone restores at background CPU priority. On
+    /// failure nothing is left.
     fn restore(
         &self,
         t: &TemplateRecord,
-        state: SandboxState,
+        priority: Priority,
         room: Option<Reservation<'_>>,
     ) -> Result<(SandboxRecord, AgentClient), DaemonError> {
         let started = Instant::now();
@@ -655,8 +661,8 @@ impl Daemon {
                 Ok(cg) => {
                     // A pool clone yields the CPU to sandboxes in use
                     // until it is claimed.
-                    if state == SandboxState::Starting {
-                        if let Err(e) = cg.set_priority(Priority::Background) {
+                    if priority == Priority::Background {
+                        if let Err(e) = cg.set_priority(priority) {
                             tracing::warn!(sandbox = %id, "{e}");
                         }
                     }
@@ -730,20 +736,16 @@ impl Daemon {
             Ok(client) => {
                 self.metrics
                     .observe_restore(started.elapsed().as_secs_f64());
-                let mut rec = rec;
-                rec.state = state;
-                self.store.put_sandbox(&rec)?;
-                if let Some(live) = self.lock().sandboxes.get_mut(&id) {
-                    live.rec.state = state;
-                }
                 Ok((rec, client))
             }
             Err(e) => {
                 let report = format!(
-                    "{e}\n  husk-vmm log:\n    {}\n  console:\n    {}",
-                    vmm_process::tail(&run_dir.join(vmm_process::LOG), 10).replace('\n', "\n    "),
-                    vmm_process::tail(&run_dir.join(vmm_process::CONSOLE), 10)
-                        .replace('\n', "\n    ")
+                    "{e}\n{}",
+                    vmm_process::last_words(
+                        &run_dir.join(vmm_process::LOG),
+                        &run_dir.join(vmm_process::CONSOLE),
+                        10
+                    )
                 );
                 self.destroy_quietly(&id);
                 Err(DaemonError::Failed(format!(
@@ -881,15 +883,27 @@ impl Daemon {
         Ok(())
     }
 
-    /// Stops a sandbox's vCPUs; it keeps its memory.
-    pub fn pause(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+    /// A sandbox's record if it is in `state`; else a conflict that says
+    /// "only {what}".
+    fn in_state(
+        &self,
+        id: &str,
+        state: SandboxState,
+        what: &str,
+    ) -> Result<SandboxRecord, DaemonError> {
         let rec = self.record(id)?;
-        if rec.state != SandboxState::Running {
+        if rec.state != state {
             return Err(DaemonError::Conflict(format!(
-                "sandbox `{id}` is {}: only a running sandbox pauses",
+                "sandbox `{id}` is {}: only {what}",
                 rec.state.name()
             )));
         }
+        Ok(rec)
+    }
+
+    /// Stops a sandbox's vCPUs; it keeps its memory.
+    pub fn pause(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+        let rec = self.in_state(id, SandboxState::Running, "a running sandbox pauses")?;
         control(&rec.run_dir, &husk_vmm_api::Request::Pause)?;
         self.set_state(id, SandboxState::Running, SandboxState::Paused)?;
         self.store.audit(who, "pause", Some(id), None, "")?;
@@ -898,13 +912,7 @@ impl Daemon {
 
     /// Lets a paused sandbox run again, with its clock set to now.
     pub fn resume(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
-        let rec = self.record(id)?;
-        if rec.state != SandboxState::Paused {
-            return Err(DaemonError::Conflict(format!(
-                "sandbox `{id}` is {}: only a paused sandbox resumes",
-                rec.state.name()
-            )));
-        }
+        let rec = self.in_state(id, SandboxState::Paused, "a paused sandbox resumes")?;
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
         self.set_state(id, SandboxState::Paused, SandboxState::Running)?;
         // Its clock stood still while it was paused.
@@ -954,7 +962,6 @@ impl Daemon {
     /// Snapshots a sandbox into a new template named `name`. The sandbox
     /// is paused while its memory is written, then runs on.
     pub fn snapshot(&self, id: &str, name: &str, who: &str) -> Result<TemplateRecord, DaemonError> {
-        template::check_name(name)?;
         let rec = self.record(id)?;
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
             return Err(DaemonError::Conflict(format!(
@@ -962,15 +969,7 @@ impl Daemon {
                 rec.state.name()
             )));
         }
-        {
-            let mut inner = self.lock();
-            if self.store.template(name)?.is_some() || inner.building.iter().any(|n| n == name) {
-                return Err(DaemonError::Conflict(format!(
-                    "a template named `{name}` exists: pick another name"
-                )));
-            }
-            inner.building.push(name.to_owned());
-        }
+        self.reserve_name(name)?;
         let parent = self.store.template(&rec.template)?;
         let result = template::from_sandbox(&self.cfg, &new_id("tpl"), name, &rec, parent.as_ref());
         self.lock().building.retain(|n| n != name);
@@ -1204,7 +1203,7 @@ impl Daemon {
     fn refill(&self, t: TemplateRecord) {
         let result = {
             let _slot = self.slots.acquire();
-            self.restore(&t, SandboxState::Starting, None)
+            self.restore(&t, Priority::Background, None)
         };
         let parked = result.and_then(|(rec, agent)| {
             control(&rec.run_dir, &husk_vmm_api::Request::Pause)?;

@@ -62,6 +62,25 @@ pub struct Metrics {
     requests: AtomicU64,
 }
 
+/// A metric's lines: (labels, value).
+type Samples = Vec<(String, u64)>;
+
+fn head(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// One metric: its header, then a line per (labels, value).
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]) {
+    head(out, name, kind, help);
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -100,83 +119,66 @@ impl Metrics {
     /// pools as they are now.
     pub fn render(&self, gauges: &Gauges, pools: &[PoolInfo], daemon_rss_bytes: u64) -> String {
         let mut out = String::new();
-        let head = |out: &mut String, name: &str, kind: &str, help: &str| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        let by_state: Samples = gauges
+            .by_state
+            .iter()
+            .map(|(state, n)| (format!("state=\"{state}\""), *n))
+            .collect();
+        let per_pool = |value: fn(&PoolInfo) -> u32| -> Samples {
+            pools
+                .iter()
+                .map(|p| {
+                    (
+                        format!("template=\"{}\"", p.template_name),
+                        u64::from(value(p)),
+                    )
+                })
+                .collect()
         };
-        head(&mut out, "husk_sandboxes", "gauge", "Sandboxes by state.");
-        for (state, n) in &gauges.by_state {
-            let _ = writeln!(out, "husk_sandboxes{{state=\"{state}\"}} {n}");
+        let counter = |c: &AtomicU64| vec![(String::new(), c.load(Ordering::Relaxed))];
+        let gauge = |v: u64| vec![(String::new(), v)];
+        let simple: [(&str, &str, &str, Samples); 7] = [
+            ("husk_sandboxes", "gauge", "Sandboxes by state.", by_state),
+            (
+                "husk_pool_target",
+                "gauge",
+                "Clones each warm pool keeps.",
+                per_pool(|p| p.target),
+            ),
+            (
+                "husk_pool_ready",
+                "gauge",
+                "Parked clones ready to hand out.",
+                per_pool(|p| p.ready),
+            ),
+            (
+                "husk_pool_hits_total",
+                "counter",
+                "Creates served from a pool.",
+                counter(&self.pool_hits),
+            ),
+            (
+                "husk_pool_misses_total",
+                "counter",
+                "Creates that had to restore.",
+                counter(&self.pool_misses),
+            ),
+            (
+                "husk_vmm_failures_total",
+                "counter",
+                "VMMs that exited on their own.",
+                counter(&self.vmm_failures),
+            ),
+            (
+                "husk_api_requests_total",
+                "counter",
+                "API requests served.",
+                counter(&self.requests),
+            ),
+        ];
+        for (name, kind, help, samples) in simple {
+            metric(&mut out, name, kind, help, &samples);
         }
-        head(
-            &mut out,
-            "husk_pool_target",
-            "gauge",
-            "Clones each warm pool keeps.",
-        );
-        for p in pools {
-            let _ = writeln!(
-                out,
-                "husk_pool_target{{template=\"{}\"}} {}",
-                p.template_name, p.target
-            );
-        }
-        head(
-            &mut out,
-            "husk_pool_ready",
-            "gauge",
-            "Parked clones ready to hand out.",
-        );
-        for p in pools {
-            let _ = writeln!(
-                out,
-                "husk_pool_ready{{template=\"{}\"}} {}",
-                p.template_name, p.ready
-            );
-        }
-        head(
-            &mut out,
-            "husk_pool_hits_total",
-            "counter",
-            "Creates served from a pool.",
-        );
-        let _ = writeln!(
-            out,
-            "husk_pool_hits_total {}",
-            self.pool_hits.load(Ordering::Relaxed)
-        );
-        head(
-            &mut out,
-            "husk_pool_misses_total",
-            "counter",
-            "Creates that had to restore.",
-        );
-        let _ = writeln!(
-            out,
-            "husk_pool_misses_total {}",
-            self.pool_misses.load(Ordering::Relaxed)
-        );
-        head(
-            &mut out,
-            "husk_vmm_failures_total",
-            "counter",
-            "VMMs that exited on their own.",
-        );
-        let _ = writeln!(
-            out,
-            "husk_vmm_failures_total {}",
-            self.vmm_failures.load(Ordering::Relaxed)
-        );
-        head(
-            &mut out,
-            "husk_api_requests_total",
-            "counter",
-            "API requests served.",
-        );
-        let _ = writeln!(
-            out,
-            "husk_api_requests_total {}",
-            self.requests.load(Ordering::Relaxed)
-        );
         head(
             &mut out,
             "husk_create_seconds",
@@ -192,38 +194,31 @@ impl Metrics {
             "From spawning a VMM to its restored guest's agent answering.",
         );
         lock(&self.restore).render(&mut out, "husk_restore_seconds", "");
-        head(
-            &mut out,
-            "husk_vmm_resident_bytes",
-            "gauge",
-            "Resident memory of all VMM processes.",
-        );
-        let _ = writeln!(out, "husk_vmm_resident_bytes {}", gauges.vmm_rss_bytes);
-        head(
-            &mut out,
-            "husk_guest_memory_mib",
-            "gauge",
-            "Guest memory of live sandboxes.",
-        );
-        let _ = writeln!(out, "husk_guest_memory_mib {}", gauges.guest_mem_mib);
-        head(
-            &mut out,
-            "husk_guest_memory_budget_mib",
-            "gauge",
-            "The host's sandbox memory budget.",
-        );
-        let _ = writeln!(
-            out,
-            "husk_guest_memory_budget_mib {}",
-            gauges.memory_budget_mib
-        );
-        head(
-            &mut out,
-            "husk_daemon_resident_bytes",
-            "gauge",
-            "The daemon's own resident memory.",
-        );
-        let _ = writeln!(out, "husk_daemon_resident_bytes {daemon_rss_bytes}");
+        let memory: [(&str, &str, u64); 4] = [
+            (
+                "husk_vmm_resident_bytes",
+                "Resident memory of all VMM processes.",
+                gauges.vmm_rss_bytes,
+            ),
+            (
+                "husk_guest_memory_mib",
+                "Guest memory of live sandboxes.",
+                gauges.guest_mem_mib,
+            ),
+            (
+                "husk_guest_memory_budget_mib",
+                "The host's sandbox memory budget.",
+                gauges.memory_budget_mib,
+            ),
+            (
+                "husk_daemon_resident_bytes",
+                "The daemon's own resident memory.",
+                daemon_rss_bytes,
+            ),
+        ];
+        for (name, help, v) in memory {
+            metric(&mut out, name, "gauge", help, &gauge(v));
+        }
         out
     }
 }
@@ -231,6 +226,41 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn render_gives_each_metric_its_header_and_labelled_lines() {
+        let m = Metrics::default();
+        m.pool_hit();
+        let gauges = Gauges {
+            by_state: [("running", 3)].into_iter().collect(),
+            vmm_rss_bytes: 10,
+            guest_mem_mib: 256,
+            memory_budget_mib: 1024,
+        };
+        let pool = PoolInfo {
+            template: "tpl-1".into(),
+            template_name: "base".into(),
+            target: 4,
+            ready: 2,
+            restoring: 1,
+            hits: 1,
+            misses: 0,
+        };
+
+        let text = m.render(&gauges, &[pool], 99);
+
+        for line in [
+            "# TYPE husk_sandboxes gauge\nhusk_sandboxes{state=\"running\"} 3\n",
+            "husk_pool_target{template=\"base\"} 4\n",
+            "# TYPE husk_pool_ready gauge\nhusk_pool_ready{template=\"base\"} 2\n",
+            "# TYPE husk_pool_hits_total counter\nhusk_pool_hits_total 1\n",
+            "husk_create_seconds_count{pooled=\"false\"} 0\n",
+            "husk_guest_memory_budget_mib 1024\n",
+            "husk_daemon_resident_bytes 99\n",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+    }
 
     #[test]
     fn histogram_buckets_are_cumulative() {

@@ -210,15 +210,9 @@ fn build_in(
         cg.remove();
     }
     let console = run.join(vmm_process::CONSOLE);
-    let failure_report = || {
-        format!(
-            "\n  husk-vmm log:\n    {}\n  console:\n    {}",
-            vmm_process::tail(&run.join(vmm_process::LOG), 10).replace('\n', "\n    "),
-            vmm_process::tail(&console, 15).replace('\n', "\n    ")
-        )
-    };
     if let Err(e) = outcome {
-        return Err(TemplateError::Build(format!("{e}{}", failure_report())));
+        let last = vmm_process::last_words(&run.join(vmm_process::LOG), &console, 15);
+        return Err(TemplateError::Build(format!("{e}\n{last}")));
     }
     let _ = std::fs::rename(&console, dir.join("build.console"));
     let _ = std::fs::remove_dir_all(&run);

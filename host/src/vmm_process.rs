@@ -35,22 +35,32 @@ impl Nic {
     /// A NIC for VM `id`: TAP `<prefix><first 12 hex digits of the id>`
     /// and a random locally administered MAC.
     pub fn for_vm(prefix: &str, id: &str) -> std::io::Result<Self> {
-        use std::io::Read;
         let hex: String = id.chars().filter(char::is_ascii_hexdigit).collect();
         let tail = &hex[hex.len().saturating_sub(12)..];
-        let mut mac = [0u8; 6];
-        std::fs::File::open("/dev/urandom")?.read_exact(&mut mac)?;
-        mac[0] = 0x06;
         Ok(Nic {
             tap: format!("{prefix}{tail}"),
-            mac,
+            mac: random_mac()?,
         })
     }
 
     pub fn mac_text(&self) -> String {
-        let parts: Vec<String> = self.mac.iter().map(|b| format!("{b:02x}")).collect();
-        parts.join(":")
+        mac_text(&self.mac)
     }
+}
+
+/// A random locally administered unicast MAC address.
+pub fn random_mac() -> std::io::Result<[u8; 6]> {
+    use std::io::Read;
+    let mut mac = [0u8; 6];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut mac)?;
+    mac[0] = 0x06;
+    Ok(mac)
+}
+
+/// `aa:bb:cc:dd:ee:ff`, as husk-vmm's `--net mac=` takes it.
+pub fn mac_text(mac: &[u8; 6]) -> String {
+    let parts: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
+    parts.join(":")
 }
 
 /// How a VMM is started.
@@ -147,26 +157,24 @@ pub fn spawn(
 /// The start time of process `pid` (clock ticks since boot, field 22 of
 /// /proc/PID/stat), or None if there is no such process.
 pub fn start_time(pid: u32) -> Option<u64> {
+    stat(pid).map(|(_, start)| start)
+}
+
+/// Process `pid`'s state letter (field 3 of /proc/PID/stat) and start
+/// time (field 22).
+fn stat(pid: u32) -> Option<(char, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces and parentheses: fields
     // are counted after its closing parenthesis.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(18)?.parse().ok()?))
 }
 
 /// Whether `pid` is still the process started at `pid_start`, and is not
 /// a zombie.
 pub fn is_alive(pid: u32, pid_start: u64) -> bool {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return false;
-    };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-        return false;
-    };
-    let mut fields = rest.split_whitespace();
-    let state = fields.next();
-    let start = fields.nth(18).and_then(|s| s.parse::<u64>().ok());
-    state != Some("Z") && start == Some(pid_start)
+    stat(pid).is_some_and(|(state, start)| state != 'Z' && start == pid_start)
 }
 
 /// Sends SIGKILL to the VMM if it is still the process we started.
@@ -176,6 +184,15 @@ pub fn kill(pid: u32, pid_start: u64) {
         // involved.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
+}
+
+/// The end of a VMM's log and console, indented, for an error message.
+pub fn last_words(log: &Path, console: &Path, lines: usize) -> String {
+    format!(
+        "  husk-vmm log:\n    {}\n  console:\n    {}",
+        tail(log, lines).replace('\n', "\n    "),
+        tail(console, lines).replace('\n', "\n    ")
+    )
 }
 
 /// The last `lines` lines of a text file (a console or a log), or "".

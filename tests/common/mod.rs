@@ -406,3 +406,47 @@ pub fn snapshot(
         other => Err(format!("not a snapshot reply: {other:?}")),
     }
 }
+
+/// `n` busy loops (`sh -c 'while :; do :; done'`) until dropped: a
+/// host with its cores kept busy.
+pub struct Load(Vec<Child>);
+
+impl Load {
+    pub fn start(n: usize) -> Self {
+        Load(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .spawn()
+                        .expect("busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Kills every process whose command line names `dir` (a daemon and the
+/// VMMs it started, which run in their own process groups).
+pub fn kill_everything_under(dir: &Path) {
+    let needle = dir.to_string_lossy().into_owned();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&needle) {
+            // SAFETY: kill(2) on a pid read from /proc.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}

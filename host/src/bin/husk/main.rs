@@ -405,16 +405,8 @@ impl Starting {
     fn abandon(mut self) -> String {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let tail = |path: &PathBuf| {
-            let text = std::fs::read_to_string(path).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            lines[lines.len().saturating_sub(10)..].join("\n    ")
-        };
-        let report = format!(
-            "  husk-vmm log:\n    {}\n  console:\n    {}",
-            tail(&self.file("log")),
-            tail(&self.file("console"))
-        );
+        let report =
+            husk_host::vmm_process::last_words(&self.file("log"), &self.file("console"), 10);
         let prefix = format!("{}.", self.name);
         if let Ok(entries) = std::fs::read_dir(&self.run_dir) {
             for entry in entries.flatten() {
@@ -439,14 +431,6 @@ fn first_kvm_run_ms(api: &std::path::Path) -> String {
     }
 }
 
-/// A random locally administered unicast MAC address.
-fn random_mac() -> std::io::Result<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut mac)?;
-    mac[0] = 0x06;
-    Ok(mac)
-}
-
 /// Starts clone `i` of the snapshot as a background husk-vmm.
 fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting, ClientError> {
     use std::os::unix::process::CommandExt;
@@ -459,11 +443,12 @@ fn start_clone(spec: &Clones, vmm: &std::path::Path, i: u32) -> Result<Starting,
     cmd.arg("--overlay-dir").arg(run_dir);
     let mac = match &spec.tap {
         Some(tap) => {
-            let mac = random_mac()?;
+            let mac = husk_host::vmm_process::random_mac()?;
             let tap = tap.replace("{n}", &i.to_string());
-            let text: Vec<String> = mac.iter().map(|b| format!("{b:02x}")).collect();
-            cmd.arg("--net")
-                .arg(format!("tap={tap},mac={}", text.join(":")));
+            cmd.arg("--net").arg(format!(
+                "tap={tap},mac={}",
+                husk_host::vmm_process::mac_text(&mac)
+            ));
             Some(mac)
         }
         None => None,

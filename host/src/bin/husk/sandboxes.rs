@@ -39,6 +39,14 @@ pub fn is_sandbox_id(target: &str) -> bool {
 
 pub type CliResult = Result<u8, ApiClientError>;
 
+/// `--json` output: the daemon's answer, pretty-printed.
+fn print_json<T: serde::Serialize>(value: &T) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).unwrap_or_default()
+    );
+}
+
 /// Runs a program in a sandbox, streaming its output; returns its exit
 /// status (128 + N when killed by signal N).
 pub fn exec(id: &str, spec: &ExecSpec) -> CliResult {
@@ -114,10 +122,7 @@ pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> Cl
     let list: Vec<SandboxInfo> =
         client().call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
     if as_json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&list).unwrap_or_default()
-        );
+        print_json(&list);
         return Ok(0);
     }
     println!(
@@ -145,7 +150,7 @@ pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> Cl
 
 pub fn inspect(id: &str) -> CliResult {
     let s: SandboxInfo = client().call("GET", &format!("/v1/sandboxes/{}", encode(id)), None)?;
-    println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
+    print_json(&s);
     Ok(0)
 }
 
@@ -324,10 +329,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
 pub fn template_ls(as_json: bool) -> CliResult {
     let list: Vec<TemplateRecord> = client().call("GET", "/v1/templates", None)?;
     if as_json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&list).unwrap_or_default()
-        );
+        print_json(&list);
         return Ok(0);
     }
     println!(
@@ -346,7 +348,7 @@ pub fn template_ls(as_json: bool) -> CliResult {
 pub fn template_inspect(name: &str) -> CliResult {
     let t: TemplateRecord =
         client().call("GET", &format!("/v1/templates/{}", encode(name)), None)?;
-    println!("{}", serde_json::to_string_pretty(&t).unwrap_or_default());
+    print_json(&t);
     Ok(0)
 }
 
@@ -386,10 +388,7 @@ pub fn pool_set(template: &str, size: u32) -> CliResult {
 pub fn pool_ls(as_json: bool) -> CliResult {
     let list: Vec<PoolInfo> = client().call("GET", "/v1/pools", None)?;
     if as_json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&list).unwrap_or_default()
-        );
+        print_json(&list);
         return Ok(0);
     }
     println!(
@@ -412,7 +411,7 @@ pub fn audit(sandbox: Option<&str>, as_json: bool) -> CliResult {
     };
     let log: Vec<AuditEntry> = client().call("GET", &path, None)?;
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&log).unwrap_or_default());
+        print_json(&log);
         return Ok(0);
     }
     for e in log {
