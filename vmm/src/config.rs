@@ -1,6 +1,6 @@
 //! What one VM is made of, validated before anything touches KVM.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -40,6 +40,9 @@ pub const MAX_VCPUS: u8 = 254;
 pub const MIN_MEM_MIB: u32 = 4;
 /// Largest guest memory accepted (1 TiB).
 pub const MAX_MEM_MIB: u32 = 1 << 20;
+
+/// Most bytes a console file holds: past this it keeps the newer half.
+pub const CONSOLE_FILE_MAX: u64 = 4 << 20;
 
 /// Where the guest's serial console goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -316,10 +319,7 @@ impl SerialOutput {
             SerialOutput::Stdout => Box::new(std::io::stdout()),
             SerialOutput::Null => Box::new(std::io::sink()),
             SerialOutput::File(path) => Box::new(
-                OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
+                crate::devices::serial::ConsoleFile::open(path, CONSOLE_FILE_MAX)
                     .map_err(|e| ConfigError::SerialFile(path.clone(), e))?,
             ),
         })

@@ -10,6 +10,7 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+pub mod log_budget;
 pub mod persist;
 pub mod resident;
 pub mod timeline;

@@ -166,7 +166,7 @@ fn parse_overlay(spec: &str) -> Result<(String, PathBuf), String> {
 fn main() -> ExitCode {
     let timeline = Arc::new(Timeline::new());
     tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        .with_writer(husk_vmm::log_budget::LogBudget::default())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HUSK_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

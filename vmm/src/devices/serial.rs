@@ -108,6 +108,88 @@ impl Write for ConsoleWriter {
     }
 }
 
+/// A console file of bounded size that keeps the newest output: once it
+/// would pass `max` bytes, its last `max / 2` bytes (from a line start) move
+/// to the front behind a line that counts what was dropped. A guest that
+/// writes without end costs the host `max` bytes of disk, and whoever reads
+/// the file still finds the guest's last words at its end.
+#[derive(Debug)]
+pub struct ConsoleFile {
+    file: std::fs::File,
+    len: u64,
+    max: u64,
+    dropped: u64,
+    /// Length of our own "dropped" line at the front (not guest output).
+    marker: u64,
+}
+
+impl ConsoleFile {
+    /// Opens (or creates) `path`, appending to what it holds.
+    pub fn open(path: &std::path::Path, max: u64) -> io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .read(true)
+            .write(true)
+            .truncate(false)
+            .open(path)?;
+        let len = file.metadata()?.len();
+        let mut console = ConsoleFile {
+            file,
+            len,
+            max: max.max(1024),
+            dropped: 0,
+            marker: 0,
+        };
+        if console.len > console.max {
+            console.keep_tail()?;
+        }
+        Ok(console)
+    }
+
+    /// Moves the newest half of the file to its front.
+    fn keep_tail(&mut self) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let keep = (self.len - self.marker).min(self.max / 2);
+        let mut tail = vec![0u8; keep as usize];
+        self.file.read_exact_at(&mut tail, self.len - keep)?;
+        // Start at a line: the cut line would only confuse a reader.
+        let start = tail.iter().position(|b| *b == b'\n').map_or(0, |nl| nl + 1);
+        let tail = &tail[start..];
+        self.dropped += self.len - self.marker - tail.len() as u64;
+        let mut front = format!(
+            "[husk: {} earlier bytes of console output dropped]\n",
+            self.dropped
+        )
+        .into_bytes();
+        self.marker = front.len() as u64;
+        front.extend_from_slice(tail);
+        self.file.write_all_at(&front, 0)?;
+        self.file.set_len(front.len() as u64)?;
+        self.len = front.len() as u64;
+        Ok(())
+    }
+}
+
+impl Write for ConsoleFile {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        use std::os::unix::fs::FileExt;
+        // Only the newest half fits anyway.
+        let skip = buf.len().saturating_sub((self.max / 2) as usize);
+        self.dropped += skip as u64;
+        let data = &buf[skip..];
+        if self.len + data.len() as u64 > self.max {
+            self.keep_tail()?;
+        }
+        self.file.write_all_at(data, self.len)?;
+        self.len += data.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -225,6 +307,51 @@ mod tests {
         w.write_all(&vec![b'x'; 100_000]).expect("write");
 
         assert_eq!(w.line.len(), MAX_LINE);
+    }
+
+    #[test]
+    fn a_console_file_keeps_its_newest_output_within_its_bound() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("console");
+        let mut console = ConsoleFile::open(&path, 4096).expect("open");
+
+        for i in 0..10_000 {
+            console
+                .write_all(format!("line {i}\n").as_bytes())
+                .expect("write");
+        }
+
+        let text = std::fs::read_to_string(&path).expect("read");
+        assert!(text.len() <= 4096, "{} bytes", text.len());
+        assert!(text.starts_with("[husk: "), "{}", &text[..40]);
+        assert!(text.contains(" earlier bytes of console output dropped]\nline "));
+        assert!(text.ends_with("line 9998\nline 9999\n"));
+        let lines: Vec<&str> = text.lines().skip(1).collect();
+        assert!(lines.windows(2).all(|w| {
+            let n = |l: &str| l["line ".len()..].parse::<u32>().expect("number");
+            n(w[1]) == n(w[0]) + 1
+        }));
+    }
+
+    #[test]
+    fn a_console_file_counts_everything_it_dropped() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("console");
+        let mut console = ConsoleFile::open(&path, 1024).expect("open");
+
+        let written = 100_000u64;
+        for _ in 0..written / 10 {
+            console.write_all(b"123456789\n").expect("write");
+        }
+
+        let text = std::fs::read_to_string(&path).expect("read");
+        let (first, rest) = text.split_once('\n').expect("marker line");
+        let dropped: u64 = first["[husk: ".len()..]
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .expect("count");
+        assert_eq!(dropped + rest.len() as u64, written);
     }
 
     /// A UART the driver has set up (8N1, a divisor, a scratch byte) with

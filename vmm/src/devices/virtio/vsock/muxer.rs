@@ -15,6 +15,12 @@
 //! program cannot make the VMM buffer without bound; data from the guest that
 //! the host program is slow to take is held up to our advertised buffer and
 //! a guest exceeding it is reset.
+//!
+//! Everything a guest can make the muxer hold is bounded: connections it
+//! opens ([`MAX_GUEST_CONNS`], apart from the host's own
+//! [`MAX_HOST_CONNS`], so a guest cannot crowd out the host's agent
+//! connections), packets queued for it ([`MAX_CONTROL`]) and bytes held per
+//! connection ([`CONN_BUF`]). What is refused or dropped is counted.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -35,6 +41,15 @@ pub const TOKEN_LISTENER: u32 = 3;
 const FIRST_STREAM_TOKEN: u32 = 16;
 /// Host-side ports for host-initiated connections, as Firecracker allocates.
 const LOCAL_PORT_BASE: u32 = 1 << 30;
+/// Connections the guest may have open to host ports at once; more are reset.
+pub const MAX_GUEST_CONNS: usize = 128;
+/// Connections host programs may have open or opening at once; more are
+/// refused with an `ERROR` line.
+pub const MAX_HOST_CONNS: usize = 128;
+/// Payload-less packets queued for a guest that does not take them; past
+/// this, resets for unknown connections and credit packets are dropped (the
+/// guest asks again) and new connections are refused.
+pub const MAX_CONTROL: usize = 4 * (MAX_GUEST_CONNS + MAX_HOST_CONNS);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct ConnKey {
@@ -88,6 +103,19 @@ struct PendingStream {
     line: Vec<u8>,
 }
 
+/// What the muxer refused or dropped, for logs and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Refusals {
+    /// Guest connections reset because the guest had too many open.
+    pub guest_conns: u64,
+    /// Host connections refused because too many were open.
+    pub host_conns: u64,
+    /// Control packets dropped because the guest was not taking them.
+    pub control: u64,
+    /// Times accepting a host connection failed (e.g. out of descriptors).
+    pub accept_errors: u64,
+}
+
 /// All vsock connections of one VM.
 #[derive(Debug)]
 pub struct Muxer {
@@ -106,6 +134,12 @@ pub struct Muxer {
     control: VecDeque<Header>,
     /// Connections with host data (or an EOF) to forward to the guest.
     rx_ready: VecDeque<ConnKey>,
+    /// Host-initiated connections open (counted in `conns`).
+    host_conns: usize,
+    /// The listener is unwatched after an accept error (out of descriptors)
+    /// until a connection closes, so the event loop does not spin on it.
+    listener_paused: bool,
+    refusals: Refusals,
 }
 
 /// Errors setting up the host side.
@@ -140,6 +174,9 @@ impl Muxer {
             next_local_port: 0,
             control: VecDeque::new(),
             rx_ready: VecDeque::new(),
+            host_conns: 0,
+            listener_paused: false,
+            refusals: Refusals::default(),
         })
     }
 
@@ -170,6 +207,30 @@ impl Muxer {
         self.conns.len()
     }
 
+    /// What has been refused or dropped so far.
+    pub fn refusals(&self) -> Refusals {
+        self.refusals
+    }
+
+    fn control_full(&self) -> bool {
+        self.control.len() >= MAX_CONTROL
+    }
+
+    /// Queues a control packet; drops it (counted) when the guest is not
+    /// taking them. Dropping is safe: a lost reset or credit update is
+    /// asked for again by the guest, and callers that open connections
+    /// check [`Self::control_full`] first.
+    fn push_control(&mut self, h: Header) {
+        if self.control_full() {
+            self.refusals.control += 1;
+            if self.refusals.control == 1 {
+                tracing::warn!("vsock: the guest is not taking packets; dropping control packets");
+            }
+            return;
+        }
+        self.control.push_back(h);
+    }
+
     fn header(&self, key: ConnKey, op: u16) -> Header {
         let fwd_cnt = self.conns.get(&key).map_or(0, |c| c.fwd_cnt);
         Header {
@@ -191,7 +252,7 @@ impl Muxer {
         if let Some(c) = self.conns.get_mut(&key) {
             c.fwd_cnt_sent = c.fwd_cnt;
         }
-        self.control.push_back(h);
+        self.push_control(h);
     }
 
     /// A reset for a packet that matches no connection.
@@ -199,7 +260,7 @@ impl Muxer {
         if h.op == OP_RST {
             return;
         }
-        self.control.push_back(Header {
+        self.push_control(Header {
             src_cid: HOST_CID,
             dst_cid: self.guest_cid,
             src_port: h.dst_port,
@@ -237,8 +298,24 @@ impl Muxer {
         }
         if let Some(conn) = self.conns.remove(&key) {
             self.tokens.remove(&conn.token);
+            if is_host_port(key.local_port) {
+                self.host_conns -= 1;
+            }
         }
         self.rx_ready.retain(|k| *k != key);
+        self.resume_listener(ops);
+    }
+
+    /// Watches the listener again after an accept error, now that a
+    /// descriptor may be free.
+    fn resume_listener(&mut self, ops: &mut EventOps) {
+        if !self.listener_paused {
+            return;
+        }
+        let events = Events::with_data(&self.listener, TOKEN_LISTENER, EventSet::IN);
+        if ops.add(events).is_ok() {
+            self.listener_paused = false;
+        }
     }
 
     fn add_conn(
@@ -251,6 +328,9 @@ impl Muxer {
         let token = self.next_token;
         self.next_token = self.next_token.wrapping_add(1).max(FIRST_STREAM_TOKEN);
         self.tokens.insert(token, key);
+        if is_host_port(key.local_port) {
+            self.host_conns += 1;
+        }
         self.conns.insert(
             key,
             Conn {
@@ -302,7 +382,14 @@ impl Muxer {
     fn accept(&mut self, ops: &mut EventOps) {
         loop {
             match self.listener.accept() {
-                Ok((stream, _)) => {
+                Ok((mut stream, _)) => {
+                    if self.host_conns + self.pending.len() >= MAX_HOST_CONNS || self.control_full()
+                    {
+                        self.refusals.host_conns += 1;
+                        let _ = stream.set_nonblocking(true);
+                        let _ = stream.write_all(b"ERROR too many connections\n");
+                        continue;
+                    }
                     if stream.set_nonblocking(true).is_err() {
                         continue;
                     }
@@ -322,8 +409,21 @@ impl Muxer {
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
-                    tracing::warn!("vsock: accept on {} failed: {e}", self.uds_path.display());
+                    // Out of descriptors or memory: the connection stays in
+                    // the backlog, so the listener stays readable. Stop
+                    // watching it until a connection closes, or the event
+                    // loop would spin (and log) on it.
+                    self.refusals.accept_errors += 1;
+                    tracing::warn!(
+                        "vsock: accept on {} failed: {e}; waiting for a connection to close",
+                        self.uds_path.display()
+                    );
+                    let events = Events::with_data(&self.listener, TOKEN_LISTENER, EventSet::IN);
+                    if ops.remove(events).is_ok() {
+                        self.listener_paused = true;
+                    }
                     return;
                 }
             }
@@ -352,6 +452,8 @@ impl Muxer {
         let Some(peer_port) = port else {
             let mut stream = p.stream;
             let _ = stream.write_all(b"ERROR expected CONNECT <port>\n");
+            drop(stream);
+            self.resume_listener(ops);
             return;
         };
         self.next_local_port = self.next_local_port.wrapping_add(1);
@@ -427,6 +529,22 @@ impl Muxer {
     fn connect_to_host(&mut self, key: ConnKey, h: &Header, ops: &mut EventOps) {
         if self.conns.contains_key(&key) {
             self.close(key, true, ops);
+            return;
+        }
+        if is_host_port(key.local_port) {
+            // Host ports in this range are ours, for host-initiated
+            // connections; a guest cannot connect to them.
+            self.reset_reply(h);
+            return;
+        }
+        if self.conns.len() - self.host_conns >= MAX_GUEST_CONNS || self.control_full() {
+            self.refusals.guest_conns += 1;
+            if self.refusals.guest_conns == 1 {
+                tracing::warn!(
+                    "vsock: the guest has {MAX_GUEST_CONNS} connections open; resetting new ones"
+                );
+            }
+            self.reset_reply(h);
             return;
         }
         let path = format!("{}_{}", self.uds_path.display(), key.local_port);
@@ -608,6 +726,12 @@ impl Muxer {
     }
 }
 
+/// Whether a host-side port is one we allocate for host-initiated
+/// connections.
+fn is_host_port(port: u32) -> bool {
+    port & LOCAL_PORT_BASE != 0
+}
+
 /// A file's device and inode numbers (not following a symlink).
 fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
@@ -640,6 +764,8 @@ mod tests {
         kick: EventFd,
         input: Vec<Header>,
         output: Vec<Header>,
+        /// Whether the "guest" takes packets (posts RX buffers).
+        drain: bool,
     }
 
     impl MutEventSubscriber for Harness {
@@ -657,19 +783,27 @@ mod tests {
             for h in std::mem::take(&mut self.input) {
                 self.muxer.on_guest_packet(&h, &[], ops);
             }
-            while let Some((h, _)) = self.muxer.next_rx(4096, ops) {
+            while self.drain {
+                let Some((h, _)) = self.muxer.next_rx(4096, ops) else {
+                    break;
+                };
                 self.output.push(h);
             }
         }
     }
 
-    fn exchange(dir: &Path, packets: Vec<Header>) -> (Vec<Header>, usize) {
-        let harness = Arc::new(Mutex::new(Harness {
+    fn harness(dir: &Path, input: Vec<Header>, drain: bool) -> Arc<Mutex<Harness>> {
+        Arc::new(Mutex::new(Harness {
             muxer: Muxer::new(GUEST, &dir.join("v.sock")).expect("muxer"),
             kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-            input: packets,
+            input,
             output: Vec::new(),
-        }));
+            drain,
+        }))
+    }
+
+    fn exchange(dir: &Path, packets: Vec<Header>) -> (Vec<Header>, usize) {
+        let harness = harness(dir, packets, true);
         let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
         events.add_subscriber(harness.clone());
         harness.lock().expect("lock").kick.write(1).expect("kick");
@@ -694,12 +828,7 @@ mod tests {
     #[test]
     fn a_host_program_that_gives_up_before_the_guest_answers_is_forgotten() {
         let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
-        let harness = Arc::new(Mutex::new(Harness {
-            muxer: Muxer::new(GUEST, &dir.as_path().join("v.sock")).expect("muxer"),
-            kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-            input: Vec::new(),
-            output: Vec::new(),
-        }));
+        let harness = harness(dir.as_path(), Vec::new(), true);
         let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
         events.add_subscriber(harness.clone());
         let mut host = UnixStream::connect(dir.as_path().join("v.sock")).expect("connect");
@@ -798,6 +927,110 @@ mod tests {
             vec![OP_RST; 3]
         );
         assert_eq!(conns, 0);
+    }
+
+    fn guest_connect(src_port: u32, dst_port: u32) -> Header {
+        Header {
+            src_port,
+            dst_port,
+            ..from_guest(OP_REQUEST)
+        }
+    }
+
+    #[test]
+    fn a_guest_cannot_open_connections_without_bound_and_the_host_still_gets_in() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        // A host program that accepts but never reads.
+        let _never_reads = UnixListener::bind(dir.as_path().join("v.sock_80")).expect("listen");
+        let flood = (0..MAX_GUEST_CONNS as u32 + 50)
+            .map(|port| guest_connect(5000 + port, 80))
+            .collect();
+        let harness = harness(dir.as_path(), flood, true);
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        harness.lock().expect("lock").kick.write(1).expect("kick");
+        events.run_with_timeout(100).expect("run");
+        let mut host = UnixStream::connect(dir.as_path().join("v.sock")).expect("connect");
+        host.write_all(b"CONNECT 52\n").expect("connect line");
+        for _ in 0..3 {
+            events.run_with_timeout(50).expect("run");
+        }
+
+        let h = harness.lock().expect("lock");
+        let ops: Vec<u16> = h.output.iter().map(|p| p.op).collect();
+        let responses = ops.iter().filter(|op| **op == OP_RESPONSE).count();
+        let resets = ops.iter().filter(|op| **op == OP_RST).count();
+        assert_eq!((responses, resets), (MAX_GUEST_CONNS, 50));
+        assert_eq!(
+            ops.last(),
+            Some(&OP_REQUEST),
+            "the host's connection goes through"
+        );
+        assert_eq!(h.muxer.connection_count(), MAX_GUEST_CONNS + 1);
+        assert_eq!(h.muxer.refusals().guest_conns, 50);
+    }
+
+    #[test]
+    fn a_guest_cannot_connect_to_the_ports_kept_for_host_connections() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let port = LOCAL_PORT_BASE | 1;
+        let _host =
+            UnixListener::bind(dir.as_path().join(format!("v.sock_{port}"))).expect("listen");
+
+        let (out, conns) = exchange(dir.as_path(), vec![guest_connect(1234, port)]);
+
+        assert_eq!(out.iter().map(|h| h.op).collect::<Vec<_>>(), vec![OP_RST]);
+        assert_eq!(conns, 0);
+    }
+
+    #[test]
+    fn packets_for_a_guest_that_takes_none_are_bounded() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let garbage = (0..MAX_CONTROL as u32 + 100)
+            .map(|port| Header {
+                src_port: port,
+                ..from_guest(OP_RW)
+            })
+            .collect();
+        let harness = harness(dir.as_path(), garbage, false);
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        harness.lock().expect("lock").kick.write(1).expect("kick");
+        events.run_with_timeout(100).expect("run");
+
+        let h = harness.lock().expect("lock");
+        assert_eq!(h.muxer.control.len(), MAX_CONTROL);
+        assert_eq!(h.muxer.refusals().control, 100);
+    }
+
+    #[test]
+    fn host_connections_beyond_the_limit_are_refused_with_a_reason() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let harness = harness(dir.as_path(), Vec::new(), true);
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        let mut hosts = Vec::new();
+        for _ in 0..MAX_HOST_CONNS {
+            let mut host = UnixStream::connect(dir.as_path().join("v.sock")).expect("connect");
+            host.write_all(b"CONNECT 52\n").expect("connect line");
+            hosts.push(host);
+            events.run_with_timeout(0).expect("run");
+        }
+        for _ in 0..3 {
+            events.run_with_timeout(20).expect("run");
+        }
+        let mut extra = UnixStream::connect(dir.as_path().join("v.sock")).expect("connect");
+        events.run_with_timeout(50).expect("run");
+        let mut reply = String::new();
+        extra
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .expect("timeout");
+        extra.read_to_string(&mut reply).expect("read");
+
+        let h = harness.lock().expect("lock");
+        assert_eq!(h.muxer.connection_count(), MAX_HOST_CONNS);
+        assert_eq!(reply, "ERROR too many connections\n");
+        assert_eq!(h.muxer.refusals().host_conns, 1);
     }
 
     #[test]
