@@ -246,6 +246,12 @@ fn get(id: &str) -> Result<SandboxInfo, ApiClientError> {
     api().call("GET", &format!("/v1/sandboxes/{id}"), None)
 }
 
+fn get_template(name: &str) -> TemplateRecord {
+    api()
+        .call("GET", &format!("/v1/templates/{name}"), None)
+        .expect("template")
+}
+
 fn destroy(id: &str) {
     api()
         .send("DELETE", &format!("/v1/sandboxes/{id}"), Payload::None)
@@ -577,6 +583,82 @@ fn time_to_live_destroys_or_pauses_by_policy() {
     assert!(!pid_alive(doomed.pid));
     assert_eq!(extended.labels.get("kept").map(String::as_str), Some("yes"));
     destroy(&sleeper.id);
+}
+
+/// The VMM a jailer started (its only child).
+fn vmm_of(jailer: u32) -> u32 {
+    let children = std::fs::read_to_string(format!("/proc/{jailer}/task/{jailer}/children"))
+        .expect("the jailer's children");
+    children
+        .split_whitespace()
+        .next()
+        .and_then(|c| c.parse().ok())
+        .expect("a VMM under the jailer")
+}
+
+/// A field of /proc/PID/status, e.g. `Uid`.
+fn proc_status(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_vmm_runs_in_a_jail_of_its_own() {
+    let (d, _g) = shared();
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } != 0 {
+        eprintln!("skipped: the jail needs root");
+        return;
+    }
+    let a = create("base").sandbox;
+    let b = create("base").sandbox;
+    let (vmm_a, vmm_b) = (vmm_of(a.pid), vmm_of(b.pid));
+    let ns = |pid: &str, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).ok();
+    let root = PathBuf::from(format!("/proc/{vmm_a}/root"));
+    let template = get_template("base").snapshot_dir;
+    let write_to_template = std::fs::OpenOptions::new()
+        .append(true)
+        .open(root.join(template.join("memory").strip_prefix("/").expect("absolute")));
+    let own_run_dir = d.state_dir.join("sandboxes").join(&a.id);
+    let in_jail = |p: &Path| root.join(p.strip_prefix("/").expect("absolute")).exists();
+
+    let uid_a = proc_status(vmm_a, "Uid");
+    let uid_b = proc_status(vmm_b, "Uid");
+    assert!(!uid_a.starts_with("0\t"), "the VMM runs as root: {uid_a}");
+    assert_ne!(uid_a, uid_b, "two VMMs share a uid");
+    assert_eq!(proc_status(vmm_a, "Gid"), uid_a, "its gid is its uid");
+    assert_eq!(proc_status(vmm_a, "Groups"), "");
+    assert_eq!(proc_status(vmm_a, "NoNewPrivs"), "1");
+    assert_eq!(proc_status(vmm_a, "CapEff"), "0000000000000000");
+    assert_eq!(proc_status(vmm_a, "CapBnd"), "0000000000000000");
+    assert!(
+        proc_status(vmm_a, "NSpid").ends_with("\t1"),
+        "PID 1 of its own PID namespace"
+    );
+    for kind in ["mnt", "pid", "net", "ipc", "uts"] {
+        let own = ns(&vmm_a.to_string(), kind);
+        assert!(own.is_some(), "no {kind} namespace");
+        assert_ne!(own, ns("self", kind), "{kind} namespace shared with the host");
+        assert_ne!(own, ns(&vmm_b.to_string(), kind), "{kind} namespace shared");
+    }
+    assert!(in_jail(&own_run_dir.join("vsock")), "its own files are there");
+    assert!(in_jail(Path::new("/dev/kvm")));
+    assert!(!in_jail(Path::new("/dev/net/tun")), "a TAP device without a NIC");
+    assert!(!in_jail(Path::new("/etc/passwd")), "the host's files are visible");
+    assert!(!in_jail(&d.state_dir.join("husk.db")), "the daemon's store is visible");
+    assert!(
+        !in_jail(&d.state_dir.join("sandboxes").join(&b.id)),
+        "another sandbox's files are visible"
+    );
+    let refused = write_to_template.expect_err("the template is writable from the jail");
+    assert_eq!(refused.raw_os_error(), Some(libc::EROFS), "{refused}");
+    assert_eq!(sh(&a.id, "echo jailed").stdout, "jailed\n");
+    destroy(&a.id);
+    destroy(&b.id);
 }
 
 #[test]
@@ -1175,9 +1257,22 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
             .success()
     };
 
+    // Each TAP lives in its sandbox's own network namespace.
+    let in_sandbox_netns = |pid: u32, tap: &str| {
+        Command::new("nsenter")
+            .args(["-t", &pid.to_string(), "-n", "ip", "link", "show", tap])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("nsenter")
+            .success()
+    };
+
     let mac_a = sh(&a.id, "cat /sys/class/net/eth0/address").stdout;
     let mac_b = sh(&b.id, "cat /sys/class/net/eth0/address").stdout;
-    let up_while_running = tap_exists(&tap_a);
+    let up_while_running = in_sandbox_netns(a.pid, &tap_a);
+    let in_host_netns = tap_exists(&tap_a);
+    let in_neighbours_netns = in_sandbox_netns(b.pid, &tap_a);
     destroy(&a.id);
 
     assert!(t.network);
@@ -1185,6 +1280,8 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
     assert_eq!(mac_b.trim(), b.mac.as_deref().expect("a MAC"));
     assert_ne!(a.mac, b.mac);
     assert!(up_while_running, "{tap_a} missing while its sandbox runs");
+    assert!(!in_host_netns, "{tap_a} is in the host's network namespace");
+    assert!(!in_neighbours_netns, "{tap_a} is in another sandbox's namespace");
     assert!(!tap_exists(&tap_a), "{tap_a} is left after destroy");
     destroy(&b.id);
     api()

@@ -263,6 +263,8 @@ struct Info {
     restore_parallel: u32,
     /// Which cgroup hierarchy limits VMMs ("v1", "v2"), or "none".
     cgroups: &'static str,
+    /// Whether each VMM runs in its jail.
+    jail: bool,
 }
 
 async fn info(State(d): State<Shared>) -> Response {
@@ -275,6 +277,7 @@ async fn info(State(d): State<Shared>) -> Response {
             memory_mib: cfg.memory_mib,
             restore_parallel: cfg.restore_parallel,
             cgroups: cfg.cgroups.as_ref().map_or("none", |h| h.name()),
+            jail: cfg.jail.is_some(),
         },
     )
 }

@@ -241,12 +241,33 @@ impl Cgroup {
             .collect()
     }
 
-    /// Removes the cgroup (its processes must have exited).
+    /// Removes the cgroup, killing whatever still runs in it (a VMM whose
+    /// jailer was killed dies a moment later; nothing may outlive its
+    /// sandbox). A cgroup still busy with exiting processes is tried again
+    /// for a few seconds.
     pub fn remove(&self) {
         for d in &self.dirs {
-            if let Err(e) = std::fs::remove_dir(d) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!("cannot remove cgroup {}: {e}", d.display());
+            let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                // SAFETY: kill(2) on a pid in this sandbox's cgroup; no
+                // memory is involved.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        for d in &self.dirs {
+            let mut tries = 0;
+            loop {
+                match std::fs::remove_dir(d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 250 => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                    }
+                    Err(e) => {
+                        tracing::warn!("cannot remove cgroup {}: {e}", d.display());
+                        break;
+                    }
                 }
             }
         }

@@ -55,6 +55,9 @@ pub struct DaemonConfig {
     pub boot_wait: Duration,
     /// Where each VMM's cgroup goes (None: no limits, a warning).
     pub cgroups: Option<Hierarchy>,
+    /// How each VMM is jailed (None: it runs as the daemon's user, with
+    /// the host's file system; a warning).
+    pub jail: Option<crate::jail::JailConfig>,
 }
 
 /// Why a daemon request failed; `api` maps each kind to an HTTP status.
@@ -364,6 +367,10 @@ impl Daemon {
                     self.store
                         .audit("daemon", "failed", Some(&rec.id), None, "vanished")?;
                 }
+            }
+            // Its uid stays taken until it is destroyed.
+            if let (Some(j), true) = (&self.cfg.jail, rec.uid != 0) {
+                j.uids.mark(rec.uid);
             }
             inner
                 .sandboxes
@@ -681,14 +688,33 @@ impl Daemon {
         } else {
             None
         };
-        let spawned = vmm_process::spawn(
-            &self.cfg.vmm,
-            &id,
-            &run_dir,
-            &launch,
-            cgroup.as_ref(),
-            nic.as_ref(),
-        );
+        let jailing = match &self.cfg.jail {
+            Some(j) => match j.uids.take() {
+                Some(uid) => Some(vmm_process::Jailing {
+                    jailer: j.jailer.clone(),
+                    uid,
+                    reads: t.reads.clone(),
+                }),
+                None => {
+                    let _ = std::fs::remove_dir_all(&run_dir);
+                    if let Some(cg) = cgroup {
+                        cg.remove();
+                    }
+                    return Err(DaemonError::Limit("no free jail uid".into()));
+                }
+            },
+            None => None,
+        };
+        let uid = jailing.as_ref().map_or(0, |j| j.uid);
+        let spawned = vmm_process::spawn(&vmm_process::VmSpawn {
+            vmm: &self.cfg.vmm,
+            id: &id,
+            run_dir: &run_dir,
+            launch: &launch,
+            cgroup: cgroup.as_ref(),
+            nic: nic.as_ref(),
+            jail: jailing.as_ref(),
+        });
         let child = match spawned {
             Ok(child) => child,
             Err(e) => {
@@ -696,6 +722,7 @@ impl Daemon {
                 if let Some(cg) = cgroup {
                     cg.remove();
                 }
+                self.give_uid(uid);
                 return Err(DaemonError::Failed(format!(
                     "cannot start {}: {e}",
                     self.cfg.vmm.display()
@@ -718,6 +745,7 @@ impl Daemon {
             error: None,
             tap: nic.as_ref().map(|n| n.tap.clone()),
             mac: nic.as_ref().map(vmm_process::Nic::mac_text),
+            uid,
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1041,10 +1069,7 @@ impl Daemon {
             return;
         };
         match live.child.as_mut() {
-            Some(child) => {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
+            Some(child) => vmm_process::stop(child),
             None => {
                 vmm_process::kill(live.rec.pid, live.rec.pid_start);
                 // Not our child: wait for it to be gone before its files go.
@@ -1058,6 +1083,7 @@ impl Daemon {
         }
         let _ = std::fs::remove_dir_all(&live.rec.run_dir);
         self.remove_cgroup(id);
+        self.give_uid(live.rec.uid);
         if let Err(e) = self.store.remove_sandbox(id) {
             tracing::error!(sandbox = %id, "cannot remove it from the store: {e}");
         }
@@ -1354,6 +1380,13 @@ impl Daemon {
                 Ok(()) => tracing::info!(sandbox = %id, ?policy, "time to live ran out"),
                 Err(e) => tracing::warn!(sandbox = %id, "expiry failed: {e}"),
             }
+        }
+    }
+
+    /// Gives a destroyed sandbox's jail uid back.
+    fn give_uid(&self, uid: u32) {
+        if let (Some(j), true) = (&self.cfg.jail, uid != 0) {
+            j.uids.give(uid);
         }
     }
 

@@ -11,6 +11,8 @@
 //!   system images from a directory or a tar archive;
 //! - [`vmm_process`]: one husk-vmm process (start, find again, stop);
 //!   [`cgroup`]: its memory, CPU and pid limits (cgroup v2 or v1);
+//!   [`jail`]: the namespaces, root, ids and rlimits it runs in
+//!   (`husk-jailer`);
 //! - [`metrics`]: Prometheus text at /metrics;
 //! - [`agent_client`]: a typed client of the guest agent over the VMM's
 //!   vsock socket;
@@ -24,6 +26,7 @@ pub mod api;
 pub mod api_client;
 pub mod cgroup;
 pub mod daemon;
+pub mod jail;
 pub mod metrics;
 pub mod readiness;
 pub mod rootfs;

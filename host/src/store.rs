@@ -81,6 +81,10 @@ pub struct TemplateRecord {
     /// and MAC).
     #[serde(default)]
     pub network: bool,
+    /// Other snapshot directories its restores read (those of the
+    /// templates it was snapshotted from), for the jail.
+    #[serde(default)]
+    pub reads: Vec<PathBuf>,
 }
 
 /// Where a sandbox is in its life.
@@ -151,6 +155,9 @@ pub struct SandboxRecord {
     pub tap: Option<String>,
     #[serde(default)]
     pub mac: Option<String>,
+    /// The uid its VMM's jail runs as (0: not jailed).
+    #[serde(default)]
+    pub uid: u32,
 }
 
 /// One entry of the audit log.
@@ -371,6 +378,7 @@ mod tests {
             expires_unix_ms: Some(5),
             on_expiry: ExpiryPolicy::Pause,
             labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
+            uid: 0,
             error: None,
             tap: None,
             mac: None,
@@ -418,6 +426,7 @@ mod tests {
             checksums: BTreeMap::new(),
             build_ms: BTreeMap::new(),
             network: false,
+            reads: Vec::new(),
         };
         store.put_template(&t).expect("put");
 

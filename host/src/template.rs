@@ -195,19 +195,40 @@ fn build_in(
     } else {
         None
     };
-    let spawned = vmm_process::spawn(&cfg.vmm, id, &run, &launch, cgroup.as_ref(), nic.as_ref());
+    let jailing = match &cfg.jail {
+        Some(j) => Some(vmm_process::Jailing {
+            jailer: j.jailer.clone(),
+            uid: j
+                .uids
+                .take()
+                .ok_or_else(|| TemplateError::Build("no free jail uid".into()))?,
+            reads: Vec::new(),
+        }),
+        None => None,
+    };
+    let spawned = vmm_process::spawn(&vmm_process::VmSpawn {
+        vmm: &cfg.vmm,
+        id,
+        run_dir: &run,
+        launch: &launch,
+        cgroup: cgroup.as_ref(),
+        nic: nic.as_ref(),
+        jail: jailing.as_ref(),
+    });
     let outcome = match spawned {
         Ok(mut child) => {
             let outcome =
                 boot_and_snapshot(cfg, &run, dir, &mut child, &spec, &mut phases, progress);
-            let _ = child.kill();
-            let _ = child.wait();
+            vmm_process::stop(&mut child);
             outcome
         }
         Err(e) => Err(format!("cannot start {}: {e}", cfg.vmm.display())),
     };
     if let Some(cg) = cgroup {
         cg.remove();
+    }
+    if let (Some(j), Some(jailing)) = (&cfg.jail, &jailing) {
+        j.uids.give(jailing.uid);
     }
     let console = run.join(vmm_process::CONSOLE);
     if let Err(e) = outcome {
@@ -233,6 +254,7 @@ fn build_in(
         checksums,
         build_ms: phases,
         network: spec.network,
+        reads: Vec::new(),
     })
 }
 
@@ -305,8 +327,11 @@ fn boot_and_snapshot(
     drop(client);
     progress("snapshotting");
     let phase = Instant::now();
+    // Written where a jailed VMM can write, then moved into place (the
+    // snapshot names its own files relative to its directory).
+    let written = run.join("snapshot");
     let request = husk_vmm_api::Request::Snapshot {
-        dir: dir.join("snapshot"),
+        dir: written.clone(),
         diff: false,
     };
     match husk_vmm_api::call(&run.join(vmm_process::API), &request, AGENT_TIMEOUT) {
@@ -314,6 +339,7 @@ fn boot_and_snapshot(
         Ok(other) => return Err(format!("the snapshot was refused: {other:?}")),
         Err(e) => return Err(format!("the snapshot failed: {e}")),
     }
+    take_snapshot_dir(&written, &dir.join("snapshot")).map_err(|e| e.to_string())?;
     phases.insert("snapshot".to_owned(), ms(phase));
     Ok(())
 }
@@ -330,13 +356,16 @@ pub fn from_sandbox(
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     let snapshot_dir = dir.join("snapshot");
     let started = Instant::now();
+    // Written where a jailed VMM can write, then moved into place.
+    let written = rec.run_dir.join(format!("snapshot-{id}"));
     let request = husk_vmm_api::Request::Snapshot {
-        dir: snapshot_dir.clone(),
+        dir: written.clone(),
         diff: false,
     };
     let reply = husk_vmm_api::call(&rec.run_dir.join(vmm_process::API), &request, AGENT_TIMEOUT);
     let checked = match reply {
-        Ok(husk_vmm_api::Reply::Snapshot { .. }) => checksum_dir(&snapshot_dir),
+        Ok(husk_vmm_api::Reply::Snapshot { .. }) => take_snapshot_dir(&written, &snapshot_dir)
+            .and_then(|()| checksum_dir(&snapshot_dir)),
         Ok(other) => Err(TemplateError::Build(format!(
             "the VMM refused the snapshot: {other:?}"
         ))),
@@ -346,9 +375,18 @@ pub fn from_sandbox(
         Ok(c) => c,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(&written);
             return Err(e);
         }
     };
+    // Its clones read the snapshots its drives' layers are in.
+    let reads = parent
+        .map(|p| {
+            let mut reads = p.reads.clone();
+            reads.push(p.snapshot_dir.clone());
+            reads
+        })
+        .unwrap_or_default();
     Ok(TemplateRecord {
         id: id.to_owned(),
         name: name.to_owned(),
@@ -360,7 +398,25 @@ pub fn from_sandbox(
         checksums,
         build_ms: BTreeMap::from([("snapshot".to_owned(), ms(started))]),
         network: rec.tap.is_some(),
+        reads,
     })
+}
+
+/// Moves a snapshot a VMM wrote into its template's place, owned by root
+/// and read-only to others (the jailed VMM that wrote it may be gone, and
+/// its uid given to another).
+fn take_snapshot_dir(written: &Path, place: &Path) -> Result<(), TemplateError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::rename(written, place).map_err(io(place))?;
+    std::os::unix::fs::chown(place, Some(0), Some(0)).map_err(io(place))?;
+    std::fs::set_permissions(place, std::fs::Permissions::from_mode(0o755)).map_err(io(place))?;
+    for entry in std::fs::read_dir(place).map_err(io(place))? {
+        let path = entry.map_err(io(place))?.path();
+        std::os::unix::fs::chown(&path, Some(0), Some(0)).map_err(io(&path))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+            .map_err(io(&path))?;
+    }
+    Ok(())
 }
 
 /// SHA-256 of each regular file in `dir`.
@@ -463,6 +519,7 @@ mod tests {
             checksums: checksum_dir(&dir).expect("checksums"),
             build_ms: BTreeMap::new(),
             network: false,
+            reads: Vec::new(),
         };
         assert!(verify(&t).is_ok());
 

@@ -5,11 +5,13 @@
 //! restarted daemon finds it again by its pid and that process's start
 //! time (a pid alone may have been reused).
 
+use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use crate::cgroup::Cgroup;
+use crate::jail::{Bind, Jail};
 
 /// A VMM's files in its run directory.
 pub const VSOCK: &str = "vsock";
@@ -81,24 +83,52 @@ pub enum Launch {
     Restore { snapshot: PathBuf },
 }
 
-/// Starts `husk-vmm` for sandbox `id` with its files in `run_dir` (which
-/// must exist), in `cgroup` if given, with `nic` if given. stderr (its
-/// log) goes to `run_dir/vmm.log`.
-pub fn spawn(
-    vmm: &Path,
-    id: &str,
-    run_dir: &Path,
-    launch: &Launch,
-    cgroup: Option<&Cgroup>,
-    nic: Option<&Nic>,
-) -> std::io::Result<Child> {
-    let mut cmd = Command::new(vmm);
-    cmd.args(["--id", id]);
-    if let Some(nic) = nic {
-        cmd.arg("--net")
-            .arg(format!("tap={},mac={}", nic.tap, nic.mac_text()));
+/// Runs the VMM in a jail (see [`crate::jail`]).
+#[derive(Debug, Clone)]
+pub struct Jailing {
+    /// The `husk-jailer` binary.
+    pub jailer: PathBuf,
+    /// The jail's own uid (and gid).
+    pub uid: u32,
+    /// Directories a restore reads besides the snapshot (the snapshots
+    /// its layers came from).
+    pub reads: Vec<PathBuf>,
+}
+
+/// Everything about one VMM to start.
+#[derive(Debug, Clone, Copy)]
+pub struct VmSpawn<'a> {
+    /// The husk-vmm binary.
+    pub vmm: &'a Path,
+    pub id: &'a str,
+    /// Its files (must exist).
+    pub run_dir: &'a Path,
+    pub launch: &'a Launch,
+    pub cgroup: Option<&'a Cgroup>,
+    pub nic: Option<&'a Nic>,
+    pub jail: Option<&'a Jailing>,
+}
+
+/// Starts `husk-vmm` for `vm.id` with its files in `vm.run_dir`, in its
+/// cgroup and jail if given. stderr (its log) goes to `run_dir/vmm.log`.
+pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
+    let run_dir = vm.run_dir;
+    let mut args: Vec<OsString> = vec!["--id".into(), vm.id.into()];
+    // What the jail lets it see: its run directory, writable, and what
+    // it boots or restores from.
+    let mut binds = vec![Bind {
+        path: run_dir.to_owned(),
+        writable: true,
+    }];
+    let read = |path: &Path| Bind {
+        path: path.to_owned(),
+        writable: false,
+    };
+    if let Some(nic) = vm.nic {
+        args.push("--net".into());
+        args.push(format!("tap={},mac={}", nic.tap, nic.mac_text()).into());
     }
-    match launch {
+    match vm.launch {
         Launch::Boot {
             kernel,
             initramfs,
@@ -107,43 +137,67 @@ pub fn spawn(
             vcpus,
             mem_mib,
         } => {
-            cmd.arg("--kernel").arg(kernel);
+            args.extend(["--kernel".into(), kernel.into()]);
+            binds.push(read(kernel));
             if let Some(initramfs) = initramfs {
-                cmd.arg("--initramfs").arg(initramfs);
+                args.extend(["--initramfs".into(), initramfs.into()]);
+                binds.push(read(initramfs));
             }
             for drive in drives {
-                cmd.args(["--drive", drive]);
+                args.extend(["--drive".into(), drive.into()]);
+                binds.extend(drive_binds(drive));
             }
             if let Some(cmdline) = cmdline {
-                cmd.args(["--cmdline", cmdline]);
+                args.extend(["--cmdline".into(), cmdline.into()]);
             }
-            cmd.args(["--vcpus", &vcpus.to_string()])
-                .args(["--mem-mib", &mem_mib.to_string()]);
+            args.extend(["--vcpus".into(), vcpus.to_string().into()]);
+            args.extend(["--mem-mib".into(), mem_mib.to_string().into()]);
         }
         Launch::Restore { snapshot } => {
-            cmd.arg("--restore")
-                .arg(snapshot)
-                .arg("--overlay-dir")
-                .arg(run_dir);
+            args.extend(["--restore".into(), snapshot.into()]);
+            args.extend(["--overlay-dir".into(), run_dir.into()]);
+            binds.push(read(snapshot));
+            if let Some(jail) = vm.jail {
+                binds.extend(jail.reads.iter().map(|p| read(p)));
+            }
         }
     }
     let log = std::fs::File::create(run_dir.join(LOG))?;
-    cmd.arg("--vsock")
-        .arg(format!(
-            "cid={GUEST_CID},path={}",
-            run_dir.join(VSOCK).display()
-        ))
-        .arg("--api-sock")
-        .arg(run_dir.join(API))
-        .arg("--serial")
-        .arg(run_dir.join(CONSOLE))
-        .stdin(Stdio::null())
+    args.push("--vsock".into());
+    args.push(format!("cid={GUEST_CID},path={}", run_dir.join(VSOCK).display()).into());
+    args.extend(["--api-sock".into(), run_dir.join(API).into()]);
+    args.extend(["--serial".into(), run_dir.join(CONSOLE).into()]);
+    let mut cmd = match vm.jail {
+        Some(jailing) => {
+            let jail = Jail {
+                id: vm.id.to_owned(),
+                uid: jailing.uid,
+                gid: jailing.uid,
+                binds,
+                tap: vm.nic.map(|n| n.tap.clone()),
+                kvm_device: "/dev/kvm".into(),
+                nofile: crate::jail::DEFAULT_NOFILE,
+                fsize: None,
+            };
+            // The VMM creates its sockets, overlay and snapshots here.
+            std::os::unix::fs::chown(run_dir, Some(jailing.uid), Some(jailing.uid))?;
+            let mut cmd = Command::new(&jailing.jailer);
+            cmd.args(jail.args()).arg("--").arg(vm.vmm).args(args);
+            cmd
+        }
+        None => {
+            let mut cmd = Command::new(vm.vmm);
+            cmd.args(args);
+            cmd
+        }
+    };
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
         // Its own process group: a signal to the daemon's group (Ctrl-C)
         // does not reach the sandboxes, and they outlive a daemon restart.
         .process_group(0);
-    if let Some(cgroup) = cgroup {
+    if let Some(cgroup) = vm.cgroup {
         let procs = cgroup.procs_files();
         // SAFETY: join_in_child allocates nothing and makes only
         // async-signal-safe calls (getpid, open, write, close).
@@ -152,6 +206,35 @@ pub fn spawn(
         }
     }
     cmd.spawn()
+}
+
+/// The files a `--drive` spec (`path=FILE[,readonly][,overlay=FILE]...`)
+/// opens: the image (read-only under an overlay) and the overlay.
+fn drive_binds(spec: &str) -> Vec<Bind> {
+    let mut path = None;
+    let mut overlay = None;
+    let mut readonly = false;
+    for (i, part) in spec.split(',').enumerate() {
+        match part.split_once('=') {
+            Some(("path", v)) => path = Some(PathBuf::from(v)),
+            Some(("overlay", v)) => overlay = Some(PathBuf::from(v)),
+            None if part == "readonly" => readonly = true,
+            None if i == 0 => path = Some(PathBuf::from(part)),
+            _ => {}
+        }
+    }
+    let writable = !readonly && overlay.is_none();
+    let mut binds: Vec<Bind> = path.map(|path| Bind { path, writable }).into_iter().collect();
+    if let Some(overlay) = overlay {
+        // The overlay does not exist yet: its directory is bound.
+        if let Some(dir) = overlay.parent() {
+            binds.push(Bind {
+                path: dir.to_owned(),
+                writable: true,
+            });
+        }
+    }
+    binds
 }
 
 /// The start time of process `pid` (clock ticks since boot, field 22 of
@@ -177,13 +260,40 @@ pub fn is_alive(pid: u32, pid_start: u64) -> bool {
     stat(pid).is_some_and(|(state, start)| state != 'Z' && start == pid_start)
 }
 
-/// Sends SIGKILL to the VMM if it is still the process we started.
+/// Kills the VMM if `pid` is still the process we started. A jailer's
+/// VMM (its child) is killed first: the jailer reaps it and dies the same
+/// way, so no VMM is left orphaned (and, under an init that does not reap,
+/// a zombie).
 pub fn kill(pid: u32, pid_start: u64) {
-    if pid != 0 && is_alive(pid, pid_start) {
+    if pid == 0 || !is_alive(pid, pid_start) {
+        return;
+    }
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default();
+    let mut killed = false;
+    for child in children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()) {
+        // SAFETY: kill(2) on a child of the process we checked is ours.
+        killed |= unsafe { libc::kill(child, libc::SIGKILL) } == 0;
+    }
+    if !killed {
         // SAFETY: kill(2) with a pid we checked is our VMM; no memory is
         // involved.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
+}
+
+/// Kills a VMM we started (see [`kill`]) and waits for it: for its jailer
+/// to reap it and die, or, after a few seconds, kills the jailer too.
+pub fn stop(child: &mut Child) {
+    if let Some(start) = start_time(child.id()) {
+        kill(child.id(), start);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// The end of a VMM's log and console, indented, for an error message.
@@ -222,6 +332,21 @@ mod tests {
 
         assert!(is_alive(me, start));
         assert!(!is_alive(me, start + 1));
+    }
+
+    #[test]
+    fn a_drive_binds_its_image_read_only_under_an_overlay() {
+        let raw = drive_binds("path=/t/rootfs.ext4");
+        let cow = drive_binds("path=/t/rootfs.ext4,overlay=/run/x/o,id=root");
+        let ro = drive_binds("/t/data.img,readonly");
+
+        let b = |path: &str, writable| Bind {
+            path: path.into(),
+            writable,
+        };
+        assert_eq!(raw, vec![b("/t/rootfs.ext4", true)]);
+        assert_eq!(cow, vec![b("/t/rootfs.ext4", false), b("/run/x", true)]);
+        assert_eq!(ro, vec![b("/t/data.img", false)]);
     }
 
     #[test]

@@ -297,7 +297,8 @@ fn restore_devices(
                         "drive `{id}` is writable: give this clone its own new overlay with --overlay {id}=FILE or --overlay-dir DIR"
                     )));
                 }
-                let opened = Disk::restore(disk, overlay.as_deref())
+                let disk = disk.clone().resolved(&config.snapshot);
+                let opened = Disk::restore(&disk, overlay.as_deref())
                     .map_err(|e| restore_err(format!("drive `{id}`: {e}")))?;
                 created.0.extend(overlay);
                 let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;

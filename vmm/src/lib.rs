@@ -245,7 +245,8 @@ impl Vmm {
                     let d = lock(d);
                     let disk = d
                         .save_disk(dir, &format!("drive-{index}"))
-                        .map_err(|e| VmmError::Disk(d.name().to_owned(), e))?;
+                        .map_err(|e| VmmError::Disk(d.name().to_owned(), e))?
+                        .relative_to(dir);
                     persist::SavedDevice::Block {
                         id: d.name().to_owned(),
                         disk,

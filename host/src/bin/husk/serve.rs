@@ -60,6 +60,11 @@ pub struct ServeArgs {
     /// and pid limits when this host's cgroups can be managed).
     #[arg(long)]
     pub no_cgroups: bool,
+    /// Run VMMs without their jail (own namespaces, root, uid): for
+    /// debugging only; each VMM then has the daemon's privileges and sees
+    /// the host's files. The jail needs root.
+    #[arg(long)]
+    pub no_jail: bool,
 }
 
 /// The state directory when none is given.
@@ -106,6 +111,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             .map_err(|e| e.to_string())?
             .with_file_name("husk-vmm"),
     };
+    let vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
     if !vmm.is_file() {
         return Err(format!(
             "the VMM binary {} does not exist: build it (cargo build --release -p husk-vmm) or \
@@ -113,6 +119,32 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             vmm.display()
         ));
     }
+    let jail = if args.no_jail {
+        tracing::warn!(
+            "THE JAIL IS OFF (--no-jail): every VMM runs with this daemon's privileges and sees the host's files"
+        );
+        None
+    } else {
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(
+                "each VMM runs in a jail, which needs root: run husk serve as root (or, to debug \
+                 without the jail, pass --no-jail)"
+                    .into(),
+            );
+        }
+        let jailer = vmm.with_file_name("husk-jailer");
+        if !jailer.is_file() {
+            return Err(format!(
+                "the jailer {} does not exist: build it (cargo build --release -p husk-host)",
+                jailer.display()
+            ));
+        }
+        Some(husk_host::jail::JailConfig {
+            jailer,
+            uids: Default::default(),
+        })
+    };
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let cfg = DaemonConfig {
         state_dir: state_dir.clone(),
@@ -137,6 +169,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             }
             h
         },
+        jail,
     };
     let token = match &args.token_file {
         Some(f) => Some(

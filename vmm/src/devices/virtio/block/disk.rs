@@ -133,6 +133,34 @@ pub struct DiskSnapshot {
     pub layers: Vec<FileStamp>,
 }
 
+impl DiskSnapshot {
+    /// The same snapshot with the files inside `dir` named relative to it,
+    /// so that the snapshot directory can be moved (a jailed VMM writes
+    /// snapshots where it can, and the host moves them into place).
+    pub fn relative_to(mut self, dir: &Path) -> Self {
+        let Ok(dir) = std::fs::canonicalize(dir) else {
+            return self;
+        };
+        for stamp in std::iter::once(&mut self.base).chain(&mut self.layers) {
+            if let Ok(inside) = stamp.path.strip_prefix(&dir) {
+                stamp.path = inside.to_path_buf();
+            }
+        }
+        self
+    }
+
+    /// The same snapshot with relative file names resolved against `dir`,
+    /// the snapshot directory it was read from.
+    pub fn resolved(mut self, dir: &Path) -> Self {
+        for stamp in std::iter::once(&mut self.base).chain(&mut self.layers) {
+            if stamp.path.is_relative() {
+                stamp.path = dir.join(&stamp.path);
+            }
+        }
+        self
+    }
+}
+
 /// A sparse file holding some clusters of the disk at their own offsets.
 struct Layer {
     file: File,
@@ -792,6 +820,22 @@ mod tests {
             Disk::restore(&snapshot, Some(&dir.as_path().join("o"))),
             Err(DiskError::UnwantedOverlay)
         ));
+    }
+
+    #[test]
+    fn a_saved_disk_names_its_own_files_relative_to_its_directory_and_moves_with_it() {
+        let dir = TempDir::new().expect("tempdir");
+        let (_original, snapshot, contents) = saved_cow_disk(&dir);
+        let base = snapshot.base.path.clone();
+
+        let portable = snapshot.relative_to(&dir.as_path().join("snap"));
+        std::fs::rename(dir.as_path().join("snap"), dir.as_path().join("moved")).expect("move");
+        let resolved = portable.clone().resolved(&dir.as_path().join("moved"));
+        let clone = Disk::restore(&resolved, Some(&dir.as_path().join("o"))).expect("clone");
+
+        assert_eq!(portable.layers[0].path, Path::new("drive-0"));
+        assert_eq!(portable.base.path, base, "files outside stay absolute");
+        assert_eq!(read_all(&clone), contents);
     }
 
     #[test]
