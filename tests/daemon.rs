@@ -633,6 +633,7 @@ fn every_vmm_runs_in_a_jail_of_its_own() {
     assert_eq!(proc_status(vmm_a, "Gid"), uid_a, "its gid is its uid");
     assert_eq!(proc_status(vmm_a, "Groups"), "");
     assert_eq!(proc_status(vmm_a, "NoNewPrivs"), "1");
+    assert_eq!(proc_status(vmm_a, "Seccomp"), "2", "no seccomp filter");
     assert_eq!(proc_status(vmm_a, "CapEff"), "0000000000000000");
     assert_eq!(proc_status(vmm_a, "CapBnd"), "0000000000000000");
     assert!(
@@ -642,14 +643,30 @@ fn every_vmm_runs_in_a_jail_of_its_own() {
     for kind in ["mnt", "pid", "net", "ipc", "uts"] {
         let own = ns(&vmm_a.to_string(), kind);
         assert!(own.is_some(), "no {kind} namespace");
-        assert_ne!(own, ns("self", kind), "{kind} namespace shared with the host");
+        assert_ne!(
+            own,
+            ns("self", kind),
+            "{kind} namespace shared with the host"
+        );
         assert_ne!(own, ns(&vmm_b.to_string(), kind), "{kind} namespace shared");
     }
-    assert!(in_jail(&own_run_dir.join("vsock")), "its own files are there");
+    assert!(
+        in_jail(&own_run_dir.join("vsock")),
+        "its own files are there"
+    );
     assert!(in_jail(Path::new("/dev/kvm")));
-    assert!(!in_jail(Path::new("/dev/net/tun")), "a TAP device without a NIC");
-    assert!(!in_jail(Path::new("/etc/passwd")), "the host's files are visible");
-    assert!(!in_jail(&d.state_dir.join("husk.db")), "the daemon's store is visible");
+    assert!(
+        !in_jail(Path::new("/dev/net/tun")),
+        "a TAP device without a NIC"
+    );
+    assert!(
+        !in_jail(Path::new("/etc/passwd")),
+        "the host's files are visible"
+    );
+    assert!(
+        !in_jail(&d.state_dir.join("husk.db")),
+        "the daemon's store is visible"
+    );
     assert!(
         !in_jail(&d.state_dir.join("sandboxes").join(&b.id)),
         "another sandbox's files are visible"
@@ -1281,7 +1298,10 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
     assert_ne!(a.mac, b.mac);
     assert!(up_while_running, "{tap_a} missing while its sandbox runs");
     assert!(!in_host_netns, "{tap_a} is in the host's network namespace");
-    assert!(!in_neighbours_netns, "{tap_a} is in another sandbox's namespace");
+    assert!(
+        !in_neighbours_netns,
+        "{tap_a} is in another sandbox's namespace"
+    );
     assert!(!tap_exists(&tap_a), "{tap_a} is left after destroy");
     destroy(&b.id);
     api()

@@ -325,6 +325,31 @@ fn refused_with(snapshot: &Path, vsock: Option<&Path>, extra: &[&str]) -> String
 }
 
 #[test]
+fn every_kind_of_vmm_thread_dies_by_sigsys_on_a_forbidden_syscall() {
+    use std::os::unix::process::ExitStatusExt;
+    let base = base();
+    let dir = TempDir::new().expect("tempdir");
+
+    let deaths: Vec<(&str, Option<i32>)> = ["control", "devices", "vcpu"]
+        .into_iter()
+        .map(|kind| {
+            let (mut vmm, _, _) = restore_with(
+                &base.snapshot,
+                dir.as_path(),
+                &format!("sigsys-{kind}"),
+                40,
+                &["--seccomp-selftest", kind],
+            );
+            (kind, vmm.0.wait().expect("wait").signal())
+        })
+        .collect();
+
+    for (kind, signal) in deaths {
+        assert_eq!(signal, Some(libc::SIGSYS), "the {kind} thread");
+    }
+}
+
+#[test]
 fn bad_snapshots_are_refused_before_any_guest_runs() {
     let dir = TempDir::new().expect("tempdir");
     let uds = dir.as_path().join("x.vsock");

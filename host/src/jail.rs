@@ -310,13 +310,8 @@ impl Jail {
         }
         for (name, rdev, mode) in nodes {
             let path = dev.join(name);
-            mknod(
-                &path,
-                SFlag::S_IFCHR,
-                Mode::from_bits_truncate(mode),
-                rdev,
-            )
-            .map_err(sys(format!("create /dev/{name}")))?;
+            mknod(&path, SFlag::S_IFCHR, Mode::from_bits_truncate(mode), rdev)
+                .map_err(sys(format!("create /dev/{name}")))?;
             chown(
                 &path,
                 Some(Uid::from_raw(self.uid)),
@@ -423,8 +418,7 @@ fn wait_as(child: Pid) -> Result<(), JailError> {
     CHILD.store(child.as_raw(), Ordering::Relaxed);
     for sig in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
         // SAFETY: `forward` only loads an atomic and calls kill(2).
-        unsafe { signal(sig, SigHandler::Handler(forward)) }
-            .map_err(sys("forward signals"))?;
+        unsafe { signal(sig, SigHandler::Handler(forward)) }.map_err(sys("forward signals"))?;
     }
     loop {
         match waitpid(child, None) {
@@ -451,8 +445,8 @@ fn close_inherited_fds() {
 
 /// Bind-mounts `bind.path` at the same path under `root`.
 fn bind_into(root: &Path, bind: &Bind) -> Result<(), JailError> {
-    let source = std::fs::canonicalize(&bind.path)
-        .map_err(io(format!("find {}", bind.path.display())))?;
+    let source =
+        std::fs::canonicalize(&bind.path).map_err(io(format!("find {}", bind.path.display())))?;
     let target = root.join(bind.path.strip_prefix("/").unwrap_or(&bind.path));
     let is_dir = source.is_dir();
     let parent = target.parent().unwrap_or(root);
@@ -509,7 +503,7 @@ fn parse_ldd(text: &str) -> Vec<PathBuf> {
         .filter_map(|line| {
             let line = line.trim();
             let path = match line.split_once("=>") {
-                Some((_, right)) => right.trim().split_whitespace().next()?,
+                Some((_, right)) => right.split_whitespace().next()?,
                 None => line.split_whitespace().next()?,
             };
             path.starts_with('/').then(|| PathBuf::from(path))
@@ -551,7 +545,9 @@ fn create_tap(name: &str, uid: u32, gid: u32) -> Result<(), JailError> {
     req.ifr_ifru.ifru_flags = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
     let ioctl = |what: &str, rc: libc::c_int| {
         if rc < 0 {
-            Err(io(format!("{what} TAP {name}"))(std::io::Error::last_os_error()))
+            Err(io(format!("{what} TAP {name}"))(
+                std::io::Error::last_os_error(),
+            ))
         } else {
             Ok(())
         }

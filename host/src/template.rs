@@ -175,6 +175,11 @@ fn build_in(
         spec.vcpus,
         spec.mem_mib
     ));
+    let drives_written: Vec<PathBuf> = drives
+        .iter()
+        .filter_map(|d| d.strip_prefix("path="))
+        .map(PathBuf::from)
+        .collect();
     let launch = Launch::Boot {
         kernel,
         initramfs,
@@ -228,6 +233,10 @@ fn build_in(
         cg.remove();
     }
     if let (Some(j), Some(jailing)) = (&cfg.jail, &jailing) {
+        // The image the jail wrote is root's again before its uid is.
+        for drive in &drives_written {
+            let _ = std::os::unix::fs::chown(drive, Some(0), Some(0));
+        }
         j.uids.give(jailing.uid);
     }
     let console = run.join(vmm_process::CONSOLE);
@@ -364,8 +373,9 @@ pub fn from_sandbox(
     };
     let reply = husk_vmm_api::call(&rec.run_dir.join(vmm_process::API), &request, AGENT_TIMEOUT);
     let checked = match reply {
-        Ok(husk_vmm_api::Reply::Snapshot { .. }) => take_snapshot_dir(&written, &snapshot_dir)
-            .and_then(|()| checksum_dir(&snapshot_dir)),
+        Ok(husk_vmm_api::Reply::Snapshot { .. }) => {
+            take_snapshot_dir(&written, &snapshot_dir).and_then(|()| checksum_dir(&snapshot_dir))
+        }
         Ok(other) => Err(TemplateError::Build(format!(
             "the VMM refused the snapshot: {other:?}"
         ))),

@@ -179,8 +179,12 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
                 nofile: crate::jail::DEFAULT_NOFILE,
                 fsize: None,
             };
-            // The VMM creates its sockets, overlay and snapshots here.
-            std::os::unix::fs::chown(run_dir, Some(jailing.uid), Some(jailing.uid))?;
+            // The VMM creates its sockets, overlay and snapshots in its run
+            // directory, and writes its writable drives (a template
+            // build's image): they become the jail's.
+            for bind in jail.binds.iter().filter(|b| b.writable) {
+                std::os::unix::fs::chown(&bind.path, Some(jailing.uid), Some(jailing.uid))?;
+            }
             let mut cmd = Command::new(&jailing.jailer);
             cmd.args(jail.args()).arg("--").arg(vm.vmm).args(args);
             cmd
@@ -224,7 +228,10 @@ fn drive_binds(spec: &str) -> Vec<Bind> {
         }
     }
     let writable = !readonly && overlay.is_none();
-    let mut binds: Vec<Bind> = path.map(|path| Bind { path, writable }).into_iter().collect();
+    let mut binds: Vec<Bind> = path
+        .map(|path| Bind { path, writable })
+        .into_iter()
+        .collect();
     if let Some(overlay) = overlay {
         // The overlay does not exist yet: its directory is bound.
         if let Some(dir) = overlay.parent() {
@@ -268,10 +275,13 @@ pub fn kill(pid: u32, pid_start: u64) {
     if pid == 0 || !is_alive(pid, pid_start) {
         return;
     }
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .unwrap_or_default();
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
     let mut killed = false;
-    for child in children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()) {
+    for child in children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<i32>().ok())
+    {
         // SAFETY: kill(2) on a child of the process we checked is ours.
         killed |= unsafe { libc::kill(child, libc::SIGKILL) } == 0;
     }

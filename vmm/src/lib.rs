@@ -13,6 +13,7 @@ pub mod devices;
 pub mod log_budget;
 pub mod persist;
 pub mod resident;
+pub mod seccomp;
 pub mod timeline;
 pub mod vstate;
 
@@ -90,6 +91,8 @@ pub enum VmmError {
     Persist(#[from] persist::PersistError),
     #[error("drive {0}: {1}")]
     Disk(String, #[source] devices::virtio::block::DiskError),
+    #[error(transparent)]
+    Seccomp(#[from] seccomp::SeccompError),
 }
 
 /// A built VM: its memory, vCPUs, devices and the events that end it.
@@ -369,7 +372,8 @@ impl Vmm {
 
     /// Boots the guest and serves events until it ends. SIGTERM and SIGINT
     /// stop the VM; they are blocked in every thread and read from a signalfd.
-    pub fn run(&mut self) -> Result<Outcome, VmmError> {
+    pub fn run(&mut self, seccomp: seccomp::SeccompPolicy) -> Result<Outcome, VmmError> {
+        let filters = Arc::new(seccomp::Filters::new(seccomp)?);
         let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
         let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let (tx, rx) = mpsc::channel();
@@ -380,14 +384,21 @@ impl Vmm {
             };
             // vCPU threads are never joined: they sit in KVM_RUN until the
             // process exits, which tears the VM down with them.
-            let handle = vcpu.start(reporter, self.timeline.clone(), self.msr_indices.clone())?;
+            let handle = vcpu.start(
+                reporter,
+                self.timeline.clone(),
+                self.msr_indices.clone(),
+                filters.clone(),
+            )?;
             self.handles.push(handle);
         }
 
         // Devices get their own thread; this one keeps the control loop.
         let control = EventLoop::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
         let devices = std::mem::replace(&mut self.events, control);
-        self.device_thread = Some(DeviceThread::start(devices)?);
+        self.device_thread = Some(DeviceThread::start(devices, filters.clone())?);
+        // Last: threads inherit their creator's filter.
+        filters.enter(seccomp::ThreadKind::Control);
         if let Some(server) = self.api_server.take() {
             self.events.add_subscriber(server);
         }
@@ -453,7 +464,7 @@ impl MutEventSubscriber for Waker {
 }
 
 impl DeviceThread {
-    fn start(mut events: EventLoop) -> Result<Self, VmmError> {
+    fn start(mut events: EventLoop, filters: Arc<seccomp::Filters>) -> Result<Self, VmmError> {
         let wake = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let waker = Waker(wake.try_clone().map_err(VmmError::EventFd)?);
         events.add_subscriber(Arc::new(Mutex::new(waker)));
@@ -461,22 +472,25 @@ impl DeviceThread {
         let thread_gate = gate.clone();
         std::thread::Builder::new()
             .name("devices".into())
-            .spawn(move || loop {
-                {
-                    let (state, changed) = &*thread_gate;
-                    let mut state = lock(state);
-                    if state.stop_requested {
-                        state.stopped = true;
-                        changed.notify_all();
-                        while state.stop_requested {
-                            state = changed.wait(state).unwrap_or_else(|e| e.into_inner());
+            .spawn(move || {
+                filters.enter(seccomp::ThreadKind::Devices);
+                loop {
+                    {
+                        let (state, changed) = &*thread_gate;
+                        let mut state = lock(state);
+                        if state.stop_requested {
+                            state.stopped = true;
+                            changed.notify_all();
+                            while state.stop_requested {
+                                state = changed.wait(state).unwrap_or_else(|e| e.into_inner());
+                            }
+                            state.stopped = false;
                         }
-                        state.stopped = false;
                     }
-                }
-                if let Err(e) = events.run() {
-                    tracing::error!("the device event loop failed: {e:?}");
-                    return;
+                    if let Err(e) = events.run() {
+                        tracing::error!("the device event loop failed: {e:?}");
+                        return;
+                    }
                 }
             })
             .map_err(VmmError::Thread)?;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use clap::Parser;
 use husk_vmm::builder::{build_vm, restore_vm, RestoreConfig};
 use husk_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use husk_vmm::seccomp::{SeccompPolicy, ThreadKind};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
 use husk_vmm::Outcome;
@@ -96,6 +97,18 @@ struct Args {
     /// Write the boot timeline as JSON to this file when the VM ends.
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Run without the per-thread seccomp filters (for debugging only:
+    /// every syscall is then open to a guest that takes over the VMM).
+    #[arg(long)]
+    no_seccomp: bool,
+    /// Tests only: make one kind of thread (control, devices, vcpu) try a
+    /// forbidden syscall once filtered; the VMM must die by SIGSYS.
+    #[arg(long, hide = true, value_parser = parse_thread_kind)]
+    seccomp_selftest: Option<ThreadKind>,
+}
+
+fn parse_thread_kind(name: &str) -> Result<ThreadKind, String> {
+    ThreadKind::parse(name).ok_or_else(|| format!("`{name}`: control, devices or vcpu"))
 }
 
 /// What to start: a boot or a restore.
@@ -174,7 +187,15 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let (start, timeline_path, api_sock) = Args::parse().into_config();
+    let args = Args::parse();
+    let seccomp = SeccompPolicy {
+        enabled: !args.no_seccomp,
+        selftest: args.seccomp_selftest,
+    };
+    if seccomp.enabled {
+        husk_vmm::seccomp::install_report();
+    }
+    let (start, timeline_path, api_sock) = args.into_config();
     let id = match &start {
         Start::Boot(c) => c.id.clone(),
         Start::Restore(c) => c.id.clone(),
@@ -199,7 +220,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let outcome = match vmm.run() {
+    if !seccomp.enabled {
+        tracing::warn!(
+            "SECCOMP IS OFF (--no-seccomp): a guest that takes over this VMM can make any syscall"
+        );
+    }
+    let outcome = match vmm.run(seccomp) {
         Ok(outcome) => outcome,
         Err(e) => {
             tracing::error!("the VM failed: {e}");

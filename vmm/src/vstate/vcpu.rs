@@ -280,6 +280,7 @@ impl Vcpu {
         reporter: StopReporter,
         timeline: Arc<Timeline>,
         msr_indices: Arc<Vec<u32>>,
+        filters: Arc<crate::seccomp::Filters>,
     ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler();
         let index = self.index;
@@ -288,6 +289,8 @@ impl Vcpu {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .spawn(move || {
+                // Before the guest runs a single instruction on this vCPU.
+                filters.enter(crate::seccomp::ThreadKind::Vcpu);
                 if index == 0 {
                     timeline.mark(Phase::FirstKvmRun);
                 }
