@@ -354,11 +354,10 @@ extern "C" fn report(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut l
     // syscall number is the int at byte 24 (after signo, errno, code, the
     // padding and the call address).
     let nr = unsafe { *(info as *const u8).add(24).cast::<libc::c_int>() };
-    let kind = KIND.with(Cell::get);
-    let name = match kind {
-        1 => "control",
-        2 => "devices",
-        3 => "vcpu",
+    let name = match KIND.with(Cell::get) {
+        1 => ThreadKind::Control.name(),
+        2 => ThreadKind::Devices.name(),
+        3 => ThreadKind::Vcpu.name(),
         _ => "unknown",
     };
     let mut line = [0u8; 96];
