@@ -644,3 +644,145 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     assert_eq!(kind(bombed), ErrorKind::Timeout);
     assert_eq!(left, "0\n", "processes of the bomb left");
 }
+
+#[test]
+fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all() {
+    let vm = sandbox("hostile");
+    let mut client = vm.client();
+    let mut cat = |path: &str| text(&client.exec(argv(&["cat", path])).expect("cat").stdout);
+    // The boundaries inside the guest: programs share the lowest CPU weight,
+    // PID 1 (and so the agent) is exempt from the OOM killer, programs not.
+    let weight = cat("/sys/fs/cgroup/sandbox/cpu.weight");
+    let init_oom = cat("/proc/1/oom_score_adj");
+    let program_oom = cat("/proc/self/oom_score_adj");
+    let mut client = vm.client();
+
+    // Output past `output_max` ends the program with a limit error; the
+    // client got exactly the allowance.
+    let mut capped = 0usize;
+    let over = client.exec_streaming(
+        ExecRequest {
+            output_max: Some(100_000),
+            ..argv(&["yes"])
+        },
+        |_, data| capped += data.len(),
+    );
+
+    // The kernel's log tells what happened to the hostile programs.
+    let dmesg_until = |what: &str, client: &mut husk_host::agent_client::AgentClient| {
+        let mut wait = WaitBudget::new(Duration::from_secs(300));
+        loop {
+            // `dmesg` itself needs no fork: it runs even in a full sandbox.
+            let log = client.exec(argv(&["dmesg"])).map(|o| text(&o.stdout));
+            if log.as_deref().is_ok_and(|l| l.contains(what)) || wait.expired() {
+                return log;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    // A memory hog that leaves its exec (which returns at once, so its
+    // timeout never applies): `dd` with a 96 MiB buffer in a 128 MiB guest,
+    // again and again. Here every page it touches is a fault served by the
+    // emulated guest kernel (about 200 KiB/s), so the test does not wait for
+    // the OOM killer (minutes); it waits until the hog is busy faulting,
+    // which is kernel work that competes with the agent's.
+    let started = Instant::now();
+    let hog = client.exec(sh(
+        "(while :; do dd if=/dev/zero of=/dev/null bs=96M count=1; done) >/dev/null 2>&1 &",
+    ));
+    let mut hog_kib = 0;
+    let mut wait = WaitBudget::new(Duration::from_secs(300));
+    while hog_kib < 4096 && !wait.expired() {
+        std::thread::sleep(Duration::from_millis(500));
+        let ps = client
+            .exec(argv(&["ps", "-o", "rss,comm"]))
+            .map(|o| text(&o.stdout));
+        hog_kib = ps
+            .as_deref()
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().strip_suffix(" dd"))
+            .filter_map(|rss| {
+                let (n, scale) = match rss.trim().strip_suffix('m') {
+                    Some(mib) => (mib, 1024),
+                    None => (rss.trim(), 1),
+                };
+                n.parse::<u64>().ok().map(|n| n * scale)
+            })
+            .max()
+            .unwrap_or(0);
+    }
+    eprintln!("{:?}: the hog holds {hog_kib} KiB", started.elapsed());
+    // Then a fork bomb, also detached, in a sandbox made small enough for it
+    // to fill here in a minute (the default limit is three quarters of the
+    // guest's threads).
+    let small = client.exec(sh("echo 32 > /sys/fs/cgroup/sandbox/pids.max"));
+    let bomb = client.exec(sh("b() { b | b & }; b >/dev/null 2>&1"));
+    let full = dmesg_until("fork rejected by pids controller", &mut client);
+    eprintln!("{:?}: the sandbox is full", started.elapsed());
+    // With both running: the agent answers, and a new program runs.
+    let mut pings = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let pong = client.ping();
+        pings.push((t.elapsed(), pong.is_ok()));
+    }
+    let during = client.exec(argv(&["echo", "still here"]));
+    let t = Instant::now();
+    let killed = client.kill_all();
+    eprintln!(
+        "pings with both running: {pings:?}; kill-all took {:?}: {killed:?}",
+        t.elapsed()
+    );
+    let after = client.exec(argv(&["echo", "back"]));
+    let left = text(
+        &client
+            .exec(argv(&["cat", "/sys/fs/cgroup/sandbox/pids.current"]))
+            .expect("cat")
+            .stdout,
+    );
+    let survivors: Vec<String> =
+        text(&client.exec(argv(&["ps", "-o", "comm"])).expect("ps").stdout)
+            .lines()
+            .filter(|c| matches!(c.trim(), "sh" | "dd"))
+            .map(str::to_owned)
+            .collect();
+    let health = client.health().expect("health");
+
+    assert_eq!(weight, "1\n");
+    assert_eq!(init_oom, "-1000\n");
+    assert_eq!(program_oom, "0\n");
+    assert_eq!(kind(over), ErrorKind::Limit);
+    assert_eq!(capped, 100_000);
+    assert!(
+        hog.is_ok() && small.is_ok() && bomb.is_ok(),
+        "{hog:?} {small:?} {bomb:?}"
+    );
+    assert!(hog_kib >= 4096, "the memory hog never grew ({hog_kib} KiB)");
+    let full = full.expect("dmesg");
+    assert!(
+        full.contains("fork rejected by pids controller"),
+        "the bomb never filled the sandbox"
+    );
+    assert!(pings.iter().all(|(_, ok)| *ok), "{pings:?}");
+    assert_eq!(
+        during.as_ref().map(|o| text(&o.stdout)).ok(),
+        Some("still here\n".to_owned()),
+        "{during:?}"
+    );
+    let killed = killed.expect("kill-all");
+    assert!(killed >= 16, "killed only {killed} tasks of a full sandbox");
+    assert_eq!(
+        after.as_ref().map(|o| text(&o.stdout)).ok(),
+        Some("back\n".to_owned()),
+        "{after:?}"
+    );
+    // Only the `cat` that read it.
+    assert_eq!(left, "1\n");
+    assert!(survivors.is_empty(), "{survivors:?}");
+    // The memory the hog held is back.
+    assert!(
+        health.mem_available_kib * 2 > health.mem_total_kib,
+        "{health:?}"
+    );
+}

@@ -111,6 +111,11 @@ impl TestDaemon {
             .arg("--vmm")
             .arg(common::vmm_binary())
             .args(["--tcp", &self.tcp])
+            .args(
+                egress_net()
+                    .map(|ns| vec!["--egress-netns".to_owned(), ns.path()])
+                    .unwrap_or_default(),
+            )
             .arg("--token-file")
             .arg(self.state_dir.with_extension("token"))
             .args(extra)
@@ -148,6 +153,63 @@ impl TestDaemon {
     }
 }
 
+/// The network the daemon's egress proxy uses in these tests: a network
+/// namespace of the test's own with loopback and one dummy interface
+/// (198.51.100.1/24, a documentation range) and no route anywhere else.
+/// Whatever the proxy does, no packet of it leaves this machine. Root only
+/// (the daemon then runs without it, and the egress test is skipped).
+struct EgressNet {
+    name: String,
+}
+
+impl EgressNet {
+    fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+}
+
+/// The address the egress test's server listens on, inside `EgressNet`.
+const EGRESS_SERVER_IP: &str = "198.51.100.1";
+
+static EGRESS_NET: OnceLock<Option<EgressNet>> = OnceLock::new();
+
+fn egress_net() -> Option<&'static EgressNet> {
+    EGRESS_NET
+        .get_or_init(|| {
+            // SAFETY: getuid cannot fail.
+            if unsafe { libc::getuid() } != 0 {
+                return None;
+            }
+            let name = format!("husk-egress-{}", std::process::id());
+            let ip = |args: &[&str]| {
+                let out = Command::new("ip")
+                    .args(args)
+                    .output()
+                    .expect("ip (iproute2)");
+                assert!(
+                    out.status.success(),
+                    "ip {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            };
+            ip(&["netns", "add", &name]);
+            ip(&["-n", &name, "link", "set", "lo", "up"]);
+            ip(&["-n", &name, "link", "add", "husk-out", "type", "dummy"]);
+            ip(&[
+                "-n",
+                &name,
+                "addr",
+                "add",
+                &format!("{EGRESS_SERVER_IP}/24"),
+                "dev",
+                "husk-out",
+            ]);
+            ip(&["-n", &name, "link", "set", "husk-out", "up"]);
+            Some(EgressNet { name })
+        })
+        .as_ref()
+}
+
 fn daemon() -> &'static TestDaemon {
     static DAEMON: OnceLock<TestDaemon> = OnceLock::new();
     DAEMON.get_or_init(|| {
@@ -155,6 +217,11 @@ fn daemon() -> &'static TestDaemon {
             let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
             common::kill_everything_under(&dir);
             remove_cgroups_of(&dir);
+            if let Some(Some(ns)) = EGRESS_NET.get() {
+                let _ = Command::new("ip")
+                    .args(["netns", "delete", &ns.name])
+                    .status();
+            }
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
             let log = dir.with_extension("log");
@@ -1315,4 +1382,217 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
     api()
         .send("DELETE", "/v1/templates/net", Payload::None)
         .expect("remove");
+}
+
+/// A server inside the egress test network: answers a plain HTTP GET with
+/// a greeting, a TLS ClientHello with a note, anything else with `pong`
+/// and what came. Returns its address and everything it received.
+fn egress_server(ns: &EgressNet) -> (std::net::SocketAddr, std::sync::Arc<Mutex<Vec<Vec<u8>>>>) {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (path, log) = (ns.path(), seen.clone());
+    std::thread::spawn(move || {
+        let netns = std::fs::File::open(&path).expect("netns");
+        // SAFETY: moves this thread (only) into the test's namespace.
+        let entered = unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
+        let listener = std::net::TcpListener::bind((EGRESS_SERVER_IP, 0)).expect("bind");
+        tx.send(listener.local_addr().expect("addr")).expect("send");
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let _ = conn.set_read_timeout(Some(PATIENCE));
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while let Ok(n @ 1..) = conn.read(&mut buf) {
+                got.extend_from_slice(&buf[..n]);
+                let tls_done = got.first() == Some(&0x16)
+                    && got.len() >= 5
+                    && got.len() >= 5 + usize::from(u16::from_be_bytes([got[3], got[4]]));
+                if got.windows(4).any(|w| w == b"\r\n\r\n") || got.ends_with(b"\n") || tls_done {
+                    break;
+                }
+            }
+            let reply = if got.starts_with(b"GET ") {
+                let body = "hello from the allowed host\n";
+                format!(
+                    "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+            } else if got.first() == Some(&0x16) {
+                "tls hello received\n".to_owned()
+            } else {
+                format!("pong {}", String::from_utf8_lossy(&got))
+            };
+            let _ = conn.write_all(reply.as_bytes());
+            log.lock().expect("lock").push(got);
+        }
+    });
+    (rx.recv().expect("server address"), seen)
+}
+
+/// A TLS ClientHello record naming `server` (structure only: enough for
+/// the proxy's server-name check).
+fn client_hello(server: &str) -> Vec<u8> {
+    let n = server.len() as u16;
+    let mut ext = vec![0, 0];
+    ext.extend_from_slice(&(n + 5).to_be_bytes());
+    ext.extend_from_slice(&(n + 3).to_be_bytes());
+    ext.push(0);
+    ext.extend_from_slice(&n.to_be_bytes());
+    ext.extend_from_slice(server.as_bytes());
+    let mut body = vec![3, 3];
+    body.extend_from_slice(&[7; 32]);
+    body.extend_from_slice(&[0, 0, 2, 0x13, 0x01, 1, 0]);
+    body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
+    body.extend_from_slice(&ext);
+    let mut hs = vec![1, 0];
+    hs.extend_from_slice(&(body.len() as u16).to_be_bytes());
+    hs.extend_from_slice(&body);
+    let mut record = vec![0x16, 3, 1];
+    record.extend_from_slice(&(hs.len() as u16).to_be_bytes());
+    record.extend_from_slice(&hs);
+    record
+}
+
+#[test]
+fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
+    let (d, _g) = shared();
+    let Some(ns) = egress_net() else {
+        eprintln!("skipped: the egress test network (a network namespace) needs root");
+        return;
+    };
+    let (server, seen) = egress_server(ns);
+    let port = server.port();
+    let allowed = format!("{EGRESS_SERVER_IP}:{port}");
+    // Private, metadata and loopback destinations are on the list, to show
+    // that the address check refuses them whatever the list says.
+    let s = create_with(json!({
+        "template": "base",
+        "egress": { "allow": [allowed, "good.test", "10.1.2.3", "169.254.169.254", "localhost"] },
+    }))
+    .expect("create with an allowlist")
+    .sandbox;
+    let id = s.id.as_str();
+    assert_eq!(s.egress.allow.len(), 5);
+    // Through the proxy with a plain `wget`: HTTP_PROXY is set for it.
+    let fetched = sh(id, &format!("wget -q -O - http://{allowed}/hello"));
+    let via_proxy =
+        |request: &str| sh(id, &format!("printf '{request}' | nc 127.0.0.1 3128")).stdout;
+    let tunnel = via_proxy(&format!("CONNECT {allowed} HTTP/1.1\\r\\n\\r\\nping\\n"));
+    let unlisted = via_proxy("GET http://example.com/ HTTP/1.1\\r\\nHost: example.com\\r\\n\\r\\n");
+    let other_port = sh(
+        id,
+        &format!("wget -q -O - http://{EGRESS_SERVER_IP}:{}/", port ^ 1),
+    );
+    let private = via_proxy("GET http://10.1.2.3/ HTTP/1.1\\r\\n\\r\\n");
+    let metadata = via_proxy("GET http://169.254.169.254/latest/meta-data/ HTTP/1.1\\r\\n\\r\\n");
+    let loopback = via_proxy("CONNECT localhost:22 HTTP/1.1\\r\\n\\r\\n");
+    // A tunnel is checked again on the TLS server name the guest sends.
+    upload(id, "/tmp/evil.hello", &client_hello("evil.test")).expect("upload");
+    upload(id, "/tmp/good.hello", &client_hello("good.test")).expect("upload");
+    let tls = |file: &str| {
+        sh(
+            id,
+            &format!(
+                "(printf 'CONNECT {allowed} HTTP/1.1\\r\\n\\r\\n'; cat {file}) | nc 127.0.0.1 3128"
+            ),
+        )
+        .stdout
+    };
+    let (evil, good) = (tls("/tmp/evil.hello"), tls("/tmp/good.hello"));
+    // Around the proxy there is no way: the guest has no route.
+    let direct = sh(
+        id,
+        &format!("wget -q -Y off -O - http://{allowed}/hello 2>&1"),
+    );
+    // With the proxy gone, nothing leaves either, and programs are told.
+    let socket = d
+        .state_dir
+        .join("sandboxes")
+        .join(id)
+        .join(format!("vsock_{}", husk_protocol::EGRESS_VSOCK_PORT));
+    let had_socket = socket.exists();
+    std::fs::remove_file(&socket).ok();
+    let down = via_proxy(&format!("GET http://{allowed}/hello HTTP/1.1\\r\\n\\r\\n"));
+    let audit: Vec<AuditEntry> = api()
+        .call("GET", &format!("/v1/audit?sandbox={id}"), None)
+        .expect("audit");
+    let bad = create_with(json!({ "template": "base", "egress": { "allow": ["bad host!"] } }));
+    destroy(id);
+
+    assert_eq!(
+        fetched.stdout, "hello from the allowed host\n",
+        "{fetched:?}"
+    );
+    assert!(
+        tunnel.starts_with("HTTP/1.1 200 Connection established\r\n\r\n"),
+        "{tunnel}"
+    );
+    assert!(tunnel.ends_with("pong ping\n"), "{tunnel}");
+    let blocked = |out: &str, says: &str| {
+        assert!(out.starts_with("HTTP/1.1 403 Forbidden\r\n"), "{out}");
+        assert!(out.contains(says), "{out}");
+    };
+    blocked(
+        &unlisted,
+        "blocked by sandbox policy: example.com:80 is not in this sandbox's allowlist",
+    );
+    assert_ne!(other_port.code, Some(0), "{other_port:?}");
+    assert!(other_port.stderr.contains("403"), "{other_port:?}");
+    blocked(
+        &private,
+        "blocked by sandbox policy: 10.1.2.3 is a private address",
+    );
+    blocked(
+        &metadata,
+        "blocked by sandbox policy: 169.254.169.254 is the cloud metadata address",
+    );
+    blocked(
+        &loopback,
+        "blocked by sandbox policy: localhost resolves to",
+    );
+    assert!(loopback.contains("a loopback address"), "{loopback}");
+    assert_eq!(evil, "HTTP/1.1 200 Connection established\r\n\r\n");
+    assert!(good.ends_with("tls hello received\n"), "{good}");
+    assert_ne!(direct.code, Some(0), "{direct:?}");
+    assert!(had_socket, "no proxy socket at {}", socket.display());
+    assert!(down.starts_with("HTTP/1.1 502 Bad Gateway\r\n"), "{down}");
+    assert!(down.contains("egress proxy is not reachable"), "{down}");
+    // The server saw the allowed requests and nothing else (the tunnel with
+    // the refused server name was opened, then closed with nothing sent).
+    let seen: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter(|b| !b.is_empty())
+        .map(|b| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(seen[0].starts_with("GET /hello HTTP/1.1\r\n"), "{seen:?}");
+    assert!(
+        seen[0].contains(&format!("Host: {allowed}\r\n")),
+        "{seen:?}"
+    );
+    assert_eq!(seen[1], "ping\n");
+    assert!(seen[2].as_bytes().starts_with(&[0x16, 3, 1]), "{seen:?}");
+    // Every decision is in the audit log.
+    let decisions: Vec<(&str, &str)> = audit
+        .iter()
+        .filter(|e| e.action.starts_with("egress-"))
+        .map(|e| (e.action.as_str(), e.detail.as_str()))
+        .collect();
+    let count = |action: &str| decisions.iter().filter(|(a, _)| *a == action).count();
+    assert_eq!(count("egress-allow"), 3, "{decisions:?}");
+    assert_eq!(count("egress-deny"), 6, "{decisions:?}");
+    assert!(
+        decisions
+            .iter()
+            .any(|(a, d)| *a == "egress-deny" && d.contains("TLS server name evil.test")),
+        "{decisions:?}"
+    );
+    let (code, message) = status(bad);
+    assert_eq!(code, 400);
+    assert!(message.contains("bad host!"), "{message}");
 }

@@ -701,3 +701,42 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
         "its husk-vmm still runs"
     );
 }
+
+/// Guest seconds (from /proc/uptime) a script's `dd` of 8 MiB straight from
+/// the data drive took, on a clone restored with `extra` arguments.
+fn timed_drive_read(name: &str, cid: u32, extra: &[&str]) -> (f64, String) {
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    let (_vmm, uds, _) = restore_with(&base.snapshot, run.as_path(), name, cid, extra);
+    let mut agent = connect(&uds);
+    // O_DIRECT: every byte comes from the device, none from the guest's
+    // page cache (which the snapshot may hold).
+    let out = agent
+        .exec(sh("cat /proc/uptime; \
+             dd if=/dev/vda of=/dev/null bs=64k count=128 iflag=direct 2>&1; \
+             cat /proc/uptime"))
+        .expect("dd");
+    let out = text(&out.stdout);
+    let uptimes: Vec<f64> = out
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    let seconds = match uptimes[..] {
+        [start, .., end] => end - start,
+        _ => f64::NAN,
+    };
+    (seconds, out)
+}
+
+#[test]
+fn a_rate_limited_drive_is_read_no_faster_than_its_limit() {
+    // 512 KiB/s, with a bucket of one second: 8 MiB take at least 15 s.
+    let (limited, out) = timed_drive_read("limited", 60, &["--block-limit", "bytes=512K"]);
+    let (free, _) = timed_drive_read("unlimited", 61, &[]);
+    eprintln!("8 MiB from the drive: {limited:.2} s limited to 512 KiB/s, {free:.2} s unlimited");
+    assert!(out.contains("8388608 bytes"), "{out}");
+    assert!(
+        limited >= 15.0,
+        "read 8 MiB in {limited} s at 512 KiB/s:\n{out}"
+    );
+}

@@ -310,13 +310,38 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         | Body::Wait { .. }
         | Body::ReadFile { .. }
         | Body::List { .. }
-        | Body::Watch { .. }) => return spawn_long(id, body, conn),
+        | Body::Watch { .. }
+        | Body::KillAll) => return spawn_long(id, body, conn),
         other => {
             let msg = format!("the agent does not handle {}", name(&other));
             return Some(error(id, ErrorKind::Unsupported, msg));
         }
     };
     Some(Frame { id, body: quick })
+}
+
+/// How long the killed tasks may take to exit before `KillAll` fails.
+const KILL_ALL_DRAIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `KillAll`: everything the sandbox's user started, gone.
+fn kill_all(id: u64) -> Frame {
+    match crate::cgroup::kill_all(KILL_ALL_DRAIN) {
+        Ok(tasks) => {
+            crate::log(&format!("agent: killed all {tasks} tasks of the sandbox"));
+            Frame {
+                id,
+                body: Body::KilledAll { tasks },
+            }
+        }
+        Err(e) => {
+            let kind = match e.kind() {
+                std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
+                std::io::ErrorKind::TimedOut => ErrorKind::Timeout,
+                _ => ErrorKind::Internal,
+            };
+            error(id, kind, format!("cannot kill the sandbox's programs: {e}"))
+        }
+    }
 }
 
 /// The message's name, without its (possibly large) contents.
@@ -360,6 +385,7 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
                 Body::ReadFile { path } => crate::files::read(id, &path, &conn),
                 Body::List { path } => crate::files::list(id, &path, &conn),
+                Body::KillAll => kill_all(id),
                 Body::Watch { path, recursive } => {
                     let cancel = cancel.expect("a watch has a cancel handle");
                     let reply = crate::watch::run(id, &path, recursive, &conn, &cancel);

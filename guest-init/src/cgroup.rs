@@ -4,6 +4,15 @@
 //! the root cgroup, keep their threads and can still fork. Killing a
 //! program kills its cgroup (`cgroup.kill`), which also reaches processes
 //! that left its process group or session.
+//!
+//! Where the guest kernel has the cpu controller, the sandbox cgroup gets
+//! the lowest CPU weight: a program gets all the CPU the agent, PID 1 and
+//! the kernel's workers (virtio, vsock) leave, but never delays them, so
+//! the agent answers within seconds whatever runs in the sandbox; inside
+//! it, each program's cgroup gets an equal share, so a program with
+//! hundreds of processes does not starve one started after it. `kill_all`
+//! empties the whole sandbox cgroup, which reaches what a program left
+//! behind in a cgroup of its own after its exec returned.
 
 use std::ffi::CString;
 use std::io;
@@ -34,9 +43,18 @@ pub fn setup(cmdline: &str) -> io::Result<u64> {
         "favordynmods",
     )?;
     std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+pids")?;
+    let cpu = std::fs::read_to_string(format!("{ROOT}/cgroup.controllers"))?
+        .split_whitespace()
+        .any(|c| c == "cpu")
+        && std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+cpu").is_ok();
     match std::fs::create_dir(SANDBOX) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
         _ => {}
+    }
+    if cpu {
+        std::fs::write(format!("{SANDBOX}/cpu.weight"), "1")?;
+    } else {
+        crate::log("no cpu controller: sandbox programs compete with the agent for CPU");
     }
     let threads_max: u64 = std::fs::read_to_string("/proc/sys/kernel/threads-max")?
         .trim()
@@ -50,8 +68,51 @@ pub fn setup(cmdline: &str) -> io::Result<u64> {
         .max(1);
     std::fs::write(format!("{SANDBOX}/pids.max"), limit.to_string())?;
     std::fs::write(format!("{SANDBOX}/cgroup.subtree_control"), "+pids")?;
+    // Each program's cgroup then gets an equal share of the sandbox's CPU,
+    // however many processes it has: a fork bomb does not starve the next
+    // program either.
+    if cpu {
+        std::fs::write(format!("{SANDBOX}/cgroup.subtree_control"), "+cpu")?;
+    }
     READY.store(true, Ordering::SeqCst);
     Ok(limit)
+}
+
+/// SIGKILLs everything in the sandbox cgroup and waits (up to `limit`)
+/// until it is all gone; returns how many tasks there were. Every program
+/// the agent started and all they left behind are in it; PID 1 and the
+/// agent are not.
+pub fn kill_all(limit: std::time::Duration) -> io::Result<u64> {
+    if !READY.load(Ordering::SeqCst) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this guest has no sandbox cgroup (cgroup2 setup failed at boot)",
+        ));
+    }
+    let current = || -> io::Result<u64> {
+        std::fs::read_to_string(format!("{SANDBOX}/pids.current"))?
+            .trim()
+            .parse()
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidData))
+    };
+    let tasks = current()?;
+    std::fs::write(format!("{SANDBOX}/cgroup.kill"), "1")?;
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if current()? == 0 {
+            return Ok(tasks);
+        }
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{} tasks were still exiting after {limit:?}", current()?),
+            ));
+        }
+        // Woken by each reap of a program; children of programs that are
+        // reparented to PID 1 are reaped there too.
+        crate::reaper::wait_any(left.min(std::time::Duration::from_millis(100)));
+    }
 }
 
 /// The cgroup of one program.

@@ -83,6 +83,18 @@ fn final_frame(id: u64, p: &Process, ended: Ended) -> Frame {
             format!("{program} ran past {ms} ms; it and everything it started were killed"),
         );
     }
+    if p.output().over_limit {
+        let max = p.output_max.unwrap_or(0);
+        let program = p.argv.first().map_or("the program", |a| a.as_str());
+        return error(
+            id,
+            ErrorKind::Limit,
+            format!(
+                "{program} wrote more than its limit of {max} bytes of output; \
+                 it and everything it started were killed"
+            ),
+        );
+    }
     Frame {
         id,
         body: Body::Exited(ended.report),

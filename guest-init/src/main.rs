@@ -21,6 +21,7 @@
 
 mod agent;
 mod cgroup;
+mod egress;
 mod exec;
 mod files;
 mod probe;
@@ -58,6 +59,9 @@ fn main() -> std::process::ExitCode {
             "no pids limit for sandbox programs: cgroup setup failed: {e}"
         ));
     }
+    if let Err(e) = sys::exempt_from_oom() {
+        log(&format!("the agent is not exempt from the OOM killer: {e}"));
+    }
     // Decided once, before any program runs (see simd.rs).
     simd::glibc_tunables();
     let hostname = hostname_from_cmdline(&cmdline);
@@ -73,6 +77,9 @@ fn main() -> std::process::ExitCode {
             "agent=none".to_owned()
         }
     };
+    if let Err(e) = egress::start() {
+        log(&format!("no egress proxy for programs: {e}"));
+    }
     say(&format!(
         "ready uptime_ms={} hostname={hostname} {agent}",
         sys::uptime_ms()

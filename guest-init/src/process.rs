@@ -35,6 +35,7 @@ const OUTPUT_DRAIN: Duration = Duration::from_secs(120);
 /// and be reaped before the timeout is reported anyway.
 const KILL_DRAIN: Duration = Duration::from_secs(60);
 const CHUNK: usize = 32 << 10;
+const OOM_SCORE_ADJ: &std::ffi::CStr = c"/proc/self/oom_score_adj";
 /// Programs kept at once, running or ended but not collected.
 pub const MAX_PROCESSES: usize = 64;
 /// Stdin chunks queued for a program that is slow to read them.
@@ -61,6 +62,10 @@ pub struct Output {
     pub ended: Option<Ended>,
     /// Set once the program has ended and its output is complete.
     pub finished: bool,
+    /// Bytes taken from the program, counted against `output_max`.
+    written: u64,
+    /// Set when the program passed its `output_max` and was killed.
+    pub over_limit: bool,
 }
 
 #[derive(Debug)]
@@ -69,6 +74,7 @@ pub struct Process {
     pub argv: Vec<String>,
     pub background: bool,
     pub timeout_ms: Option<u64>,
+    pub output_max: Option<u64>,
     cgroup: Option<Cgroup>,
     stdin: Mutex<Option<mpsc::SyncSender<Vec<u8>>>>,
     /// The PTY master, for resizes and for ^D as the end of input.
@@ -180,8 +186,22 @@ impl Process {
     }
 
     /// Puts a chunk of output in the buffer (see the module docs).
-    fn push(&self, stream: Stream, data: Vec<u8>) {
+    fn push(&self, stream: Stream, mut data: Vec<u8>) {
         let mut out = self.output();
+        if let Some(max) = self.output_max {
+            let room = max.saturating_sub(out.written);
+            if data.len() as u64 > room {
+                data.truncate(room as usize);
+                if !out.over_limit {
+                    out.over_limit = true;
+                    let _ = self.signal(libc::SIGKILL);
+                }
+            }
+            out.written += data.len() as u64;
+            if data.is_empty() {
+                return;
+            }
+        }
         while out.attached != 0 && out.buffered > 0 && out.buffered + data.len() > OUTPUT_BUFFER {
             out = self.wait_change(out, Duration::from_secs(1));
         }
@@ -270,6 +290,7 @@ pub fn start(req: &ExecRequest) -> Result<Arc<Process>, StartError> {
         argv: req.argv.clone(),
         background: req.background,
         timeout_ms: req.timeout_ms,
+        output_max: req.output_max,
         cgroup,
         stdin: Mutex::new(req.stdin_open.then(|| stdin_tx.clone())),
         pty: spawned.pty,
@@ -466,6 +487,15 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
     if req.pty.is_some() {
         env.push(("TERM".into(), "xterm".into()));
     }
+    // The way out of the sandbox is its egress proxy (see egress.rs).
+    if let Some(proxy) = crate::egress::proxy_url() {
+        for key in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"] {
+            env.push((key.into(), proxy.clone()));
+        }
+        for key in ["no_proxy", "NO_PROXY"] {
+            env.push((key.into(), "localhost,127.0.0.1,::1".into()));
+        }
+    }
     if let Some(tunables) = crate::simd::glibc_tunables() {
         env.push(("GLIBC_TUNABLES".into(), tunables.into()));
     }
@@ -624,6 +654,13 @@ unsafe fn child(
         libc::sigprocmask(libc::SIG_SETMASK, empty, std::ptr::null_mut());
         // Rust ignores SIGPIPE; programs expect the default.
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        // The agent's exemption from the OOM killer is not for programs.
+        // Raising the score needs no privilege; without /proc it stays.
+        let fd = libc::open(OOM_SCORE_ADJ.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd >= 0 {
+            libc::write(fd, b"0".as_ptr().cast(), 1);
+            libc::close(fd);
+        }
         if let Some(procs) = procs {
             let fd = libc::open(procs, libc::O_WRONLY | libc::O_CLOEXEC);
             if fd < 0 || libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {

@@ -159,6 +159,40 @@ pub fn set_mac(mac: &[u8; 6]) -> io::Result<()> {
     result
 }
 
+/// Brings up the loopback interface (the egress forwarder listens on it).
+pub fn loopback_up() -> io::Result<()> {
+    const SIOCGIFFLAGS: libc::c_ulong = 0x8913;
+    const SIOCSIFFLAGS: libc::c_ulong = 0x8914;
+    /// struct ifreq with ifr_flags (40 bytes on 64-bit).
+    #[repr(C)]
+    struct IfreqFlags {
+        name: [u8; libc::IFNAMSIZ],
+        flags: libc::c_short,
+        pad: [u8; 22],
+    }
+    let mut req = IfreqFlags {
+        name: [0; libc::IFNAMSIZ],
+        flags: 0,
+        pad: [0; 22],
+    };
+    req.name[..2].copy_from_slice(b"lo");
+    // SAFETY: a plain socket call; the descriptor is closed below.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both ioctls take an ifreq laid out as the kernel's, which
+    // lives across the calls.
+    let result = check(unsafe { libc::ioctl(sock, SIOCGIFFLAGS as _, &mut req) }).and_then(|()| {
+        req.flags |= libc::IFF_UP as libc::c_short;
+        // SAFETY: as above.
+        check(unsafe { libc::ioctl(sock, SIOCSIFFLAGS as _, &req) })
+    });
+    // SAFETY: `sock` is ours.
+    unsafe { libc::close(sock) };
+    result
+}
+
 /// Milliseconds since the guest kernel booted.
 pub fn uptime_ms() -> u64 {
     // SAFETY: timespec is plain data.
@@ -336,6 +370,13 @@ pub fn remount_root_read_only() -> io::Result<()> {
 pub fn sync() {
     // SAFETY: sync has no preconditions.
     unsafe { libc::sync() };
+}
+
+/// Exempts PID 1, and so the agent (its threads), from the OOM killer: a
+/// program that fills the guest's memory is killed, not the agent. Programs
+/// get the default back before they exec (`OOM_SCORE_ADJ`, `process.rs`).
+pub fn exempt_from_oom() -> io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", "-1000")
 }
 
 /// Sends `sig` to every process but PID 1.

@@ -545,6 +545,16 @@ impl AgentClient {
         self.expect_done(Body::Signal { pid, signal })
     }
 
+    /// SIGKILLs everything the sandbox's user started (every program and
+    /// what it left behind, detached or not) and returns once it is gone,
+    /// with how many tasks there were. The agent keeps running.
+    pub fn kill_all(&mut self) -> Result<u64, ClientError> {
+        match self.call(Body::KillAll)? {
+            Body::KilledAll { tasks } => Ok(tasks),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Programs the agent started that were not collected yet.
     pub fn processes(&mut self) -> Result<Vec<ProcessInfo>, ClientError> {
         match self.call(Body::Processes)? {

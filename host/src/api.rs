@@ -178,6 +178,7 @@ routes! {
     put "/v1/sandboxes/{id}/files" => upload,
     post "/v1/sandboxes/{id}/pause" => pause,
     post "/v1/sandboxes/{id}/resume" => resume,
+    post "/v1/sandboxes/{id}/kill-all" => kill_all,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
     get "/v1/sandboxes/{id}/logs" => logs,
@@ -317,7 +318,7 @@ pub enum BuildEvent {
         message: String,
     },
     Done {
-        template: crate::store::TemplateRecord,
+        template: Box<crate::store::TemplateRecord>,
     },
     Error {
         status: u16,
@@ -354,7 +355,9 @@ async fn build_template(
             })));
         };
         let event = match d.build_template(spec, &who.0, &mut progress) {
-            Ok(template) => BuildEvent::Done { template },
+            Ok(template) => BuildEvent::Done {
+                template: Box::new(template),
+            },
             Err(e) => {
                 let e = ApiError::from(e);
                 BuildEvent::Error {
@@ -506,6 +509,18 @@ async fn resume(
     Ok(ok(StatusCode::OK, s))
 }
 
+async fn kill_all(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let tasks = blocking(move || d.kill_all(&id, &who.0)).await?;
+    Ok(ok(
+        StatusCode::OK,
+        serde_json::json!({ "killed_tasks": tasks }),
+    ))
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SnapshotRequest {
@@ -632,6 +647,10 @@ pub struct ExecSpec {
     pub timeout_ms: Option<u64>,
     #[serde(default)]
     pub pids_max: Option<u32>,
+    /// Most bytes of output (stdout and stderr together); past it the
+    /// program is killed and the stream ends with a `limit` error.
+    #[serde(default)]
+    pub output_max: Option<u64>,
 }
 
 /// One line of an exec's stream.
@@ -685,6 +704,7 @@ async fn exec(
         stdin: spec.stdin.into_bytes(),
         timeout_ms: spec.timeout_ms,
         pids_max: spec.pids_max,
+        output_max: spec.output_max,
         ..ExecRequest::default()
     };
     let (started_tx, started_rx) = oneshot::channel::<Result<i32, DaemonError>>();

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::agent_client::{AgentClient, ClientError};
 use crate::cgroup::{Cgroup, Hierarchy, Limits, Priority};
+use crate::egress::{Allowlist, Egress, Proxy};
 use crate::metrics::Metrics;
 use crate::readiness::WaitBudget;
 use crate::store::{
@@ -28,6 +29,8 @@ use crate::vmm_process::{self, Launch};
 
 /// How long one agent request may take before the daemon gives up on it.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Egress decisions waiting for the audit log.
+const EGRESS_AUDIT_QUEUE: usize = 4096;
 
 /// What the daemon is given when it starts.
 #[derive(Debug, Clone)]
@@ -58,6 +61,9 @@ pub struct DaemonConfig {
     /// How each VMM is jailed (None: it runs as the daemon's user, with
     /// the host's file system; a warning).
     pub jail: Option<crate::jail::JailConfig>,
+    /// The network namespace the egress proxy resolves and connects in
+    /// (None: the daemon's own).
+    pub egress_netns: Option<PathBuf>,
 }
 
 /// Why a daemon request failed; `api` maps each kind to an HTTP status.
@@ -100,7 +106,25 @@ pub struct CreateRequest {
     pub on_expiry: ExpiryPolicy,
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// What the sandbox may reach through its egress proxy; nothing when
+    /// absent.
+    #[serde(default)]
+    pub egress: EgressSpec,
 }
+
+/// A sandbox's way out (see `egress`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSpec {
+    /// Hosts it may connect to: `api.example.com`, `*.example.com`,
+    /// `203.0.113.7:8080`, `*:443`; private, loopback and link-local
+    /// addresses are refused whatever the list says.
+    #[serde(default)]
+    pub allow: Vec<String>,
+}
+
+/// Most allowlist entries per sandbox.
+const MAX_EGRESS_RULES: usize = 256;
 
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -120,6 +144,9 @@ pub struct SandboxInfo {
     pub tap: Option<String>,
     #[serde(default)]
     pub mac: Option<String>,
+    /// What its egress proxy lets it reach.
+    #[serde(default)]
+    pub egress: EgressSpec,
 }
 
 /// What a create did.
@@ -165,6 +192,8 @@ pub struct SandboxUpdate {
 struct Live {
     rec: SandboxRecord,
     child: Option<Child>,
+    /// Its egress proxy, while it is handed out (not while pooled).
+    proxy: Option<Proxy>,
 }
 
 #[derive(Debug, Default)]
@@ -225,6 +254,7 @@ pub struct Daemon {
     slots: Slots,
     pub metrics: Metrics,
     stopping: AtomicBool,
+    egress: Arc<Egress>,
 }
 
 /// A new id: `prefix` and 12 hex digits from the kernel's randomness.
@@ -252,7 +282,21 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         error: rec.error.clone(),
         tap: rec.tap.clone(),
         mac: rec.mac.clone(),
+        egress: EgressSpec {
+            allow: rec.egress_allow.clone(),
+        },
     }
+}
+
+/// The allowlist of a create request, checked.
+fn allowlist(spec: &EgressSpec) -> Result<Allowlist, DaemonError> {
+    if spec.allow.len() > MAX_EGRESS_RULES {
+        return Err(DaemonError::Invalid(format!(
+            "`egress.allow` has {} entries; at most {MAX_EGRESS_RULES}",
+            spec.allow.len()
+        )));
+    }
+    Allowlist::parse(&spec.allow).map_err(|e| DaemonError::Invalid(format!("`egress.allow`: {e}")))
 }
 
 /// A label key or value the API accepts.
@@ -285,6 +329,8 @@ impl Daemon {
             std::fs::create_dir_all(cfg.state_dir.join(sub))?;
         }
         let store = Store::open(&cfg.state_dir.join("husk.db"))?;
+        let (decisions, decided) = std::sync::mpsc::sync_channel(EGRESS_AUDIT_QUEUE);
+        let egress = Arc::new(Egress::new(cfg.egress_netns.as_deref(), decisions)?);
         let daemon = Arc::new(Daemon {
             slots: Slots {
                 free: Mutex::new(cfg.restore_parallel.max(1)),
@@ -296,8 +342,32 @@ impl Daemon {
             pool_wakeup: Condvar::new(),
             metrics: Metrics::default(),
             stopping: AtomicBool::new(false),
+            egress,
         });
         daemon.recover()?;
+        let d = daemon.clone();
+        std::thread::Builder::new()
+            .name("egress-audit".into())
+            .spawn(move || {
+                for decision in decided {
+                    d.metrics.egress(decision.allowed);
+                    let action = if decision.allowed {
+                        "egress-allow"
+                    } else {
+                        "egress-deny"
+                    };
+                    let audited = d.store.audit(
+                        "proxy",
+                        action,
+                        Some(&decision.sandbox),
+                        None,
+                        &decision.detail,
+                    );
+                    if let Err(e) = audited {
+                        tracing::error!(sandbox = %decision.sandbox, "egress audit: {e}");
+                    }
+                }
+            })?;
         let d = daemon.clone();
         std::thread::Builder::new()
             .name("monitor".into())
@@ -333,6 +403,7 @@ impl Daemon {
     /// failed, with why.
     fn recover(&self) -> Result<(), DaemonError> {
         let mut inner = self.lock();
+        let mut handed_out = Vec::new();
         for mut rec in self.store.sandboxes()? {
             let alive = vmm_process::is_alive(rec.pid, rec.pid_start);
             match rec.state {
@@ -372,9 +443,39 @@ impl Daemon {
             if let (Some(j), true) = (&self.cfg.jail, rec.uid != 0) {
                 j.uids.mark(rec.uid);
             }
-            inner
-                .sandboxes
-                .insert(rec.id.clone(), Live { rec, child: None });
+            if alive && matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
+                handed_out.push(rec.clone());
+            }
+            inner.sandboxes.insert(
+                rec.id.clone(),
+                Live {
+                    rec,
+                    child: None,
+                    proxy: None,
+                },
+            );
+        }
+        drop(inner);
+        for rec in handed_out {
+            if let Err(e) = self.start_proxy(&rec) {
+                tracing::error!(sandbox = %rec.id, "its egress proxy did not start again: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the egress proxy of a sandbox that is handed out.
+    fn start_proxy(&self, rec: &SandboxRecord) -> Result<(), DaemonError> {
+        let allow = Allowlist::parse(&rec.egress_allow).map_err(DaemonError::Invalid)?;
+        let vsock = rec.run_dir.join(vmm_process::VSOCK);
+        let socket = PathBuf::from(format!(
+            "{}_{}",
+            vsock.display(),
+            husk_protocol::EGRESS_VSOCK_PORT
+        ));
+        let proxy = self.egress.serve(&rec.id, allow, socket, rec.uid)?;
+        if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
+            live.proxy = Some(proxy);
         }
         Ok(())
     }
@@ -485,6 +586,7 @@ impl Daemon {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(DaemonError::Unavailable("the daemon is stopping".into()));
         }
+        allowlist(&req.egress)?;
         let t = self.template(&req.template)?;
         let expires = req.ttl_s.map(|s| now_unix_ms() + s * 1000);
         let (mut rec, pooled) = match self.claim(&t)? {
@@ -499,10 +601,15 @@ impl Daemon {
         rec.expires_unix_ms = expires;
         rec.on_expiry = req.on_expiry;
         rec.labels = req.labels;
+        rec.egress_allow = req.egress.allow;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
             live.rec = rec.clone();
+        }
+        if let Err(e) = self.start_proxy(&rec) {
+            self.destroy_quietly(&rec.id);
+            return Err(e);
         }
         self.pool_wakeup.notify_all();
         let create_ms = started.elapsed().as_secs_f64() * 1000.0;
@@ -714,6 +821,7 @@ impl Daemon {
             cgroup: cgroup.as_ref(),
             nic: nic.as_ref(),
             jail: jailing.as_ref(),
+            limits: (t.block_limit.as_deref(), t.net_limit.as_deref()),
         });
         let child = match spawned {
             Ok(child) => child,
@@ -746,6 +854,7 @@ impl Daemon {
             tap: nic.as_ref().map(|n| n.tap.clone()),
             mac: nic.as_ref().map(vmm_process::Nic::mac_text),
             uid,
+            egress_allow: Vec::new(),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -755,6 +864,7 @@ impl Daemon {
             Live {
                 rec: rec.clone(),
                 child: Some(child),
+                proxy: None,
             },
         );
         // The sandbox now counts itself.
@@ -950,6 +1060,16 @@ impl Daemon {
         self.sandbox(id)
     }
 
+    /// Kills everything the sandbox's user started inside the guest and
+    /// hands back a responsive sandbox: the guest, its agent, its files
+    /// and its network stay. Returns how many tasks were killed.
+    pub fn kill_all(&self, id: &str, who: &str) -> Result<u64, DaemonError> {
+        let tasks = self.agent(id)?.kill_all()?;
+        self.store
+            .audit(who, "kill-all", Some(id), None, &format!("{tasks} tasks"))?;
+        Ok(tasks)
+    }
+
     /// Changes a sandbox's time to live, expiry policy or labels.
     pub fn update(
         &self,
@@ -1022,13 +1142,16 @@ impl Daemon {
                 "a fork makes 1 to 64 sandboxes".into(),
             ));
         }
-        let labels = self.record(id)?.labels;
+        let parent = self.record(id)?;
         let t = self.snapshot(id, name, who)?;
         let mut made = Vec::new();
         for _ in 0..count {
             let req = CreateRequest {
                 template: t.id.clone(),
-                labels: labels.clone(),
+                labels: parent.labels.clone(),
+                egress: EgressSpec {
+                    allow: parent.egress_allow.clone(),
+                },
                 ..CreateRequest::default()
             };
             match self.create(req, who) {

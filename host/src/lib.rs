@@ -26,6 +26,7 @@ pub mod api;
 pub mod api_client;
 pub mod cgroup;
 pub mod daemon;
+pub mod egress;
 pub mod jail;
 pub mod metrics;
 pub mod readiness;

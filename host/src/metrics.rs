@@ -60,6 +60,8 @@ pub struct Metrics {
     pool_misses: AtomicU64,
     vmm_failures: AtomicU64,
     requests: AtomicU64,
+    egress_allowed: AtomicU64,
+    egress_denied: AtomicU64,
 }
 
 /// A metric's lines: (labels, value).
@@ -107,6 +109,16 @@ impl Metrics {
         self.pool_misses.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// One egress proxy decision.
+    pub fn egress(&self, allowed: bool) {
+        let c = if allowed {
+            &self.egress_allowed
+        } else {
+            &self.egress_denied
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn vmm_failed(&self) {
         self.vmm_failures.fetch_add(1, Ordering::Relaxed);
     }
@@ -137,7 +149,7 @@ impl Metrics {
         };
         let counter = |c: &AtomicU64| vec![(String::new(), c.load(Ordering::Relaxed))];
         let gauge = |v: u64| vec![(String::new(), v)];
-        let simple: [(&str, &str, &str, Samples); 7] = [
+        let simple: [(&str, &str, &str, Samples); 8] = [
             ("husk_sandboxes", "gauge", "Sandboxes by state.", by_state),
             (
                 "husk_pool_target",
@@ -174,6 +186,21 @@ impl Metrics {
                 "counter",
                 "API requests served.",
                 counter(&self.requests),
+            ),
+            (
+                "husk_egress_decisions_total",
+                "counter",
+                "Connections the egress proxy allowed or refused.",
+                vec![
+                    (
+                        "decision=\"allow\"".to_owned(),
+                        self.egress_allowed.load(Ordering::Relaxed),
+                    ),
+                    (
+                        "decision=\"deny\"".to_owned(),
+                        self.egress_denied.load(Ordering::Relaxed),
+                    ),
+                ],
             ),
         ];
         for (name, kind, help, samples) in simple {

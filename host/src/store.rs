@@ -85,6 +85,12 @@ pub struct TemplateRecord {
     /// templates it was snapshotted from), for the jail.
     #[serde(default)]
     pub reads: Vec<PathBuf>,
+    /// Rate limits of its sandboxes' drives and network device, as
+    /// husk-vmm's `--block-limit` and `--net-limit` take them.
+    #[serde(default)]
+    pub block_limit: Option<String>,
+    #[serde(default)]
+    pub net_limit: Option<String>,
 }
 
 /// Where a sandbox is in its life.
@@ -158,6 +164,9 @@ pub struct SandboxRecord {
     /// The uid its VMM's jail runs as (0: not jailed).
     #[serde(default)]
     pub uid: u32,
+    /// Where its egress proxy lets it connect (`egress::Allowlist` entries).
+    #[serde(default)]
+    pub egress_allow: Vec<String>,
 }
 
 /// One entry of the audit log.
@@ -382,6 +391,7 @@ mod tests {
             error: None,
             tap: None,
             mac: None,
+            egress_allow: vec!["*.example.com:443".to_owned()],
         }
     }
 
@@ -427,6 +437,8 @@ mod tests {
             build_ms: BTreeMap::new(),
             network: false,
             reads: Vec::new(),
+            block_limit: Some("bytes=1048576".to_owned()),
+            net_limit: None,
         };
         store.put_template(&t).expect("put");
 

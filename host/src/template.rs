@@ -75,6 +75,24 @@ pub struct TemplateSpec {
     /// business.
     #[serde(default)]
     pub network: bool,
+    /// Rate limit of each of its sandboxes' drives: `bytes=N[K|M|G],ops=N`
+    /// per second (either may be left out).
+    #[serde(default)]
+    pub block_limit: Option<String>,
+    /// Rate limit of its sandboxes' network device, each way (frames for
+    /// `ops`).
+    #[serde(default)]
+    pub net_limit: Option<String>,
+}
+
+/// A limit as given, checked and written the way husk-vmm reads it.
+fn checked_limit(what: &str, text: Option<&str>) -> Result<Option<String>, TemplateError> {
+    text.map(|t| {
+        husk_vmm_api::limits::parse_limits(t)
+            .map(|l| l.to_string())
+            .map_err(|e| TemplateError::Invalid(format!("`{what}`: {e}")))
+    })
+    .transpose()
 }
 
 fn default_vcpus() -> u8 {
@@ -120,6 +138,9 @@ pub fn build(
             "a template has 1-32 vCPUs and 32-65536 MiB of memory".into(),
         ));
     }
+    let mut spec = spec;
+    spec.block_limit = checked_limit("block_limit", spec.block_limit.as_deref())?;
+    spec.net_limit = checked_limit("net_limit", spec.net_limit.as_deref())?;
     let dir = cfg.state_dir.join("templates").join(id);
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     let result = build_in(cfg, id, &dir, spec, progress);
@@ -219,6 +240,8 @@ fn build_in(
         cgroup: cgroup.as_ref(),
         nic: nic.as_ref(),
         jail: jailing.as_ref(),
+        // The build itself runs unlimited: it is the operator's.
+        limits: (None, None),
     });
     let outcome = match spawned {
         Ok(mut child) => {
@@ -264,6 +287,8 @@ fn build_in(
         build_ms: phases,
         network: spec.network,
         reads: Vec::new(),
+        block_limit: spec.block_limit,
+        net_limit: spec.net_limit,
     })
 }
 
@@ -409,6 +434,8 @@ pub fn from_sandbox(
         build_ms: BTreeMap::from([("snapshot".to_owned(), ms(started))]),
         network: rec.tap.is_some(),
         reads,
+        block_limit: parent.and_then(|p| p.block_limit.clone()),
+        net_limit: parent.and_then(|p| p.net_limit.clone()),
     })
 }
 
@@ -530,6 +557,8 @@ mod tests {
             build_ms: BTreeMap::new(),
             network: false,
             reads: Vec::new(),
+            block_limit: None,
+            net_limit: None,
         };
         assert!(verify(&t).is_ok());
 

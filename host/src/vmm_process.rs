@@ -107,6 +107,8 @@ pub struct VmSpawn<'a> {
     pub cgroup: Option<&'a Cgroup>,
     pub nic: Option<&'a Nic>,
     pub jail: Option<&'a Jailing>,
+    /// `--block-limit` and `--net-limit`, if any.
+    pub limits: (Option<&'a str>, Option<&'a str>),
 }
 
 /// Starts `husk-vmm` for `vm.id` with its files in `vm.run_dir`, in its
@@ -114,6 +116,11 @@ pub struct VmSpawn<'a> {
 pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
     let run_dir = vm.run_dir;
     let mut args: Vec<OsString> = vec!["--id".into(), vm.id.into()];
+    for (flag, limit) in [("--block-limit", vm.limits.0), ("--net-limit", vm.limits.1)] {
+        if let Some(limit) = limit {
+            args.extend([flag.into(), limit.into()]);
+        }
+    }
     // What the jail lets it see: its run directory, writable, and what
     // it boots or restores from.
     let mut binds = vec![Bind {

@@ -26,6 +26,7 @@ use crate::devices::virtio::net::{NetDevice, Tap, TapError};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::VsockDevice;
 use crate::persist::{self, PersistError, SavedDevice};
+use crate::rate_limiter::{Limits, RateLimiter};
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -112,7 +113,9 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     for drive in &config.drives {
         let disk = Disk::open(&drive.path, &drive.mode)?;
         let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-        let block = Arc::new(Mutex::new(BlockDevice::new(disk, &drive.id, queue_evt)));
+        let block = BlockDevice::new(disk, &drive.id, queue_evt)
+            .with_limiter(RateLimiter::new(config.limits.block).map_err(BuildError::EventFd)?);
+        let block = Arc::new(Mutex::new(block));
         let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
@@ -124,7 +127,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     }
     if let Some(net) = &config.net {
         let tap = Tap::open(&net.tap)?;
-        let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
+        let device = net_device(tap, net.mac, config.limits.net)?;
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device), None)?;
@@ -180,6 +183,7 @@ pub struct RestoreConfig {
     pub dirty_log: bool,
     pub serial: crate::config::SerialOutput,
     pub kvm_device: std::path::PathBuf,
+    pub limits: crate::config::DeviceLimits,
 }
 
 /// A drive name as part of a file name: anything but ASCII letters, digits
@@ -279,7 +283,7 @@ fn restore_devices(
                     .as_ref()
                     .ok_or_else(|| restore_err("no net".into()))?;
                 let tap = Tap::open(&net.tap)?;
-                let device = NetDevice::new(tap, net.mac).map_err(BuildError::EventFd)?;
+                let device = net_device(tap, net.mac, config.limits.net)?;
                 DeviceHandle::Net(Arc::new(Mutex::new(device)))
             }
             SavedDevice::Block { id, disk } => {
@@ -302,14 +306,22 @@ fn restore_devices(
                     .map_err(|e| restore_err(format!("drive `{id}`: {e}")))?;
                 created.0.extend(overlay);
                 let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
-                DeviceHandle::Block(Arc::new(Mutex::new(BlockDevice::new(
-                    opened, id, queue_evt,
-                ))))
+                let limiter = RateLimiter::new(config.limits.block).map_err(BuildError::EventFd)?;
+                let block = BlockDevice::new(opened, id, queue_evt).with_limiter(limiter);
+                DeviceHandle::Block(Arc::new(Mutex::new(block)))
             }
         };
         devices.push(handle);
     }
     Ok(devices)
+}
+
+/// A net device with its TX and RX limiters (`limits` each way).
+fn net_device(tap: Tap, mac: [u8; 6], limits: Limits) -> Result<NetDevice, BuildError> {
+    let limiter = || RateLimiter::new(limits).map_err(BuildError::EventFd);
+    Ok(NetDevice::new(tap, mac)
+        .map_err(BuildError::EventFd)?
+        .with_limiters(limiter()?, limiter()?))
 }
 
 /// Builds a VM from a snapshot: memory mapped copy-on-write from its file,

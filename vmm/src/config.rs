@@ -200,6 +200,16 @@ pub struct VmConfig {
     pub drives: Vec<DriveConfig>,
     pub vsock: Option<VsockConfig>,
     pub net: Option<NetConfig>,
+    pub limits: DeviceLimits,
+}
+
+/// Rate limits for the devices (host policy, the same at boot and restore).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Each drive.
+    pub block: crate::rate_limiter::Limits,
+    /// The network device, each way.
+    pub net: crate::rate_limiter::Limits,
 }
 
 /// Invalid configurations. The messages say what is accepted.
@@ -347,6 +357,7 @@ mod tests {
             drives: vec![],
             vsock: None,
             net: None,
+            limits: DeviceLimits::default(),
         }
     }
 

@@ -12,6 +12,7 @@ pub mod device_manager;
 pub mod devices;
 pub mod log_budget;
 pub mod persist;
+pub mod rate_limiter;
 pub mod resident;
 pub mod seccomp;
 pub mod timeline;

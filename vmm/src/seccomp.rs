@@ -196,6 +196,10 @@ const DEVICES: &[(i64, &str)] = &[
     (libc::SYS_recvfrom, "vsock stream data"),
     (libc::SYS_sendto, "vsock stream data"),
     (libc::SYS_shutdown, "vsock half-closes"),
+    (
+        libc::SYS_timerfd_settime,
+        "block and net rate limiters arm their timers",
+    ),
 ];
 
 /// A vCPU's syscalls beyond [`COMMON`].

@@ -56,6 +56,8 @@
 //! | `Watching` | guest → host | the watch is in place; later changes will be reported |
 //! | `FsEvents(Vec<FsEvent>)` | guest → host | changes under a watched directory |
 //! | `Cancel` | host → guest | end the `Watch` with the same id; answered by `Done` |
+//! | `KillAll` | host → guest | SIGKILL everything started in the sandbox (every program and what it left behind); the agent and PID 1 stay |
+//! | `KilledAll { tasks }` | guest → host | reply to `KillAll`, once they are gone: how many tasks (processes and threads) there were |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 //!
@@ -77,7 +79,13 @@
 //! stays listed until `Attach` has delivered its `Exited` or `Wait`
 //! collected it. Every program runs in its own cgroup under the sandbox's
 //! pids limit; a timeout or `Signal` with SIGKILL ends all of its processes,
-//! including ones that left its process group.
+//! including ones that left its process group. A program past its
+//! `output_max` is killed the same way. The sandbox's programs share one
+//! parent cgroup with the lowest CPU weight (where the guest kernel has the
+//! cpu controller), so the agent, PID 1 and the kernel's own workers run
+//! first whatever the programs do; PID 1 and the agent are exempt from the
+//! OOM killer. `KillAll` empties that parent cgroup: a fork bomb that
+//! detached from its `Exec` is gone, and the agent never was at risk.
 //!
 //! A `WriteFile` goes to a temporary file beside the target and is renamed
 //! over it only on `FileCommit`, so a reader never sees half a file and a
@@ -88,9 +96,16 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// Protocol version; the agent refuses other versions.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// The guest vsock port the agent listens on.
 pub const AGENT_PORT: u32 = 1024;
+/// The host vsock port of the sandbox's egress proxy. The agent listens on
+/// guest TCP `127.0.0.1:EGRESS_PROXY_PORT` and carries each connection
+/// there; the daemon's proxy decides what may leave the sandbox.
+pub const EGRESS_VSOCK_PORT: u32 = 3128;
+/// The guest loopback port programs use as their HTTP(S) proxy
+/// (`HTTP_PROXY`/`HTTPS_PROXY` point here).
+pub const EGRESS_PROXY_PORT: u16 = 3128;
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
 /// Most directory entries in one `Entries` frame.
@@ -216,6 +231,10 @@ pub enum Body {
         kind: ErrorKind,
         message: String,
     },
+    KillAll,
+    KilledAll {
+        tasks: u64,
+    },
 }
 
 /// The guest's state, for health checks.
@@ -324,6 +343,10 @@ pub struct ExecRequest {
     pub pids_max: Option<u32>,
     /// Keep running after the reply and after the client leaves.
     pub background: bool,
+    /// Most bytes of output (stdout and stderr together) the program may
+    /// write; past it the program and everything it started are killed and
+    /// the request fails with `Limit`.
+    pub output_max: Option<u64>,
 }
 
 /// A user and group id.
@@ -482,6 +505,7 @@ mod tests {
                     timeout_ms: Some(5),
                     pids_max: Some(7),
                     background: true,
+                    output_max: Some(1 << 20),
                 }),
             },
             Frame {
@@ -491,6 +515,10 @@ mod tests {
             Frame {
                 id: 5,
                 body: Body::Lost { bytes: 1 << 40 },
+            },
+            Frame {
+                id: 5,
+                body: Body::KilledAll { tasks: 300 },
             },
             Frame {
                 id: 6,

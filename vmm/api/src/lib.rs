@@ -16,6 +16,8 @@
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.
 
+pub mod limits;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

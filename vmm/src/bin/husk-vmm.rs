@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use clap::Parser;
 use husk_vmm::builder::{build_vm, restore_vm, RestoreConfig};
-use husk_vmm::config::{DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use husk_vmm::config::{DeviceLimits, DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use husk_vmm::rate_limiter::{parse_limits, Limits};
 use husk_vmm::seccomp::{SeccompPolicy, ThreadKind};
 use husk_vmm::timeline::Timeline;
 use husk_vmm::vstate::memory::MemoryConfig;
@@ -88,6 +89,14 @@ struct Args {
     /// with the VMM).
     #[arg(long)]
     net: Option<NetConfig>,
+    /// Rate limit for every drive: `bytes=N[K|M|G],ops=N` per second (either
+    /// may be left out). Host policy: also given with --restore.
+    #[arg(long, value_parser = parse_limits)]
+    block_limit: Option<Limits>,
+    /// Rate limit for the network device, each way: `bytes=N[K|M|G],ops=N`
+    /// (frames) per second. Also given with --restore.
+    #[arg(long, value_parser = parse_limits)]
+    net_limit: Option<Limits>,
     /// The KVM device.
     #[arg(long, default_value = "/dev/kvm")]
     kvm_device: PathBuf,
@@ -138,6 +147,10 @@ impl Args {
                 dirty_log: self.dirty_log,
                 serial,
                 kvm_device: self.kvm_device,
+                limits: DeviceLimits {
+                    block: self.block_limit.unwrap_or_default(),
+                    net: self.net_limit.unwrap_or_default(),
+                },
             };
             return (
                 Start::Restore(Box::new(config)),
@@ -161,6 +174,10 @@ impl Args {
             drives: self.drives,
             vsock: self.vsock,
             net: self.net,
+            limits: DeviceLimits {
+                block: self.block_limit.unwrap_or_default(),
+                net: self.net_limit.unwrap_or_default(),
+            },
         };
         (Start::Boot(Box::new(config)), self.timeline, self.api_sock)
     }

@@ -113,6 +113,10 @@ enum Command {
         /// Most processes the program may have at once.
         #[arg(long)]
         pids_max: Option<u32>,
+        /// Kill the program and all it started once it has written this many
+        /// bytes of output (stdout and stderr together).
+        #[arg(long)]
+        output_max: Option<u64>,
         /// The program and its arguments.
         #[arg(last = true, required = true)]
         argv: Vec<String>,
@@ -164,6 +168,9 @@ enum Command {
     Pause { target: String },
     /// Let a paused sandbox (or VM) run again.
     Resume { target: String },
+    /// Kill everything started inside a sandbox (programs and what they
+    /// left running, a fork bomb included); the sandbox stays usable.
+    KillAll { id: String },
     /// Snapshot a sandbox into a new template named DEST; or write a
     /// snapshot of the VM whose control socket is TARGET to the directory
     /// DEST (a running VM is paused for it).
@@ -191,6 +198,11 @@ enum Command {
         /// Destroy the sandbox when the command ends.
         #[arg(long)]
         rm: bool,
+        /// A host its programs may reach through the egress proxy
+        /// (repeatable): api.example.com, *.example.com, 203.0.113.7:8080,
+        /// *:443. Without any, nothing leaves the sandbox.
+        #[arg(long = "allow")]
+        allow: Vec<String>,
         #[arg(last = true)]
         argv: Vec<String>,
     },
@@ -278,6 +290,12 @@ enum TemplateCommand {
         /// Give its sandboxes a network device (each its own TAP and MAC).
         #[arg(long)]
         network: bool,
+        /// Rate limit of each sandbox's drives: bytes=N[K|M|G],ops=N per second.
+        #[arg(long)]
+        block_limit: Option<String>,
+        /// Rate limit of each sandbox's network device, each way.
+        #[arg(long)]
+        net_limit: Option<String>,
     },
     Ls {
         #[arg(long)]
@@ -712,6 +730,7 @@ fn through_daemon(command: &Command) -> bool {
         | Command::Logs { .. }
         | Command::Rm { .. }
         | Command::Fork { .. }
+        | Command::KillAll { .. }
         | Command::Template(_)
         | Command::Pool(_)
         | Command::Audit { .. } => true,
@@ -732,6 +751,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             env,
             user,
             pids_max,
+            output_max,
             argv,
         } => {
             if tty || detach {
@@ -752,6 +772,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                     stdin,
                     timeout_ms,
                     pids_max,
+                    output_max,
                 },
             )
         }
@@ -763,6 +784,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         } => sandboxes::ps(&labels, state.as_deref(), json),
         Command::Pause { target } => sandboxes::lifecycle(&target, "pause"),
         Command::Resume { target } => sandboxes::lifecycle(&target, "resume"),
+        Command::KillAll { id } => sandboxes::kill_all(&id),
         Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),
         Command::Cp { from, to } => match (from.split_once(':'), to.split_once(':')) {
             (Some((id, path)), None) if path.starts_with('/') => sandboxes::cp_from(id, path, &to),
@@ -778,9 +800,10 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             pause_on_expiry,
             labels,
             rm,
+            allow,
             argv,
         } => {
-            let created = sandboxes::create(&template, ttl_s, &labels, pause_on_expiry)?;
+            let created = sandboxes::create(&template, ttl_s, &labels, pause_on_expiry, &allow)?;
             let id = created.sandbox.id;
             eprintln!(
                 "{id}: created in {:.1} ms ({})",
@@ -819,8 +842,12 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             vcpus,
             mem_mib,
             network,
+            block_limit,
+            net_limit,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
             network,
+            block_limit,
+            net_limit,
             name,
             vcpus,
             mem_mib,
@@ -877,6 +904,7 @@ fn run(command: Command) -> Result<u8, ClientError> {
             env,
             user,
             pids_max,
+            output_max,
             argv,
         } => {
             if tty {
@@ -893,6 +921,7 @@ fn run(command: Command) -> Result<u8, ClientError> {
                 pty: tty.then(|| terminal_size().unwrap_or(WindowSize { rows: 24, cols: 80 })),
                 timeout_ms,
                 pids_max,
+                output_max,
                 ..ExecRequest::default()
             };
             if detach {

@@ -97,6 +97,7 @@ pub fn create(
     ttl_s: Option<u64>,
     labels: &[(String, String)],
     pause_on_expiry: bool,
+    allow: &[String],
 ) -> Result<Created, ApiClientError> {
     let labels: BTreeMap<_, _> = labels.iter().cloned().collect();
     client().call(
@@ -107,6 +108,7 @@ pub fn create(
             "ttl_s": ttl_s,
             "labels": labels,
             "on_expiry": if pause_on_expiry { "pause" } else { "destroy" },
+            "egress": { "allow": allow },
         })),
     )
 }
@@ -192,6 +194,20 @@ pub fn lifecycle(id: &str, action: &str) -> CliResult {
     Ok(0)
 }
 
+pub fn kill_all(id: &str) -> CliResult {
+    #[derive(serde::Deserialize)]
+    struct Killed {
+        killed_tasks: u64,
+    }
+    let k: Killed = client().call(
+        "POST",
+        &format!("/v1/sandboxes/{}/kill-all", encode(id)),
+        None,
+    )?;
+    println!("{id} killed {} tasks", k.killed_tasks);
+    Ok(0)
+}
+
 pub fn snapshot(id: &str, name: &str) -> CliResult {
     let t: TemplateRecord = client().call(
         "POST",
@@ -265,6 +281,8 @@ pub struct BuildArgs {
     pub tar: Option<PathBuf>,
     pub warmup: Vec<String>,
     pub network: bool,
+    pub block_limit: Option<String>,
+    pub net_limit: Option<String>,
 }
 
 /// Builds a template, showing its progress.
@@ -287,6 +305,8 @@ pub fn template_build(a: BuildArgs) -> CliResult {
             .collect(),
         kernel: None,
         network: a.network,
+        block_limit: a.block_limit,
+        net_limit: a.net_limit,
     };
     let started = std::time::Instant::now();
     let mut resp = client().send(

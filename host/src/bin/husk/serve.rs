@@ -65,6 +65,12 @@ pub struct ServeArgs {
     /// the host's files. The jail needs root.
     #[arg(long)]
     pub no_jail: bool,
+    /// Network namespace (a file such as /run/netns/NAME) in which the
+    /// egress proxy resolves names and opens its connections; default: the
+    /// daemon's own. The proxy's allowlists and address checks apply
+    /// either way.
+    #[arg(long)]
+    pub egress_netns: Option<PathBuf>,
 }
 
 /// The state directory when none is given.
@@ -170,6 +176,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             h
         },
         jail,
+        egress_netns: args.egress_netns,
     };
     let token = match &args.token_file {
         Some(f) => Some(

@@ -5,7 +5,7 @@ use std::os::fd::AsRawFd;
 use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::QueueT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -17,6 +17,7 @@ use crate::devices::virtio::{
     read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_BLOCK,
     VIRTIO_F_VERSION_1,
 };
+use crate::rate_limiter::RateLimiter;
 
 /// VIRTIO_BLK_F_RO: the device is read-only.
 const VIRTIO_BLK_F_RO: u64 = 1 << 5;
@@ -37,6 +38,8 @@ pub struct BlockDevice {
     /// Configuration space: capacity in sectors (le64).
     config: [u8; 8],
     active: Option<ActiveQueues>,
+    /// Bytes and requests per second the guest may have (None: no limit).
+    limiter: Option<RateLimiter>,
 }
 
 impl BlockDevice {
@@ -54,7 +57,14 @@ impl BlockDevice {
             queue_evt: [queue_evt],
             config,
             active: None,
+            limiter: None,
         }
+    }
+
+    /// Limits the guest's bytes and requests per second.
+    pub fn with_limiter(mut self, limiter: Option<RateLimiter>) -> Self {
+        self.limiter = limiter;
+        self
     }
 
     /// The drive's name.
@@ -84,9 +94,26 @@ impl BlockDevice {
                 break true;
             }
             let mut served = 0;
+            let mut throttled = false;
             let pass = loop {
                 match pop_chain(queue, &mem) {
                     Ok(Some((head, descriptors))) => {
+                        if let Some(limiter) = self.limiter.as_mut() {
+                            // What the request moves: its descriptors but
+                            // the 16-byte header and the status byte.
+                            let bytes = descriptors
+                                .iter()
+                                .map(|d| u64::from(d.len()))
+                                .sum::<u64>()
+                                .saturating_sub(17);
+                            if !limiter.consume(bytes) {
+                                // It stays available; the limiter's timer
+                                // brings the device back for it.
+                                queue.go_to_previous_position();
+                                throttled = true;
+                                break Ok(());
+                            }
+                        }
                         let used = serve(&mem, &descriptors, &mut self.disk, &self.id);
                         if let Err(e) = return_chain(queue, &mem, head, used) {
                             break Err(e);
@@ -101,6 +128,10 @@ impl BlockDevice {
             if let Err(e) = pass {
                 tracing::warn!("virtio-block: {e}");
                 break true;
+            }
+            if throttled {
+                // No kicks are needed until the timer fires.
+                break false;
             }
             match queue.enable_notification(&mem) {
                 // More arrived while we were serving: go again, unless this
@@ -209,11 +240,23 @@ impl MutEventSubscriber for BlockDevice {
         if let Err(e) = ops.add(Events::new(&self.queue_evt[0], EventSet::IN)) {
             tracing::error!("virtio-block: cannot watch the queue: {e:?}");
         }
+        if let Some(limiter) = &self.limiter {
+            if let Err(e) = ops.add(Events::new(limiter, EventSet::IN)) {
+                tracing::error!("virtio-block: cannot watch the rate limiter: {e:?}");
+            }
+        }
     }
 
     fn process(&mut self, events: Events, _ops: &mut EventOps) {
         if events.fd() == self.queue_evt[0].as_raw_fd() {
             let _ = self.queue_evt[0].read();
+            self.process_queue();
+        } else if let Some(limiter) = self
+            .limiter
+            .as_mut()
+            .filter(|l| events.fd() == l.as_raw_fd())
+        {
+            limiter.on_timer();
             self.process_queue();
         }
     }
@@ -388,5 +431,57 @@ mod tests {
 
         // The chain stops at the bad index; no status descriptor, used length 0.
         assert_eq!(used_idx(&rig), 1);
+    }
+
+    #[test]
+    fn a_rate_limited_device_leaves_requests_queued_until_its_timer() {
+        let request = [(HEADER, 16, N, 1), (DATA, 512, W | N, 2), (STATUS, 1, W, 0)];
+        let chained: Vec<(u64, u32, u16, u16)> = (0..3u16)
+            .flat_map(|i| {
+                request
+                    .iter()
+                    .map(move |&(a, l, f, n)| (a, l, f, if f & N != 0 { n + 3 * i } else { 0 }))
+            })
+            .collect();
+        let mut rig = rig(&chained);
+        rig.device.limiter = RateLimiter::new(crate::rate_limiter::Limits {
+            bytes_per_s: None,
+            ops_per_s: Some(2),
+        })
+        .expect("timer");
+        header(&rig.mem, VIRTIO_BLK_T_IN, 0);
+        for (slot, head) in [0u16, 3, 6].iter().enumerate() {
+            rig.mem
+                .write_obj(*head, GuestAddress(16 * 16 + 4 + 2 * slot as u64))
+                .expect("avail ring");
+        }
+        make_available(&rig, 3);
+
+        rig.device.process_queue();
+        let after_burst = used_idx(&rig);
+        let limiter = rig.device.limiter.as_ref().expect("limiter");
+        let blocked = limiter.is_blocked();
+        // The timer fires once an operation has refilled (half a second).
+        let mut fd = libc::pollfd {
+            fd: limiter.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one valid descriptor.
+        let fired = unsafe { libc::poll(&mut fd, 1, 10_000) };
+        rig.device.limiter.as_mut().expect("limiter").on_timer();
+        rig.device.process_queue();
+
+        assert_eq!(
+            after_burst, 2,
+            "two operations per second: two served at once"
+        );
+        assert!(blocked);
+        assert!(
+            rig.device.active.is_some(),
+            "throttling is not a broken queue"
+        );
+        assert_eq!(fired, 1);
+        assert_eq!(used_idx(&rig), 3);
     }
 }

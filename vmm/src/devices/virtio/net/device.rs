@@ -15,6 +15,8 @@ use crate::devices::virtio::{
     read_config_bytes, watch_queues, ActivateError, ActiveQueues, VirtioDevice, INT_VRING,
     TYPE_NET, VIRTIO_F_VERSION_1,
 };
+use crate::rate_limiter::RateLimiter;
+use virtio_queue::QueueOwnedT;
 
 const RX: usize = 0;
 const TX: usize = 1;
@@ -25,6 +27,9 @@ const VIRTIO_NET_F_MAC: u64 = 1 << 5;
 const MAX_FRAME: usize = 65562;
 /// Event tokens: the queues use their index.
 const TOKEN_TAP: u32 = 2;
+/// Event data of the TX and RX rate limiters' timers.
+const TOKEN_TX_LIMIT: u32 = 3;
+const TOKEN_RX_LIMIT: u32 = 4;
 
 /// A virtio-net device.
 #[derive(Debug)]
@@ -39,6 +44,11 @@ pub struct NetDevice {
     watching_tap: bool,
     /// Frames dropped because the TAP or the guest could not take them.
     pub dropped: u64,
+    /// Bytes and frames per second the guest may send and receive.
+    tx_limiter: Option<RateLimiter>,
+    rx_limiter: Option<RateLimiter>,
+    /// The pending RX frame has been counted by the RX limiter.
+    rx_paid: bool,
 }
 
 impl NetDevice {
@@ -52,7 +62,17 @@ impl NetDevice {
             pending_rx: None,
             watching_tap: false,
             dropped: 0,
+            tx_limiter: None,
+            rx_limiter: None,
+            rx_paid: false,
         })
+    }
+
+    /// Limits what the guest sends (`tx`) and receives (`rx`) per second.
+    pub fn with_limiters(mut self, tx: Option<RateLimiter>, rx: Option<RateLimiter>) -> Self {
+        self.tx_limiter = tx;
+        self.rx_limiter = rx;
+        self
     }
 
     /// The MAC address the device offers.
@@ -88,7 +108,15 @@ impl NetDevice {
             let mut frame = Vec::with_capacity(MAX_FRAME);
             while let Some((head, descriptors)) = pop_chain(&mut active.queues[TX], &mem)? {
                 frame.clear();
-                if gather(&mem, &descriptors, &mut frame) && frame.len() > VNET_HDR_LEN {
+                let whole = gather(&mem, &descriptors, &mut frame);
+                if let Some(limiter) = self.tx_limiter.as_mut() {
+                    if !limiter.consume(frame.len() as u64) {
+                        // The frame waits in the queue for the timer.
+                        active.queues[TX].go_to_previous_position();
+                        break;
+                    }
+                }
+                if whole && frame.len() > VNET_HDR_LEN {
                     if let Err(e) = self.tap.write_frame(&frame) {
                         tracing::debug!("virtio-net: TAP dropped a frame: {e}");
                         self.dropped += 1;
@@ -113,11 +141,23 @@ impl NetDevice {
                         Err(_) => break, // WouldBlock, or the TAP went away
                     }
                 }
+                if let (Some(limiter), Some(frame)) = (self.rx_limiter.as_mut(), &self.pending_rx) {
+                    if !self.rx_paid {
+                        if !limiter.consume(frame.len() as u64) {
+                            // Stop reading the TAP (its queue holds the
+                            // rest) until the timer fires.
+                            starved = true;
+                            break;
+                        }
+                        self.rx_paid = true;
+                    }
+                }
                 let Some((head, descriptors)) = pop_chain(&mut active.queues[RX], &mem)? else {
                     starved = true;
                     break;
                 };
                 let frame = self.pending_rx.take().unwrap_or_default();
+                self.rx_paid = false;
                 let written = scatter(&mem, &descriptors, &frame).unwrap_or_else(|| {
                     self.dropped += 1;
                     0
@@ -227,6 +267,7 @@ impl VirtioDevice for NetDevice {
     fn reset(&mut self) {
         self.active = None;
         self.pending_rx = None;
+        self.rx_paid = false;
     }
 
     fn queue_states(&self) -> Vec<virtio_queue::QueueState> {
@@ -237,11 +278,27 @@ impl VirtioDevice for NetDevice {
 impl MutEventSubscriber for NetDevice {
     fn init(&mut self, ops: &mut EventOps) {
         watch_queues(&self.queue_evts, ops, "virtio-net");
+        for (limiter, token) in [
+            (&self.tx_limiter, TOKEN_TX_LIMIT),
+            (&self.rx_limiter, TOKEN_RX_LIMIT),
+        ] {
+            if let Some(l) = limiter {
+                if let Err(e) = ops.add(Events::with_data(l, token, EventSet::IN)) {
+                    tracing::error!("virtio-net: cannot watch a rate limiter: {e:?}");
+                }
+            }
+        }
     }
 
     fn process(&mut self, events: Events, ops: &mut EventOps) {
-        if let Some(evt) = self.queue_evts.get(events.data() as usize) {
-            let _ = evt.read();
+        match events.data() {
+            TOKEN_TX_LIMIT => self.tx_limiter.as_mut().map_or((), RateLimiter::on_timer),
+            TOKEN_RX_LIMIT => self.rx_limiter.as_mut().map_or((), RateLimiter::on_timer),
+            i => {
+                if let Some(evt) = self.queue_evts.get(i as usize) {
+                    let _ = evt.read();
+                }
+            }
         }
         if self.active.is_none() {
             if events.fd() == self.tap.as_raw_fd() {
