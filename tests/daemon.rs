@@ -154,8 +154,9 @@ impl TestDaemon {
 }
 
 /// The network the daemon's egress proxy uses in these tests: a network
-/// namespace of the test's own with loopback and one dummy interface
-/// (198.51.100.1/24, a documentation range) and no route anywhere else.
+/// namespace of the test's own with only loopback, which also carries the
+/// test server's address (198.51.100.1, a documentation range): no route
+/// leads anywhere else.
 /// Whatever the proxy does, no packet of it leaves this machine. Root only
 /// (the daemon then runs without it, and the egress test is skipped).
 struct EgressNet {
@@ -186,25 +187,25 @@ fn egress_net() -> Option<&'static EgressNet> {
                     .args(args)
                     .output()
                     .expect("ip (iproute2)");
-                assert!(
-                    out.status.success(),
-                    "ip {args:?}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                if !out.status.success() {
+                    // Nothing half made is left behind.
+                    let _ = Command::new("ip").args(["netns", "delete", &name]).output();
+                    panic!("ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+                }
             };
             ip(&["netns", "add", &name]);
             ip(&["-n", &name, "link", "set", "lo", "up"]);
-            ip(&["-n", &name, "link", "add", "husk-out", "type", "dummy"]);
+            // The test server's address lives on loopback: no interface
+            // leads anywhere, so there is no route but to it and to 127/8.
             ip(&[
                 "-n",
                 &name,
                 "addr",
                 "add",
-                &format!("{EGRESS_SERVER_IP}/24"),
+                &format!("{EGRESS_SERVER_IP}/32"),
                 "dev",
-                "husk-out",
+                "lo",
             ]);
-            ip(&["-n", &name, "link", "set", "husk-out", "up"]);
             Some(EgressNet { name })
         })
         .as_ref()

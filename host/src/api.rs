@@ -394,7 +394,9 @@ async fn set_pool(
 }
 
 /// `?label=k=v` (repeatable) and `?state=running`.
-fn list_filter(query: Option<&str>) -> ApiResult<(BTreeMap<String, String>, Option<SandboxState>)> {
+pub(crate) fn list_filter(
+    query: Option<&str>,
+) -> ApiResult<(BTreeMap<String, String>, Option<SandboxState>)> {
     let mut labels = BTreeMap::new();
     let mut state = None;
     for (k, v) in form_pairs(query.unwrap_or("")) {
@@ -418,7 +420,7 @@ fn list_filter(query: Option<&str>) -> ApiResult<(BTreeMap<String, String>, Opti
 }
 
 /// Decodes `a=b&c=d` (percent-encoding and `+`).
-fn form_pairs(query: &str) -> Vec<(String, String)> {
+pub(crate) fn form_pairs(query: &str) -> Vec<(String, String)> {
     fn decode(s: &str) -> String {
         let bytes = s.as_bytes();
         let mut out = Vec::with_capacity(bytes.len());

@@ -396,7 +396,7 @@ fn answer(status: &str, message: &str) -> Vec<u8> {
 
 /// A request as the proxy sees it.
 #[derive(Debug, PartialEq, Eq)]
-struct Request {
+pub(crate) struct Request {
     method: String,
     host: String,
     port: u16,
@@ -405,7 +405,7 @@ struct Request {
 }
 
 /// Why a connection ended before it was carried.
-enum Refused {
+pub(crate) enum Refused {
     /// The guest's request was not understood (400).
     Bad(String),
     /// Policy (403).
@@ -442,7 +442,7 @@ fn read_head(conn: &mut UnixStream) -> Result<(Vec<u8>, Vec<u8>), Refused> {
 }
 
 /// Parses the head into a request (see the module docs).
-fn parse(head: &[u8]) -> Result<Request, Refused> {
+pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
     let text = std::str::from_utf8(head)
         .map_err(|_| Refused::Bad("the request head is not UTF-8".into()))?;
     let mut lines = text.split("\r\n");
@@ -732,7 +732,7 @@ fn hello_len(buf: &[u8]) -> Option<Result<usize, ()>> {
 }
 
 /// The server name (SNI) of a TLS ClientHello record, if it has one.
-fn sni(record: &[u8]) -> Option<String> {
+pub(crate) fn sni(record: &[u8]) -> Option<String> {
     struct Cursor<'a>(&'a [u8]);
     impl<'a> Cursor<'a> {
         fn take(&mut self, n: usize) -> Option<&'a [u8]> {

@@ -27,6 +27,8 @@ pub mod api_client;
 pub mod cgroup;
 pub mod daemon;
 pub mod egress;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod jail;
 pub mod metrics;
 pub mod readiness;

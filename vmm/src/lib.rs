@@ -10,6 +10,8 @@ pub mod builder;
 pub mod config;
 pub mod device_manager;
 pub mod devices;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod log_budget;
 pub mod persist;
 pub mod rate_limiter;

@@ -7,8 +7,9 @@
 //! takes from both or from neither; when it cannot, the device leaves it in
 //! its queue, and the limiter's timer (a timerfd the device watches) fires
 //! when enough has refilled for it. A request larger than a whole bucket
-//! goes through when the bucket is full, and empties it: it is slowed, not
-//! refused forever.
+//! goes through when the bucket is full and leaves it in debt, which the
+//! next requests wait out: it is slowed, not refused forever, and the rate
+//! holds whatever the request sizes.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::time::{Duration, Instant};
@@ -24,8 +25,10 @@ pub struct Rate(pub u64);
 #[derive(Debug, Clone)]
 pub struct TokenBucket {
     size: u64,
-    /// Units in the bucket, in billionths (so refills lose nothing).
-    budget_nano: u128,
+    /// Units in the bucket, in billionths (so refills lose nothing). Below
+    /// zero after a request larger than the bucket: a debt later requests
+    /// wait out, so the long-run rate holds for any request size.
+    budget_nano: i128,
     last: Instant,
 }
 
@@ -34,7 +37,7 @@ impl TokenBucket {
     pub fn new(rate: Rate, now: Instant) -> TokenBucket {
         TokenBucket {
             size: rate.0.max(1),
-            budget_nano: u128::from(rate.0.max(1)) * 1_000_000_000,
+            budget_nano: i128::from(rate.0.max(1)) * 1_000_000_000,
             last: now,
         }
     }
@@ -42,27 +45,30 @@ impl TokenBucket {
     fn refill(&mut self, now: Instant) {
         let elapsed = now.saturating_duration_since(self.last).as_nanos();
         self.last = now;
-        let full = u128::from(self.size) * 1_000_000_000;
-        self.budget_nano = (self.budget_nano + elapsed * u128::from(self.size)).min(full);
+        let full = i128::from(self.size) * 1_000_000_000;
+        let gained = i128::try_from(elapsed)
+            .unwrap_or(i128::MAX / 2)
+            .saturating_mul(i128::from(self.size));
+        self.budget_nano = self.budget_nano.saturating_add(gained).min(full);
     }
 
-    /// What `units` cost: a request larger than the bucket costs the whole
-    /// bucket.
-    fn cost(&self, units: u64) -> u128 {
-        u128::from(units.min(self.size)) * 1_000_000_000
-    }
-
-    /// How long until `units` can be taken (zero if now).
+    /// How long until `units` can be taken (zero if now). A request larger
+    /// than the bucket waits for a full bucket.
     fn wait_for(&mut self, units: u64, now: Instant) -> Duration {
         self.refill(now);
-        let missing = self.cost(units).saturating_sub(self.budget_nano);
-        // budget grows `size` units (size * 1e9 nano-units) per second.
-        let nanos = missing.div_ceil(u128::from(self.size));
+        let needed = i128::from(units.min(self.size)) * 1_000_000_000;
+        let missing = needed.saturating_sub(self.budget_nano).max(0);
+        // The budget grows `size` units (size * 1e9 nano-units) per second.
+        let nanos = missing.div_euclid(i128::from(self.size))
+            + i128::from(missing.rem_euclid(i128::from(self.size)) != 0);
         Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 
+    /// Takes `units`, all of them, even past empty.
     fn take(&mut self, units: u64) {
-        self.budget_nano = self.budget_nano.saturating_sub(self.cost(units));
+        self.budget_nano = self
+            .budget_nano
+            .saturating_sub(i128::from(units) * 1_000_000_000);
     }
 }
 
@@ -175,12 +181,14 @@ mod tests {
     }
 
     #[test]
-    fn a_request_larger_than_the_bucket_passes_when_it_is_full() {
+    fn a_request_larger_than_the_bucket_passes_when_it_is_full_and_is_paid_for() {
         let t0 = Instant::now();
         let mut b = TokenBucket::new(Rate(100), t0);
-        assert_eq!(b.wait_for(10_000, t0), Duration::ZERO);
-        b.take(10_000);
-        assert_eq!(b.wait_for(10_000, t0), Duration::from_secs(1));
+        assert_eq!(b.wait_for(1_000, t0), Duration::ZERO);
+        b.take(1_000);
+        // 900 units of debt, then a full bucket: 10 s at 100 per second.
+        assert_eq!(b.wait_for(1_000, t0), Duration::from_secs(10));
+        assert_eq!(b.wait_for(1, t0), Duration::from_millis(9010));
     }
 
     #[test]

@@ -67,6 +67,11 @@ impl BlockDevice {
         self
     }
 
+    /// The device's disk, giving the device up.
+    pub fn into_disk(self) -> Disk {
+        self.disk
+    }
+
     /// The drive's name.
     pub fn name(&self) -> &str {
         &self.name
