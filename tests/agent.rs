@@ -786,3 +786,128 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
         "{health:?}"
     );
 }
+
+/// Memory the VMM process holds itself, in KiB: the resident set of every
+/// mapping but guest memory (the snapshot's memory file, which the guest's
+/// own activity pages in).
+fn vmm_own_rss_kib(pid: u32) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut own = 0;
+    let mut guest_mapping = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            guest_mapping = line.ends_with("/memory");
+        } else if let Some(kib) = line.strip_prefix("Rss:") {
+            if !guest_mapping {
+                own += kib
+                    .trim()
+                    .trim_end_matches(" kB")
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    own
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+#[test]
+fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
+    use std::os::unix::net::UnixListener;
+    let vm = sandbox("hostile-io");
+    let bystander = sandbox("bystander");
+    // Host port 5000 accepts every connection and never reads from it;
+    // host port 5001 has nobody listening.
+    let sink = UnixListener::bind(format!("{}_5000", vm.uds.display())).expect("sink");
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in sink.incoming() {
+            held.extend(conn.ok());
+        }
+    });
+    let tool = repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-hostile");
+    let mut client = vm.client();
+    client
+        .write_file(
+            "/tmp/husk-hostile",
+            0o755,
+            std::fs::File::open(&tool).expect("husk-hostile (built with guest-init)"),
+        )
+        .expect("upload");
+    let pid = vm.pid();
+    let (fds_before, own_before) = (open_fds(pid), vmm_own_rss_kib(pid));
+    let attack_s = 60;
+    let started = client.exec(sh(&format!(
+        "for p in 5000 5001; do /tmp/husk-hostile vsock $p {attack_s} >/tmp/vsock-$p 2>&1 & done; \
+         /tmp/husk-hostile console {attack_s} >/tmp/console 2>&1 &"
+    )));
+    // Through the attack (and a little after): the VMM's descriptors and
+    // memory, and whether this guest's agent and a neighbour answer.
+    let (mut max_fds, mut max_own) = (fds_before, own_before);
+    let mut pings = (0, 0);
+    let mut bystander_pings = (0, 0);
+    // Until the three programs have reported (their attack ends after
+    // `attack_s` of guest time; a busy guest takes longer to notice).
+    let mut wait = WaitBudget::new(Duration::from_secs(attack_s + 240));
+    let mut reports = Vec::new();
+    while !wait.expired() {
+        max_fds = max_fds.max(open_fds(pid));
+        max_own = max_own.max(vmm_own_rss_kib(pid));
+        pings.0 += 1;
+        pings.1 += usize::from(client.ping().is_ok());
+        bystander_pings.0 += 1;
+        bystander_pings.1 += usize::from(bystander.client().ping().is_ok());
+        reports = ["/tmp/vsock-5000", "/tmp/vsock-5001", "/tmp/console"]
+            .iter()
+            .map(|f| {
+                let out = client.exec(argv(&["cat", f]));
+                out.map(|o| text(&o.stdout)).unwrap_or_default()
+            })
+            .collect();
+        if reports.iter().all(|r| !r.is_empty()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let [to_sink, to_nobody, console] = &reports[..] else {
+        panic!("no reports: {reports:?}");
+    };
+    let console_file = std::fs::metadata(&vm.console).map_or(0, |m| m.len());
+    eprintln!(
+        "hostile guest: {to_sink} / {to_nobody} / {console}; VMM fds {fds_before} -> max {max_fds}, \
+         own memory {own_before} -> max {max_own} KiB, console file {console_file} bytes"
+    );
+
+    assert!(started.is_ok(), "{started:?}");
+    let connected = |line: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix("connected="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    // The attack happened: more connections to the never-reading port than
+    // the VMM may hold at once.
+    assert!(connected(to_sink) > 128, "{to_sink} {to_nobody}");
+    // 128 guest connections at most, each with one host socket.
+    assert!(
+        max_fds <= fds_before + 128 + 8,
+        "{fds_before} -> {max_fds} descriptors"
+    );
+    assert!(
+        max_own <= own_before + 64 * 1024,
+        "{own_before} -> {max_own} KiB"
+    );
+    assert!(
+        console_file <= (4 << 20) + 4096,
+        "console file of {console_file} bytes"
+    );
+    assert_eq!(pings.1, pings.0, "the agent missed pings during the attack");
+    assert_eq!(
+        bystander_pings.1, bystander_pings.0,
+        "the neighbour missed pings"
+    );
+}

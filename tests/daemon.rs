@@ -169,8 +169,9 @@ impl EgressNet {
     }
 }
 
-/// The address the egress test's server listens on, inside `EgressNet`.
+/// The addresses the egress tests' servers listen on, inside `EgressNet`.
 const EGRESS_SERVER_IP: &str = "198.51.100.1";
+const EGRESS_OTHER_IP: &str = "198.51.100.2";
 
 static EGRESS_NET: OnceLock<Option<EgressNet>> = OnceLock::new();
 
@@ -197,15 +198,17 @@ fn egress_net() -> Option<&'static EgressNet> {
             ip(&["-n", &name, "link", "set", "lo", "up"]);
             // The test server's address lives on loopback: no interface
             // leads anywhere, so there is no route but to it and to 127/8.
-            ip(&[
-                "-n",
-                &name,
-                "addr",
-                "add",
-                &format!("{EGRESS_SERVER_IP}/32"),
-                "dev",
-                "lo",
-            ]);
+            for addr in [EGRESS_SERVER_IP, EGRESS_OTHER_IP] {
+                ip(&[
+                    "-n",
+                    &name,
+                    "addr",
+                    "add",
+                    &format!("{addr}/32"),
+                    "dev",
+                    "lo",
+                ]);
+            }
             Some(EgressNet { name })
         })
         .as_ref()
@@ -1388,7 +1391,10 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
 /// A server inside the egress test network: answers a plain HTTP GET with
 /// a greeting, a TLS ClientHello with a note, anything else with `pong`
 /// and what came. Returns its address and everything it received.
-fn egress_server(ns: &EgressNet) -> (std::net::SocketAddr, std::sync::Arc<Mutex<Vec<Vec<u8>>>>) {
+fn egress_server(
+    ns: &EgressNet,
+    ip: &'static str,
+) -> (std::net::SocketAddr, std::sync::Arc<Mutex<Vec<Vec<u8>>>>) {
     use std::io::Write;
     use std::os::fd::AsRawFd;
     let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
@@ -1399,7 +1405,7 @@ fn egress_server(ns: &EgressNet) -> (std::net::SocketAddr, std::sync::Arc<Mutex<
         // SAFETY: moves this thread (only) into the test's namespace.
         let entered = unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) };
         assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
-        let listener = std::net::TcpListener::bind((EGRESS_SERVER_IP, 0)).expect("bind");
+        let listener = std::net::TcpListener::bind((ip, 0)).expect("bind");
         tx.send(listener.local_addr().expect("addr")).expect("send");
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
@@ -1464,7 +1470,7 @@ fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
         eprintln!("skipped: the egress test network (a network namespace) needs root");
         return;
     };
-    let (server, seen) = egress_server(ns);
+    let (server, seen) = egress_server(ns, EGRESS_SERVER_IP);
     let port = server.port();
     let allowed = format!("{EGRESS_SERVER_IP}:{port}");
     // Private, metadata and loopback destinations are on the list, to show
@@ -1596,4 +1602,113 @@ fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
     let (code, message) = status(bad);
     assert_eq!(code, 400);
     assert!(message.contains("bad host!"), "{message}");
+}
+
+#[test]
+fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
+    let (d, _g) = shared();
+    let Some(ns) = egress_net() else {
+        eprintln!("skipped: the egress test network (a network namespace) needs root");
+        return;
+    };
+    let (bound, bound_seen) = egress_server(ns, EGRESS_SERVER_IP);
+    let (other, other_seen) = egress_server(ns, EGRESS_OTHER_IP);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.as_nanos());
+    let secret = format!("sk-husk-test-{nanos:x}");
+    let s = create_with(json!({
+        "template": "base",
+        "egress": {
+            "allow": [bound.to_string(), other.to_string()],
+            "secrets": [{ "host": bound.to_string(), "header": "Authorization", "value": format!("Bearer {secret}") }],
+        },
+    }))
+    .expect("create with a secret")
+    .sandbox;
+    let id = s.id.as_str();
+    // The guest sends a placeholder of its own to both hosts.
+    let get = |addr: std::net::SocketAddr| {
+        sh(
+            id,
+            &format!("wget -q -O - --header 'Authorization: Bearer placeholder' http://{addr}/x"),
+        )
+    };
+    let (to_bound, to_other) = (get(bound), get(other));
+    let shown: Value = api()
+        .call("GET", &format!("/v1/sandboxes/{id}"), None)
+        .expect("get");
+    let audit: Vec<AuditEntry> = api()
+        .call("GET", &format!("/v1/audit?sandbox={id}"), None)
+        .expect("audit");
+    // Its memory and files, as a snapshot keeps them.
+    let snap: TemplateRecord = api()
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}/snapshot"),
+            Some(&json!({ "name": "secret-check" })),
+        )
+        .expect("snapshot");
+    let holders = |dir: &Path| {
+        let out = Command::new("grep")
+            .args(["-rlaF", &secret])
+            .arg(dir)
+            .output()
+            .expect("grep");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let in_snapshot = holders(&snap.snapshot_dir);
+    let in_run_dir = holders(&d.state_dir.join("sandboxes").join(id));
+    let bad = create_with(json!({
+        "template": "base",
+        "egress": { "secrets": [{ "host": "x.test", "header": "Authorization", "value": "a\r\nX-Injected: 1" }] },
+    }));
+    destroy(id);
+    let _ = api().call::<Value>("DELETE", "/v1/templates/secret-check", None);
+
+    let text = |seen: &Mutex<Vec<Vec<u8>>>| {
+        seen.lock()
+            .expect("lock")
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect::<Vec<_>>()
+    };
+    let (bound_seen, other_seen) = (text(&bound_seen), text(&other_seen));
+    assert_eq!(
+        to_bound.stdout, "hello from the allowed host\n",
+        "{to_bound:?}"
+    );
+    assert_eq!(
+        to_other.stdout, "hello from the allowed host\n",
+        "{to_other:?}"
+    );
+    assert_eq!(bound_seen.len(), 1, "{bound_seen:?}");
+    assert!(
+        bound_seen[0].contains(&format!("\r\nAuthorization: Bearer {secret}\r\n")),
+        "{bound_seen:?}"
+    );
+    assert!(!bound_seen[0].contains("placeholder"), "{bound_seen:?}");
+    assert_eq!(other_seen.len(), 1, "{other_seen:?}");
+    assert!(
+        other_seen[0].contains("\r\nAuthorization: Bearer placeholder\r\n"),
+        "{other_seen:?}"
+    );
+    assert!(!other_seen[0].contains(&secret), "{other_seen:?}");
+    // The API, the audit log, the snapshot and the sandbox's files never
+    // show it.
+    assert_eq!(shown["egress"]["secrets"][0]["value"], "(redacted)");
+    assert!(!shown.to_string().contains(&secret));
+    assert!(audit.iter().all(|e| !e.detail.contains(&secret)));
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.action == "egress-allow"
+                && e.detail.contains("with the host's Authorization")),
+        "{audit:?}"
+    );
+    assert_eq!(in_snapshot, "", "the secret is in the snapshot");
+    assert_eq!(in_run_dir, "", "the secret is in the sandbox's files");
+    let (code, message) = status(bad);
+    assert_eq!(code, 400);
+    assert!(message.contains("one non-empty line"), "{message}");
 }

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::agent_client::{AgentClient, ClientError};
 use crate::cgroup::{Cgroup, Hierarchy, Limits, Priority};
-use crate::egress::{Allowlist, Egress, Proxy};
+use crate::egress::{Allowlist, Egress, Proxy, Secret};
 use crate::metrics::Metrics;
 use crate::readiness::WaitBudget;
 use crate::store::{
@@ -121,7 +121,26 @@ pub struct EgressSpec {
     /// addresses are refused whatever the list says.
     #[serde(default)]
     pub allow: Vec<String>,
+    /// Credentials the proxy adds to requests to the hosts they are bound
+    /// to; never written into the guest. Shown with their values redacted.
+    #[serde(default)]
+    pub secrets: Vec<SecretSpec>,
 }
+
+/// A credential bound to hosts (see `egress::Secret`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretSpec {
+    /// The hosts it is for, as one allowlist entry (`api.example.com`,
+    /// `*.example.com:443`).
+    pub host: String,
+    /// The header it goes in, e.g. `Authorization`.
+    pub header: String,
+    pub value: String,
+}
+
+/// What the API shows of a secret's value.
+const REDACTED: &str = "(redacted)";
 
 /// Most allowlist entries per sandbox.
 const MAX_EGRESS_RULES: usize = 256;
@@ -284,8 +303,33 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         mac: rec.mac.clone(),
         egress: EgressSpec {
             allow: rec.egress_allow.clone(),
+            secrets: rec
+                .egress_secrets
+                .iter()
+                .map(|s| SecretSpec {
+                    value: REDACTED.to_owned(),
+                    ..s.clone()
+                })
+                .collect(),
         },
     }
+}
+
+/// The credentials of a create request, checked.
+fn secrets(spec: &EgressSpec) -> Result<Vec<Secret>, DaemonError> {
+    if spec.secrets.len() > MAX_EGRESS_RULES {
+        return Err(DaemonError::Invalid(format!(
+            "`egress.secrets` has {} entries; at most {MAX_EGRESS_RULES}",
+            spec.secrets.len()
+        )));
+    }
+    spec.secrets
+        .iter()
+        .map(|s| {
+            Secret::new(&s.host, &s.header, &s.value)
+                .map_err(|e| DaemonError::Invalid(format!("`egress.secrets`: {e}")))
+        })
+        .collect()
 }
 
 /// The allowlist of a create request, checked.
@@ -467,13 +511,19 @@ impl Daemon {
     /// Starts the egress proxy of a sandbox that is handed out.
     fn start_proxy(&self, rec: &SandboxRecord) -> Result<(), DaemonError> {
         let allow = Allowlist::parse(&rec.egress_allow).map_err(DaemonError::Invalid)?;
+        let secrets = secrets(&EgressSpec {
+            allow: Vec::new(),
+            secrets: rec.egress_secrets.clone(),
+        })?;
         let vsock = rec.run_dir.join(vmm_process::VSOCK);
         let socket = PathBuf::from(format!(
             "{}_{}",
             vsock.display(),
             husk_protocol::EGRESS_VSOCK_PORT
         ));
-        let proxy = self.egress.serve(&rec.id, allow, socket, rec.uid)?;
+        let proxy = self
+            .egress
+            .serve(&rec.id, allow, secrets, socket, rec.uid)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
             live.proxy = Some(proxy);
         }
@@ -587,6 +637,7 @@ impl Daemon {
             return Err(DaemonError::Unavailable("the daemon is stopping".into()));
         }
         allowlist(&req.egress)?;
+        secrets(&req.egress)?;
         let t = self.template(&req.template)?;
         let expires = req.ttl_s.map(|s| now_unix_ms() + s * 1000);
         let (mut rec, pooled) = match self.claim(&t)? {
@@ -602,6 +653,7 @@ impl Daemon {
         rec.on_expiry = req.on_expiry;
         rec.labels = req.labels;
         rec.egress_allow = req.egress.allow;
+        rec.egress_secrets = req.egress.secrets;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
@@ -855,6 +907,7 @@ impl Daemon {
             mac: nic.as_ref().map(vmm_process::Nic::mac_text),
             uid,
             egress_allow: Vec::new(),
+            egress_secrets: Vec::new(),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1151,6 +1204,7 @@ impl Daemon {
                 labels: parent.labels.clone(),
                 egress: EgressSpec {
                     allow: parent.egress_allow.clone(),
+                    secrets: parent.egress_secrets.clone(),
                 },
                 ..CreateRequest::default()
             };

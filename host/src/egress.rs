@@ -183,6 +183,53 @@ impl Allowlist {
     }
 }
 
+/// A credential the proxy adds to a sandbox's requests to the hosts it is
+/// bound to; the guest never sees it. Any header of the same name the guest
+/// sent itself is dropped first.
+#[derive(Clone)]
+pub struct Secret {
+    hosts: Allowlist,
+    header: String,
+    value: String,
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Secret")
+            .field("hosts", &self.hosts)
+            .field("header", &self.header)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Secret {
+    /// `host` as an allowlist entry (`api.example.com`, `*.example.com:443`),
+    /// `header` a header name, `value` its value.
+    pub fn new(host: &str, header: &str, value: &str) -> Result<Secret, String> {
+        let hosts = Allowlist::parse(&[host.to_owned()])?;
+        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if header.is_empty() || !header.bytes().all(token) {
+            return Err(format!("`{header}` is not a header name"));
+        }
+        if matches!(
+            header.to_ascii_lowercase().as_str(),
+            "host" | "connection" | "content-length" | "transfer-encoding"
+        ) {
+            return Err(format!("`{header}` cannot carry a credential"));
+        }
+        if value.is_empty() || value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0) {
+            return Err(format!(
+                "the value for `{header}` must be one non-empty line"
+            ));
+        }
+        Ok(Secret {
+            hosts,
+            header: header.to_owned(),
+            value: value.to_owned(),
+        })
+    }
+}
+
 /// Why `ip` may not be reached from a sandbox, or None for a public address.
 pub fn refusal(ip: IpAddr) -> Option<&'static str> {
     match ip {
@@ -281,6 +328,7 @@ impl Egress {
         self: &Arc<Self>,
         sandbox: &str,
         allow: Allowlist,
+        secrets: Vec<Secret>,
         socket: PathBuf,
         uid: u32,
     ) -> io::Result<Proxy> {
@@ -293,6 +341,7 @@ impl Egress {
         let shared = Arc::new(Sandbox {
             id: sandbox.to_owned(),
             allow,
+            secrets,
             egress: self.clone(),
             active: AtomicUsize::new(0),
         });
@@ -340,6 +389,7 @@ impl Drop for Proxy {
 struct Sandbox {
     id: String,
     allow: Allowlist,
+    secrets: Vec<Secret>,
     egress: Arc<Egress>,
     active: AtomicUsize,
 }
@@ -400,8 +450,10 @@ pub(crate) struct Request {
     method: String,
     host: String,
     port: u16,
-    /// For plain HTTP: the head to send on, in origin form.
-    forward: Option<Vec<u8>>,
+    /// For plain HTTP: the head to send on, in origin form, line by line
+    /// (without `Connection` and the blank line, which [`compose`] adds
+    /// after any credentials).
+    forward: Option<Vec<String>>,
 }
 
 /// Why a connection ended before it was carried.
@@ -493,22 +545,16 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
     let port = port.unwrap_or(80);
     // The head sent on: origin form, the authority as Host, no proxy or
     // hop-by-hop headers, one request per connection.
-    let mut out = format!("{method} {path} {version}\r\n");
+    let mut out = vec![format!("{method} {path} {version}")];
     let host_header = if port == 80 {
         authority_of(&host, None)
     } else {
         authority_of(&host, Some(port))
     };
-    out.push_str(&format!("Host: {host_header}\r\n"));
+    out.push(format!("Host: {host_header}"));
     for line in lines.filter(|l| !l.is_empty()) {
-        let name = line
-            .split(':')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase();
         if matches!(
-            name.as_str(),
+            header_name(line).as_str(),
             "host"
                 | "connection"
                 | "keep-alive"
@@ -518,16 +564,45 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
         ) {
             continue;
         }
-        out.push_str(line);
-        out.push_str("\r\n");
+        out.push(line.to_owned());
     }
-    out.push_str("Connection: close\r\n\r\n");
     Ok(Request {
         method: method.into(),
         host,
         port,
-        forward: Some(out.into_bytes()),
+        forward: Some(out),
     })
+}
+
+/// A header line's name, lowercase.
+fn header_name(line: &str) -> String {
+    line.split(':')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
+}
+
+/// The head to send: the guest's lines without any header a credential
+/// replaces, then the credentials, then the end of the head.
+fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
+    let replaced: Vec<String> = secrets
+        .iter()
+        .map(|s| s.header.to_ascii_lowercase())
+        .collect();
+    let mut out = String::new();
+    for (i, line) in lines.iter().enumerate() {
+        if i > 0 && replaced.contains(&header_name(line)) {
+            continue;
+        }
+        out.push_str(line);
+        out.push_str("\r\n");
+    }
+    for s in secrets {
+        out.push_str(&format!("{}: {}\r\n", s.header, s.value));
+    }
+    out.push_str("Connection: close\r\n\r\n");
+    out.into_bytes()
 }
 
 fn authority_of(host: &str, port: Option<u16>) -> String {
@@ -643,8 +718,23 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     let (Ok(mut guest_out), Ok(mut upstream_in)) = (conn.try_clone(), upstream.try_clone()) else {
         return;
     };
-    if let Some(head) = &req.forward {
-        if upstream.write_all(head).is_err() {
+    let bound: Vec<&Secret> = sandbox
+        .secrets
+        .iter()
+        .filter(|s| s.hosts.allows(&req.host, req.port))
+        .collect();
+    let mut credentials = String::new();
+    if !bound.is_empty() {
+        let names: Vec<&str> = bound.iter().map(|s| s.header.as_str()).collect();
+        credentials = if req.forward.is_some() {
+            format!(" (with the host's {})", names.join(", "))
+        } else {
+            // Not yet: TLS interception for bound hosts.
+            format!(" (its {} not added: the tunnel is TLS)", names.join(", "))
+        };
+    }
+    if let Some(lines) = &req.forward {
+        if upstream.write_all(&compose(lines, &bound)).is_err() {
             let msg = format!("{what}: the server closed the connection");
             let _ = conn.write_all(&answer("502 Bad Gateway", &msg));
             return;
@@ -676,7 +766,11 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     let sent = match first {
         Ok(first) => {
             let tls = sni(&first).map_or_else(String::new, |n| format!(" (TLS {n})"));
-            egress.record(&sandbox.id, true, format!("allow {what} via {addr}{tls}"));
+            egress.record(
+                &sandbox.id,
+                true,
+                format!("allow {what} via {addr}{tls}{credentials}"),
+            );
             upstream.write_all(&first).is_ok()
         }
         Err(e) => {
@@ -835,6 +929,23 @@ mod tests {
     }
 
     #[test]
+    fn secrets_are_checked_and_never_printed() {
+        let s = Secret::new("*.example.com:443", "Authorization", "Bearer sk-123").expect("secret");
+        assert!(!format!("{s:?}").contains("sk-123"));
+        assert!(Secret::new("api.example.com", "X-Api-Key", "k").is_ok());
+        for (host, header, value) in [
+            ("bad host", "Authorization", "v"),
+            ("example.com", "Bad Header", "v"),
+            ("example.com", "", "v"),
+            ("example.com", "Host", "v"),
+            ("example.com", "Authorization", ""),
+            ("example.com", "Authorization", "a\r\nX-Evil: 1"),
+        ] {
+            assert!(Secret::new(host, header, value).is_err(), "{host} {header}");
+        }
+    }
+
+    #[test]
     fn bad_allowlist_entries_are_named() {
         for bad in [
             "",
@@ -906,16 +1017,21 @@ mod tests {
             Proxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n";
         let req = parse(head).ok().expect("parsed");
         assert_eq!((req.host.as_str(), req.port), ("example.com", 8080));
+        let lines = req.forward.expect("a head");
         assert_eq!(
-            String::from_utf8(req.forward.expect("a head")).expect("UTF-8"),
+            String::from_utf8(compose(&lines, &[])).expect("UTF-8"),
             "GET /a/b?c=d HTTP/1.1\r\nHost: example.com:8080\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+        );
+        // A credential replaces the guest's header of the same name.
+        let secret = Secret::new("example.com", "Accept", "text/plain").expect("secret");
+        assert_eq!(
+            String::from_utf8(compose(&lines, &[&secret])).expect("UTF-8"),
+            "GET /a/b?c=d HTTP/1.1\r\nHost: example.com:8080\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
         );
         let req = parse(b"GET http://example.com?q HTTP/1.0\r\n\r\n")
             .ok()
             .expect("parsed");
-        assert!(String::from_utf8(req.forward.expect("a head"))
-            .expect("UTF-8")
-            .starts_with("GET /?q HTTP/1.0\r\n"));
+        assert_eq!(req.forward.expect("a head")[0], "GET /?q HTTP/1.0");
         let req = parse(b"CONNECT [2001:db8::1]:443 HTTP/1.1\r\n\r\n")
             .ok()
             .expect("parsed");
@@ -995,7 +1111,13 @@ mod tests {
         let (tx, rx) = mpsc::sync_channel(16);
         let egress = Arc::new(Egress::new(None, tx).expect("egress"));
         let proxy = egress
-            .serve("sb-unit", list(&["allowed.example:443"]), socket.clone(), 0)
+            .serve(
+                "sb-unit",
+                list(&["allowed.example:443"]),
+                Vec::new(),
+                socket.clone(),
+                0,
+            )
             .expect("serve");
         let ask = |request: &[u8]| {
             let mut c = UnixStream::connect(&socket).expect("connect");

@@ -167,6 +167,9 @@ pub struct SandboxRecord {
     /// Where its egress proxy lets it connect (`egress::Allowlist` entries).
     #[serde(default)]
     pub egress_allow: Vec<String>,
+    /// Credentials its egress proxy adds (kept on the host only).
+    #[serde(default)]
+    pub egress_secrets: Vec<crate::daemon::SecretSpec>,
 }
 
 /// One entry of the audit log.
@@ -392,6 +395,7 @@ mod tests {
             tap: None,
             mac: None,
             egress_allow: vec!["*.example.com:443".to_owned()],
+            egress_secrets: Vec::new(),
         }
     }
 

@@ -337,6 +337,11 @@ impl Sandbox {
     pub fn serial(&self) -> String {
         std::fs::read_to_string(&self.console).unwrap_or_default()
     }
+
+    /// The VMM's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for Sandbox {
