@@ -2,12 +2,16 @@
 //! that show the VMM stays bounded. Not in the root file system: a test
 //! uploads it into a sandbox. Every mode runs for SECONDS and exits 0.
 //!
-//!   husk-hostile vsock PORT SECONDS   connect to host port PORT as fast as it
+//!   husk-hostile vsock PORT SECONDS [MIN]
+//!                                     connect to host port PORT as fast as it
 //!                                     can, write into each connection once and
 //!                                     keep it open (when the guest's own limit
 //!                                     on descriptors is reached, the oldest is
 //!                                     closed); prints the connect attempts the
-//!                                     guest kernel let start
+//!                                     guest kernel let start. Goes on past
+//!                                     SECONDS until MIN were made (at most ten
+//!                                     times SECONDS), so a slow guest attacks
+//!                                     as hard as a fast one
 //!   husk-hostile console SECONDS      write to the console without pause
 
 use std::collections::VecDeque;
@@ -54,11 +58,11 @@ fn connect(port: u32) -> std::io::Result<File> {
     Ok(File::from(sock))
 }
 
-fn vsock(port: u32, until: Instant) -> (u64, u64) {
+fn vsock(port: u32, until: Instant, min: u64, cap: Instant) -> (u64, u64) {
     let (mut made, mut failed) = (0u64, 0u64);
     let mut open: VecDeque<File> = VecDeque::new();
     let junk = [0x5au8; 4096];
-    while Instant::now() < until {
+    while (Instant::now() < until || made < min) && Instant::now() < cap {
         match connect(port) {
             Ok(mut conn) => {
                 made += 1;
@@ -93,11 +97,13 @@ fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let seconds = |s: &str| s.parse::<u64>().ok().map(Duration::from_secs);
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        ["vsock", port, secs] => {
+        ["vsock", port, secs] | ["vsock", port, secs, _] => {
             let (Ok(port), Some(d)) = (port.parse::<u32>(), seconds(secs)) else {
                 return usage();
             };
-            let (made, failed) = vsock(port, Instant::now() + d);
+            let min = args.get(3).and_then(|m| m.parse().ok()).unwrap_or(0);
+            let now = Instant::now();
+            let (made, failed) = vsock(port, now + d, min, now + d * 10);
             println!("vsock port={port} connected={made} failed={failed}");
         }
         ["console", secs] => {
@@ -112,6 +118,6 @@ fn main() -> std::process::ExitCode {
 }
 
 fn usage() -> std::process::ExitCode {
-    eprintln!("usage: husk-hostile vsock PORT SECONDS | console SECONDS");
+    eprintln!("usage: husk-hostile vsock PORT SECONDS [MIN] | console SECONDS");
     std::process::ExitCode::from(2)
 }
