@@ -2,6 +2,8 @@
 //!
 //!     make bench   (or: cargo build --release -p husk-host && cargo bench --bench daemon)
 //!     HUSK_BENCH_CREATES=20 HUSK_BENCH_RESTORES=20 HUSK_BENCH_IDLE=10
+//!     HUSK_BENCH_NO_JAIL=1   (the daemon with --no-jail, to see what the
+//!                             jail costs; the jail needs root)
 //!
 //! Starts a daemon, builds a 128 MiB template (one boot), then measures:
 //! - pool refill: an empty pool of 4 filled, on a quiet host and with
@@ -141,6 +143,11 @@ fn main() {
         .arg(common::initramfs())
         .arg("--vmm")
         .arg(common::vmm_binary())
+        .args(
+            std::env::var_os("HUSK_BENCH_NO_JAIL")
+                .map(|_| "--no-jail")
+                .into_iter(),
+        )
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -174,9 +181,10 @@ fn main() {
         }
     }
     println!(
-        "daemon: template build (boot + snapshot + checksums) {:.1} s; cgroups {}",
+        "daemon: template build (boot + snapshot + checksums) {:.1} s; cgroups {}; jail {}",
         t.elapsed().as_secs_f64(),
-        info["cgroups"]
+        info["cgroups"],
+        info["jail"]
     );
 
     // Pool refill: from empty to 4 parked clones, quiet, then with every
