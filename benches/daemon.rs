@@ -56,13 +56,22 @@ fn summary(label: &str, samples: &[f64]) {
     );
 }
 
-/// Proportional set size of a process, in KiB.
+/// Proportional set size, in KiB, of of `pid` and its descendants (a sandbox's pid is its jailer's; the
+/// VMM is the jailer's child).
 fn pss_kib(pid: u32) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
-    text.lines()
+    let own: u64 = text
+        .lines()
         .find_map(|l| l.strip_prefix("Pss:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    own + children
+        .split_whitespace()
+        .filter_map(|c| c.parse::<u32>().ok())
+        .map(pss_kib)
+        .sum::<u64>()
 }
 
 struct Bench {
@@ -143,11 +152,7 @@ fn main() {
         .arg(common::initramfs())
         .arg("--vmm")
         .arg(common::vmm_binary())
-        .args(
-            std::env::var_os("HUSK_BENCH_NO_JAIL")
-                .map(|_| "--no-jail")
-                .into_iter(),
-        )
+        .args(std::env::var_os("HUSK_BENCH_NO_JAIL").map(|_| "--no-jail"))
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
