@@ -113,7 +113,14 @@ impl TestDaemon {
             .args(["--tcp", &self.tcp])
             .args(
                 egress_net()
-                    .map(|ns| vec!["--egress-netns".to_owned(), ns.path()])
+                    .map(|ns| {
+                        vec![
+                            "--egress-netns".to_owned(),
+                            ns.path(),
+                            "--egress-upstream-ca".to_owned(),
+                            upstream_ca().pem_file.display().to_string(),
+                        ]
+                    })
                     .unwrap_or_default(),
             )
             .arg("--token-file")
@@ -228,6 +235,7 @@ fn daemon() -> &'static TestDaemon {
             }
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
+            let _ = std::fs::remove_file(dir.with_extension("upstream-ca.pem"));
             let log = dir.with_extension("log");
             if FAILED.load(std::sync::atomic::Ordering::SeqCst) {
                 eprintln!(
@@ -1369,6 +1377,38 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
     let up_while_running = in_sandbox_netns(a.pid, &tap_a);
     let in_host_netns = tap_exists(&tap_a);
     let in_neighbours_netns = in_sandbox_netns(b.pid, &tap_a);
+
+    // The firewall in the sandbox's namespace: a listener on the TAP's side
+    // of the link gets nothing from the guest, until the rules are flushed
+    // (which shows the path itself works).
+    let in_netns = |args: &[&str]| {
+        let out = Command::new("nsenter")
+            .args(["-t", &a.pid.to_string(), "-n"])
+            .args(args)
+            .output()
+            .expect("nsenter");
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let rules = in_netns(&["nft", "list", "ruleset"]);
+    in_netns(&["ip", "addr", "add", "10.200.0.1/24", "dev", &tap_a]);
+    let (port, heard, stop) = listen_in_netns(a.pid, "10.200.0.1");
+    sh(&a.id, "ifconfig eth0 10.200.0.2 netmask 255.255.255.0 up");
+    let try_connect = || {
+        sh(
+            &a.id,
+            &format!("echo through | nc -w 5 10.200.0.1 {port}; echo rc=$?"),
+        )
+        .stdout
+    };
+    let firewalled = try_connect();
+    let heard_firewalled = heard.lock().expect("lock").clone();
+    in_netns(&["nft", "flush", "ruleset"]);
+    let open = try_connect();
+    wait_until("the guest's message through the open path", || {
+        !heard.lock().expect("lock").is_empty()
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
     destroy(&a.id);
 
     assert!(t.network);
@@ -1382,10 +1422,63 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
         "{tap_a} is in another sandbox's namespace"
     );
     assert!(!tap_exists(&tap_a), "{tap_a} is left after destroy");
+    for chain in ["input", "forward", "output"] {
+        assert!(
+            rules.contains(&format!("chain {chain} {{")),
+            "no {chain} chain: {rules}"
+        );
+    }
+    assert_eq!(rules.matches("policy drop;").count(), 3, "{rules}");
+    assert!(!firewalled.contains("rc=0"), "{firewalled}");
+    assert!(heard_firewalled.is_empty(), "{heard_firewalled:?}");
+    assert!(open.contains("rc=0"), "{open}");
+    assert_eq!(heard.lock().expect("lock")[0], "through\n");
     destroy(&b.id);
     api()
         .send("DELETE", "/v1/templates/net", Payload::None)
         .expect("remove");
+}
+
+/// A TCP listener on `ip` in the network namespace of process `pid`:
+/// returns its port, what each connection sent, and a flag that stops it
+/// (so its socket does not keep the namespace alive).
+fn listen_in_netns(
+    pid: u32,
+    ip: &'static str,
+) -> (
+    u16,
+    std::sync::Arc<Mutex<Vec<String>>>,
+    std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let heard = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (log, stopped) = (heard.clone(), stop.clone());
+    std::thread::spawn(move || {
+        let netns = std::fs::File::open(format!("/proc/{pid}/ns/net")).expect("netns");
+        // SAFETY: moves this thread (only) into the sandbox's namespace.
+        let entered = unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
+        let listener = std::net::TcpListener::bind((ip, 0)).expect("bind");
+        listener.set_nonblocking(true).expect("nonblocking");
+        tx.send(listener.local_addr().expect("addr").port())
+            .expect("send");
+        while !stopped.load(Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut conn, _)) => {
+                    let _ = conn.set_nonblocking(false);
+                    let _ = conn.set_read_timeout(Some(PATIENCE));
+                    let mut got = String::new();
+                    let _ = conn.read_to_string(&mut got);
+                    log.lock().expect("lock").push(got);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    });
+    (rx.recv().expect("port"), heard, stop)
 }
 
 /// A server inside the egress test network: answers a plain HTTP GET with
@@ -1437,6 +1530,242 @@ fn egress_server(
         }
     });
     (rx.recv().expect("server address"), seen)
+}
+
+/// The CA of the egress tests' TLS servers: the daemon trusts it for the
+/// hosts whose TLS its proxy opens (`--egress-upstream-ca`), as it trusts
+/// the public roots for real hosts.
+struct UpstreamCa {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+    pem_file: PathBuf,
+}
+
+fn upstream_ca() -> &'static UpstreamCa {
+    static CA: OnceLock<UpstreamCa> = OnceLock::new();
+    CA.get_or_init(|| {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::default();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "husk test upstream CA");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let cert = params.self_signed(&key).expect("CA");
+        let pem_file = std::env::temp_dir().join(format!(
+            "husk-daemon-test-{}.upstream-ca.pem",
+            std::process::id()
+        ));
+        std::fs::write(&pem_file, cert.pem()).expect("CA file");
+        UpstreamCa {
+            cert,
+            key,
+            pem_file,
+        }
+    })
+}
+
+fn tls_provider() -> std::sync::Arc<rustls::crypto::CryptoProvider> {
+    std::sync::Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// An HTTPS server inside the egress test network, with a certificate for
+/// its address from [`upstream_ca`]: answers each request (head and
+/// `Content-Length` body) with a greeting. Returns its address and each
+/// request as it read it, decrypted.
+fn tls_server(
+    ns: &EgressNet,
+    ip: &'static str,
+) -> (std::net::SocketAddr, std::sync::Arc<Mutex<Vec<String>>>) {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let ca = upstream_ca();
+    let key = rcgen::KeyPair::generate().expect("key");
+    let leaf = rcgen::CertificateParams::new(vec![ip.to_owned()])
+        .expect("params")
+        .signed_by(&key, &ca.cert, &ca.key)
+        .expect("leaf");
+    let cfg = std::sync::Arc::new(
+        rustls::ServerConfig::builder_with_provider(tls_provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![leaf.der().clone()],
+                rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+            )
+            .expect("server config"),
+    );
+    let seen = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (path, log) = (ns.path(), seen.clone());
+    std::thread::spawn(move || {
+        let netns = std::fs::File::open(&path).expect("netns");
+        // SAFETY: moves this thread (only) into the test's namespace.
+        let entered = unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(entered, 0, "setns: {}", std::io::Error::last_os_error());
+        let listener = std::net::TcpListener::bind((ip, 0)).expect("bind");
+        tx.send(listener.local_addr().expect("addr")).expect("send");
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let _ = conn.set_read_timeout(Some(PATIENCE));
+            let Ok(server) = rustls::ServerConnection::new(cfg.clone()) else {
+                continue;
+            };
+            let mut tls = rustls::StreamOwned::new(server, conn);
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            let complete = |got: &[u8]| {
+                let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                    return false;
+                };
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let body: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                got.len() >= end + 4 + body
+            };
+            while !complete(&got) {
+                match tls.read(&mut buf) {
+                    Ok(n @ 1..) => got.extend_from_slice(&buf[..n]),
+                    _ => break,
+                }
+            }
+            if got.is_empty() {
+                continue;
+            }
+            let body = "hello over tls\n";
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = tls.write_all(reply.as_bytes());
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+            log.lock()
+                .expect("lock")
+                .push(String::from_utf8_lossy(&got).into_owned());
+        }
+    });
+    (rx.recv().expect("server address"), seen)
+}
+
+/// A byte pipe through a guest's egress path: `nc 127.0.0.1 3128` in the
+/// guest, its stdin and stdout carried by the agent. What is written here
+/// leaves the guest as a program's traffic does (its loopback, guest-init's
+/// forwarder, vsock, the daemon's proxy); the guest has no TLS client of
+/// its own, so the test speaks TLS over this pipe.
+struct GuestPipe<'a> {
+    running: husk_host::agent_client::Running<'a>,
+    input: husk_host::agent_client::ProgramInput,
+    pending: Vec<u8>,
+}
+
+impl<'a> GuestPipe<'a> {
+    fn open(agent: &'a mut husk_host::agent_client::AgentClient) -> Self {
+        let running = agent
+            .start(husk_protocol::ExecRequest {
+                argv: vec!["nc".into(), "127.0.0.1".into(), "3128".into()],
+                stdin_open: true,
+                timeout_ms: Some(PATIENCE.as_millis() as u64),
+                ..Default::default()
+            })
+            .expect("nc in the guest");
+        let input = running.input();
+        GuestPipe {
+            running,
+            input,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Reads the proxy's answer head to a CONNECT.
+    fn answer_head(&mut self) -> String {
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match self.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => break,
+            }
+        }
+        String::from_utf8_lossy(&head).into_owned()
+    }
+}
+
+impl Read for GuestPipe<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use husk_host::agent_client::Event;
+        while self.pending.is_empty() {
+            match self.running.next_event().map_err(std::io::Error::other)? {
+                Event::Output(husk_protocol::Stream::Stdout, data) => self.pending = data,
+                Event::Output(..) | Event::Lost(_) => {}
+                Event::Exited(_) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.pending.len());
+        buf[..n].copy_from_slice(&self.pending[..n]);
+        self.pending.drain(..n);
+        Ok(n)
+    }
+}
+
+impl std::io::Write for GuestPipe<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.input.write(buf).map_err(std::io::Error::other)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One HTTPS request from inside sandbox `vsock` (its agent's socket)
+/// through its egress proxy: CONNECT to `to`, TLS trusting only `roots`
+/// (PEM), then `request`. Returns the proxy's answer to the CONNECT and
+/// the decrypted answer (or the TLS error).
+fn https_from_guest(
+    vsock: &Path,
+    to: std::net::SocketAddr,
+    roots: &str,
+    request: &str,
+) -> (String, Result<String, String>) {
+    use rustls::pki_types::pem::PemObject;
+    use std::io::Write;
+    let mut agent = husk_host::agent_client::AgentClient::connect(vsock, PATIENCE).expect("agent");
+    let mut pipe = GuestPipe::open(&mut agent);
+    pipe.write_all(format!("CONNECT {to} HTTP/1.1\r\nHost: {to}\r\n\r\n").as_bytes())
+        .expect("CONNECT");
+    let connected = pipe.answer_head();
+    if !connected.starts_with("HTTP/1.1 200") {
+        return (connected, Err("no tunnel".into()));
+    }
+    let mut store = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(roots.as_bytes()) {
+        store.add(cert.expect("pem")).expect("root");
+    }
+    let cfg = rustls::ClientConfig::builder_with_provider(tls_provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::from(to.ip());
+    let client = rustls::ClientConnection::new(std::sync::Arc::new(cfg), name).expect("client");
+    let mut tls = rustls::StreamOwned::new(client, pipe);
+    let mut answer = Vec::new();
+    let result = tls
+        .write_all(request.as_bytes())
+        .and_then(|()| tls.read_to_end(&mut answer));
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    match result {
+        Ok(_) => (connected, Ok(answer)),
+        // A server that closes without TLS's goodbye: what came is the answer.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !answer.is_empty() => {
+            (connected, Ok(answer))
+        }
+        Err(e) => (connected, Err(format!("{e} (after {answer:?})"))),
+    }
 }
 
 /// A TLS ClientHello record naming `server` (structure only: enough for
@@ -1613,6 +1942,8 @@ fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
     };
     let (bound, bound_seen) = egress_server(ns, EGRESS_SERVER_IP);
     let (other, other_seen) = egress_server(ns, EGRESS_OTHER_IP);
+    let (bound_tls, bound_tls_seen) = tls_server(ns, EGRESS_SERVER_IP);
+    let (other_tls, other_tls_seen) = tls_server(ns, EGRESS_OTHER_IP);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |t| t.as_nanos());
@@ -1620,8 +1951,11 @@ fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
     let s = create_with(json!({
         "template": "base",
         "egress": {
-            "allow": [bound.to_string(), other.to_string()],
-            "secrets": [{ "host": bound.to_string(), "header": "Authorization", "value": format!("Bearer {secret}") }],
+            "allow": [bound.to_string(), other.to_string(), bound_tls.to_string(), other_tls.to_string()],
+            "secrets": [
+                { "host": bound.to_string(), "header": "Authorization", "value": format!("Bearer {secret}") },
+                { "host": bound_tls.to_string(), "header": "Authorization", "value": format!("Bearer {secret}") },
+            ],
         },
     }))
     .expect("create with a secret")
@@ -1635,6 +1969,35 @@ fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
         )
     };
     let (to_bound, to_other) = (get(bound), get(other));
+    // Inside TLS: the guest trusts the CA its template installed, and the
+    // proxy is the TLS server for the host the secret is bound to.
+    let guest_ca = download(id, "/etc/husk/egress-ca.pem").expect("the guest's copy of the CA");
+    let mut daemon_ca = Vec::new();
+    api()
+        .send("GET", "/v1/egress/ca", Payload::None)
+        .expect("the daemon's CA")
+        .read_to_end(&mut daemon_ca)
+        .expect("read");
+    let guest_ca = String::from_utf8(guest_ca).expect("PEM");
+    let post = |to: std::net::SocketAddr| {
+        format!(
+            "POST /tls HTTP/1.1\r\nHost: {to}\r\nAuthorization: Bearer placeholder\r\n\
+             Content-Length: 11\r\n\r\npayload-123"
+        )
+    };
+    let vsock = d.state_dir.join("sandboxes").join(id).join("vsock");
+    let (tunnel, via_tls) = https_from_guest(&vsock, bound_tls, &guest_ca, &post(bound_tls));
+    // To a host with no credential, the tunnel is the guest's own TLS, to
+    // the server's own certificate.
+    let server_ca = std::fs::read_to_string(&upstream_ca().pem_file).expect("CA");
+    let (_, other_via_tls) = https_from_guest(&vsock, other_tls, &server_ca, &post(other_tls));
+    // Inside the tunnel, a request for another host is refused.
+    let (_, wrong_host) = https_from_guest(
+        &vsock,
+        bound_tls,
+        &guest_ca,
+        "GET / HTTP/1.1\r\nHost: evil.test\r\n\r\n",
+    );
     let shown: Value = api()
         .call("GET", &format!("/v1/sandboxes/{id}"), None)
         .expect("get");
@@ -1674,6 +2037,54 @@ fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
             .collect::<Vec<_>>()
     };
     let (bound_seen, other_seen) = (text(&bound_seen), text(&other_seen));
+    let bound_tls_seen = bound_tls_seen.lock().expect("lock").clone();
+    let other_tls_seen = other_tls_seen.lock().expect("lock").clone();
+    assert_eq!(
+        guest_ca.as_bytes(),
+        daemon_ca,
+        "the guest trusts another CA"
+    );
+    assert!(tunnel.starts_with("HTTP/1.1 200 "), "{tunnel}");
+    let via_tls = via_tls.expect("HTTPS through the proxy");
+    assert!(via_tls.starts_with("HTTP/1.1 200 OK\r\n"), "{via_tls}");
+    assert!(via_tls.ends_with("hello over tls\n"), "{via_tls}");
+    assert_eq!(bound_tls_seen.len(), 1, "{bound_tls_seen:?}");
+    assert!(
+        bound_tls_seen[0].starts_with("POST /tls HTTP/1.1\r\n"),
+        "{bound_tls_seen:?}"
+    );
+    assert!(
+        bound_tls_seen[0].contains(&format!("\r\nAuthorization: Bearer {secret}\r\n")),
+        "{bound_tls_seen:?}"
+    );
+    assert!(
+        !bound_tls_seen[0].contains("placeholder"),
+        "{bound_tls_seen:?}"
+    );
+    assert!(
+        bound_tls_seen[0].ends_with("\r\n\r\npayload-123"),
+        "{bound_tls_seen:?}"
+    );
+    let other_via_tls = other_via_tls.expect("HTTPS to the other host");
+    assert!(
+        other_via_tls.ends_with("hello over tls\n"),
+        "{other_via_tls}"
+    );
+    assert_eq!(other_tls_seen.len(), 1, "{other_tls_seen:?}");
+    assert!(
+        other_tls_seen[0].contains("\r\nAuthorization: Bearer placeholder\r\n"),
+        "{other_tls_seen:?}"
+    );
+    assert!(!other_tls_seen[0].contains(&secret), "{other_tls_seen:?}");
+    let wrong_host = wrong_host.expect("an answer inside TLS");
+    assert!(
+        wrong_host.starts_with("HTTP/1.1 403 Forbidden\r\n"),
+        "{wrong_host}"
+    );
+    assert!(
+        wrong_host.contains("blocked by sandbox policy: a request for evil.test"),
+        "{wrong_host}"
+    );
     assert_eq!(
         to_bound.stdout, "hello from the allowed host\n",
         "{to_bound:?}"
@@ -1704,6 +2115,12 @@ fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
             .iter()
             .any(|e| e.action == "egress-allow"
                 && e.detail.contains("with the host's Authorization")),
+        "{audit:?}"
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.action == "egress-allow" && e.detail.contains("TLS opened by the proxy")),
         "{audit:?}"
     );
     assert_eq!(in_snapshot, "", "the secret is in the snapshot");

@@ -183,6 +183,7 @@ routes! {
     post "/v1/sandboxes/{id}/fork" => fork,
     get "/v1/sandboxes/{id}/logs" => logs,
     get "/v1/audit" => audit,
+    get "/v1/egress/ca" => egress_ca,
     get "/metrics" => metrics,
 }
 
@@ -617,6 +618,20 @@ async fn audit(
     let log =
         blocking(move || Ok(d.store().audit_log(q.sandbox.as_deref(), q.after, limit)?)).await?;
     Ok(ok(StatusCode::OK, log))
+}
+
+async fn egress_ca(State(d): State<Shared>) -> ApiResult<Response> {
+    match d.egress_ca() {
+        Some(pem) => Ok((
+            [(header::CONTENT_TYPE, "application/x-pem-file")],
+            pem.to_owned(),
+        )
+            .into_response()),
+        None => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "this daemon's egress proxy has no CA".into(),
+        )),
+    }
 }
 
 async fn metrics(State(d): State<Shared>) -> ApiResult<Response> {

@@ -64,6 +64,9 @@ pub struct DaemonConfig {
     /// The network namespace the egress proxy resolves and connects in
     /// (None: the daemon's own).
     pub egress_netns: Option<PathBuf>,
+    /// Certificates (PEM) the egress proxy trusts, besides the public
+    /// roots, when it opens TLS to hosts with credentials.
+    pub egress_upstream_ca: Option<PathBuf>,
 }
 
 /// Why a daemon request failed; `api` maps each kind to an HTTP status.
@@ -374,7 +377,19 @@ impl Daemon {
         }
         let store = Store::open(&cfg.state_dir.join("husk.db"))?;
         let (decisions, decided) = std::sync::mpsc::sync_channel(EGRESS_AUDIT_QUEUE);
-        let egress = Arc::new(Egress::new(cfg.egress_netns.as_deref(), decisions)?);
+        // The CA that lets the proxy carry credentials into TLS: made once,
+        // kept with the state (templates trust it).
+        let tls = crate::egress::Tls {
+            ca: crate::intercept::Ca::load_or_create(
+                &cfg.state_dir.join(crate::intercept::CA_DIR),
+            )?,
+            upstream: crate::intercept::upstream_config(cfg.egress_upstream_ca.as_deref())?,
+        };
+        let egress = Arc::new(Egress::new(
+            cfg.egress_netns.as_deref(),
+            decisions,
+            Some(tls),
+        )?);
         let daemon = Arc::new(Daemon {
             slots: Slots {
                 free: Mutex::new(cfg.restore_parallel.max(1)),
@@ -436,6 +451,12 @@ impl Daemon {
 
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// The CA certificate (PEM) that sandboxes trust for the hosts their
+    /// egress proxy opens TLS to.
+    pub fn egress_ca(&self) -> Option<&str> {
+        self.egress.ca_pem()
     }
 
     pub fn config(&self) -> &DaemonConfig {

@@ -82,7 +82,7 @@ pub struct Allowlist {
 
 /// A host as it is compared: lowercase, without a trailing dot or the
 /// brackets of an IPv6 literal.
-fn normalise(host: &str) -> String {
+pub(crate) fn normalise(host: &str) -> String {
     let host = host
         .strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
@@ -103,7 +103,7 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Splits `host[:port]` (IPv6 literals in brackets).
-fn split_host_port(s: &str) -> Result<(&str, Option<u16>), String> {
+pub(crate) fn split_host_port(s: &str) -> Result<(&str, Option<u16>), String> {
     let bad_port = |p: &str| format!("`{s}`: `{p}` is not a port (1-65535)");
     let port = |p: &str| match p.parse::<u16>() {
         Ok(0) | Err(_) => Err(bad_port(p)),
@@ -304,21 +304,40 @@ pub struct Egress {
     /// daemon's.
     netns: Option<File>,
     decisions: mpsc::SyncSender<Decision>,
+    tls: Option<Tls>,
+}
+
+/// What the proxy needs to open tunnels to hosts with credentials
+/// (`intercept`).
+#[derive(Debug)]
+pub struct Tls {
+    pub ca: crate::intercept::Ca,
+    pub upstream: Arc<rustls::ClientConfig>,
 }
 
 impl Egress {
     /// `netns`: a network namespace file (`/run/netns/NAME`) whose network
     /// the proxy uses to resolve and connect. `decisions` receives every
     /// decision; when it is full, decisions are counted in the log instead
-    /// of slowing the proxy.
-    pub fn new(netns: Option<&Path>, decisions: mpsc::SyncSender<Decision>) -> io::Result<Egress> {
+    /// of slowing the proxy. `tls`: how to carry credentials into TLS
+    /// (None: tunnels stay closed to the proxy, and credentials reach
+    /// plain-HTTP requests only).
+    pub fn new(
+        netns: Option<&Path>,
+        decisions: mpsc::SyncSender<Decision>,
+        tls: Option<Tls>,
+    ) -> io::Result<Egress> {
         let netns = match netns {
             Some(p) => Some(File::open(p).map_err(|e| {
                 io::Error::new(e.kind(), format!("network namespace {}: {e}", p.display()))
             })?),
             None => None,
         };
-        Ok(Egress { netns, decisions })
+        Ok(Egress {
+            netns,
+            decisions,
+            tls,
+        })
     }
 
     /// Starts a sandbox's proxy, listening at `socket` (the VMM's vsock
@@ -355,6 +374,12 @@ impl Egress {
             listener,
             stop,
         })
+    }
+
+    /// The CA certificate (PEM) guests trust for the hosts the proxy
+    /// opens tunnels to, if it does.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.tls.as_ref().map(|t| t.ca.pem())
     }
 
     fn record(&self, sandbox: &str, allowed: bool, detail: String) {
@@ -429,7 +454,7 @@ fn accept_loop(listener: UnixListener, sandbox: Arc<Sandbox>, stop: Arc<AtomicBo
 }
 
 /// A complete response that ends the connection.
-fn answer(status: &str, message: &str) -> Vec<u8> {
+pub(crate) fn answer(status: &str, message: &str) -> Vec<u8> {
     let body = format!("{message}\n");
     format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n\
@@ -466,9 +491,20 @@ pub(crate) enum Refused {
     Unreachable(String),
 }
 
+impl Refused {
+    /// The HTTP status of the answer, and the message.
+    pub(crate) fn status(self) -> (&'static str, String) {
+        match self {
+            Refused::Bad(m) => ("400 Bad Request", m),
+            Refused::Denied(m) => ("403 Forbidden", m),
+            Refused::Unreachable(m) => ("502 Bad Gateway", m),
+        }
+    }
+}
+
 /// Reads the request head: up to the blank line. Returns it and what came
 /// after it in the same reads.
-fn read_head(conn: &mut UnixStream) -> Result<(Vec<u8>, Vec<u8>), Refused> {
+pub(crate) fn read_head(conn: &mut impl Read) -> Result<(Vec<u8>, Vec<u8>), Refused> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 4096];
     loop {
@@ -585,7 +621,7 @@ fn header_name(line: &str) -> String {
 
 /// The head to send: the guest's lines without any header a credential
 /// replaces, then the credentials, then the end of the head.
-fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
+pub(crate) fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
     let replaced: Vec<String> = secrets
         .iter()
         .map(|s| s.header.to_ascii_lowercase())
@@ -605,7 +641,7 @@ fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
     out.into_bytes()
 }
 
-fn authority_of(host: &str, port: Option<u16>) -> String {
+pub(crate) fn authority_of(host: &str, port: Option<u16>) -> String {
     let host = if host.contains(':') {
         format!("[{host}]")
     } else {
@@ -668,11 +704,7 @@ fn connect(req: &Request) -> Result<(TcpStream, SocketAddr), Refused> {
 
 /// Answers a refused request and records the decision.
 fn refuse(conn: &mut UnixStream, sandbox: &Sandbox, what: Option<&str>, refused: Refused) {
-    let (status, msg) = match refused {
-        Refused::Bad(m) => ("400 Bad Request", m),
-        Refused::Denied(m) => ("403 Forbidden", m),
-        Refused::Unreachable(m) => ("502 Bad Gateway", m),
-    };
+    let (status, msg) = refused.status();
     let what = what.unwrap_or("(malformed request)");
     sandbox
         .egress
@@ -726,12 +758,10 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     let mut credentials = String::new();
     if !bound.is_empty() {
         let names: Vec<&str> = bound.iter().map(|s| s.header.as_str()).collect();
-        credentials = if req.forward.is_some() {
-            format!(" (with the host's {})", names.join(", "))
-        } else {
-            // Not yet: TLS interception for bound hosts.
-            format!(" (its {} not added: the tunnel is TLS)", names.join(", "))
-        };
+        credentials = format!(" (with the host's {})", names.join(", "));
+        if req.forward.is_none() {
+            return open_tunnel(conn, rest, upstream, sandbox, &req, &bound, &what, addr);
+        }
     }
     if let Some(lines) = &req.forward {
         if upstream.write_all(&compose(lines, &bound)).is_err() {
@@ -787,6 +817,77 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     }
     if let Ok(down) = down {
         let _ = down.join();
+    }
+}
+
+/// A tunnel to a host the sandbox holds credentials for: the proxy is the
+/// TLS server the guest talks to (see `intercept`).
+#[allow(clippy::too_many_arguments)]
+fn open_tunnel(
+    mut conn: UnixStream,
+    rest: Vec<u8>,
+    upstream: TcpStream,
+    sandbox: &Sandbox,
+    req: &Request,
+    bound: &[&Secret],
+    what: &str,
+    addr: SocketAddr,
+) {
+    let egress = &sandbox.egress;
+    let deny = |detail: String| egress.record(&sandbox.id, false, format!("deny {what}: {detail}"));
+    let Some(tls) = &egress.tls else {
+        let msg = "blocked by sandbox policy: this sandbox holds credentials for the host, \
+                   and this proxy cannot add them inside TLS (no CA)";
+        deny(msg.to_owned());
+        let _ = conn.write_all(&answer("403 Forbidden", msg));
+        return;
+    };
+    if conn
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .is_err()
+    {
+        return;
+    }
+    let hello = match first_bytes(&mut conn, rest) {
+        Ok(h) => h,
+        Err(e) => return deny(e),
+    };
+    match (hello_len(&hello), sni(&hello)) {
+        (Some(Ok(_)), Some(name)) if name != req.host => {
+            return deny(format!(
+                "blocked by sandbox policy: TLS server name {name} in the tunnel to {}",
+                req.host
+            ))
+        }
+        (Some(Ok(_)), _) => {}
+        _ => {
+            let msg = format!(
+                "blocked by sandbox policy: credentials for {} travel only inside TLS, \
+                 and this tunnel is not TLS",
+                req.host
+            );
+            let _ = conn.write_all(&answer("403 Forbidden", &msg));
+            return deny(msg);
+        }
+    }
+    let tunnel = crate::intercept::Tunnel {
+        ca: &tls.ca,
+        upstream_tls: tls.upstream.clone(),
+        host: &req.host,
+        port: req.port,
+        secrets: bound,
+    };
+    let names: Vec<&str> = bound.iter().map(|s| s.header.as_str()).collect();
+    match crate::intercept::carry(&tunnel, conn, hello, upstream) {
+        Ok(detail) => egress.record(
+            &sandbox.id,
+            true,
+            format!(
+                "allow {what} via {addr} (TLS opened by the proxy: {detail}, with the host's {})",
+                names.join(", ")
+            ),
+        ),
+        Err(e) => deny(e),
     }
 }
 
@@ -1109,7 +1210,7 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("dir");
         let socket = dir.join("vsock_3128");
         let (tx, rx) = mpsc::sync_channel(16);
-        let egress = Arc::new(Egress::new(None, tx).expect("egress"));
+        let egress = Arc::new(Egress::new(None, tx, None).expect("egress"));
         let proxy = egress
             .serve(
                 "sb-unit",

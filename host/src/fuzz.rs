@@ -44,6 +44,8 @@ pub fn api_requests(data: &[u8]) {
 pub fn egress_requests(data: &[u8]) {
     let _ = crate::egress::parse(data);
     let _ = crate::egress::sni(data);
+    // The same bytes as a request inside a tunnel the proxy opens.
+    let _ = crate::intercept::parse_inner(data, "api.example.com", 443);
     if let Ok(text) = std::str::from_utf8(data) {
         let entries: Vec<String> = text.lines().map(str::to_owned).collect();
         if let Ok(list) = crate::egress::Allowlist::parse(&entries) {

@@ -8,7 +8,11 @@
 //!    would hold guest memory).
 //! 3. New mount, PID, network, IPC and UTS namespaces. With a NIC, its TAP
 //!    is created in the new network namespace, owned by the jail's uid (so
-//!    the VMM attaches to it without CAP_NET_ADMIN) and goes with it.
+//!    the VMM attaches to it without CAP_NET_ADMIN) and goes with it; an
+//!    nftables firewall in that namespace drops everything the guest sends
+//!    or is sent on it ([`FIREWALL`]): the namespace has no route anywhere
+//!    today, and the firewall keeps it so if an operator connects it. The
+//!    guest's way out is the egress proxy, over vsock, not the NIC.
 //! 4. A new root: a small tmpfs holding only the bind mounts the VMM needs,
 //!    each at the path it has on the host (so no argument needs rewriting):
 //!    the VMM binary and its shared libraries, read-only; the snapshot,
@@ -263,6 +267,7 @@ impl Jail {
         nix::unistd::sethostname(&self.id).map_err(sys("set the host name"))?;
         if let Some(tap) = &self.tap {
             create_tap(tap, self.uid, self.gid)?;
+            firewall()?;
         }
         self.build_root(&binds, kvm)?;
         self.fork_and_exec(&exe, &argv, &env)
@@ -514,6 +519,52 @@ fn parse_ldd(text: &str) -> Vec<PathBuf> {
 fn c_string(s: OsString) -> CString {
     // Arguments come from the command line, which holds no NUL bytes.
     CString::new(s.as_bytes()).unwrap_or_default()
+}
+
+/// The rules of a jail's network namespace: nothing in, out or through
+/// but loopback. Traffic to and from the guest's NIC is dropped whatever
+/// addresses or routes are added later.
+pub const FIREWALL: &str = "\
+table inet husk {
+  chain input { type filter hook input priority 0; policy drop; iif \"lo\" accept; }
+  chain forward { type filter hook forward priority 0; policy drop; }
+  chain output { type filter hook output priority 0; policy drop; oif \"lo\" accept; }
+}
+";
+
+/// Where `nft` may be.
+const NFT: &[&str] = &["/usr/sbin/nft", "/sbin/nft", "/usr/bin/nft"];
+
+/// Loads [`FIREWALL`] into this process's network namespace.
+fn firewall() -> Result<(), JailError> {
+    use std::io::Write;
+    let Some(nft) = NFT.iter().find(|p| Path::new(p).exists()) else {
+        return Err(JailError::Invalid(
+            "a sandbox with a NIC gets a firewall, which needs nftables (`nft`): install it".into(),
+        ));
+    };
+    let mut child = std::process::Command::new(nft)
+        .args(["-f", "-"])
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(io(format!("run {nft}")))?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(FIREWALL.as_bytes())
+            .map_err(io("give nft the firewall"))?;
+    }
+    let out = child.wait_with_output().map_err(io("wait for nft"))?;
+    if !out.status.success() {
+        return Err(JailError::Invalid(format!(
+            "nft refused the firewall ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(())
 }
 
 /// Creates TAP `name` owned by `uid`/`gid`, persistent (it lasts until its

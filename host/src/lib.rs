@@ -29,6 +29,7 @@ pub mod daemon;
 pub mod egress;
 #[doc(hidden)]
 pub mod fuzz;
+pub mod intercept;
 pub mod jail;
 pub mod metrics;
 pub mod readiness;

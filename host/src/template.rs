@@ -296,6 +296,40 @@ fn ms(since: Instant) -> f64 {
     (since.elapsed().as_secs_f64() * 1000.0 * 10.0).round() / 10.0
 }
 
+/// Where a guest finds the egress proxy's CA certificate.
+pub const GUEST_CA: &str = "/etc/husk/egress-ca.pem";
+
+/// Certificate bundles of the common distributions; the CA is added to
+/// those the guest has.
+const GUEST_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/cert.pem",
+];
+
+/// Makes the guest trust the egress proxy's CA (the hosts whose TLS the
+/// proxy opens to add credentials): the certificate at [`GUEST_CA`], and
+/// appended to each certificate bundle the guest has.
+fn trust_ca(client: &mut AgentClient, pem: &str) -> Result<(), ClientError> {
+    client.mkdir("/etc/husk")?;
+    client.write_file(GUEST_CA, 0o644, pem.as_bytes())?;
+    for bundle in GUEST_BUNDLES {
+        let mut have = Vec::new();
+        if client.read_file(bundle, &mut have).is_err() {
+            continue; // none there
+        }
+        if have.windows(pem.len()).any(|w| w == pem.as_bytes()) {
+            continue;
+        }
+        if !have.is_empty() && !have.ends_with(b"\n") {
+            have.push(b'\n');
+        }
+        have.extend_from_slice(pem.as_bytes());
+        client.write_file(bundle, 0o644, &have[..])?;
+    }
+    Ok(())
+}
+
 /// Waits for the booting guest's agent, runs the warm-up commands and
 /// snapshots the guest into `dir/snapshot`.
 fn boot_and_snapshot(
@@ -329,6 +363,10 @@ fn boot_and_snapshot(
         phase.elapsed().as_secs_f64()
     ));
     let phase = Instant::now();
+    if let Some(pem) = crate::intercept::stored_ca_pem(&cfg.state_dir) {
+        progress("trusting the egress proxy's CA");
+        trust_ca(&mut client, &pem).map_err(|e| format!("installing the egress CA: {e}"))?;
+    }
     for (i, argv) in spec.warmup.iter().enumerate() {
         progress(&format!("warm-up {}: {}", i + 1, argv.join(" ")));
         let out = client

@@ -71,6 +71,11 @@ pub struct ServeArgs {
     /// either way.
     #[arg(long)]
     pub egress_netns: Option<PathBuf>,
+    /// Certificates (PEM) the egress proxy trusts besides the public roots
+    /// when it opens TLS to a host a sandbox holds credentials for (a
+    /// private API's CA, a test server's).
+    #[arg(long)]
+    pub egress_upstream_ca: Option<PathBuf>,
 }
 
 /// The state directory when none is given.
@@ -177,6 +182,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         },
         jail,
         egress_netns: args.egress_netns,
+        egress_upstream_ca: args.egress_upstream_ca,
     };
     let token = match &args.token_file {
         Some(f) => Some(
