@@ -35,7 +35,8 @@ run:
 	$$husk pool ls; $$husk pool set base 0 >/dev/null; $$husk ps
 
 test:
-	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
+	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
+		HUSK_TEST_PYTHON=$$(tests/py/setup.sh); \
 	cargo test --workspace --locked
 
 lint:

@@ -1439,6 +1439,41 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
         .expect("remove");
 }
 
+#[test]
+fn the_official_mcp_client_lists_and_calls_every_tool() {
+    let (d, _g) = shared();
+    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON") else {
+        eprintln!(
+            "skipped: HUSK_TEST_PYTHON (a python with the pinned clients of \
+             tests/py/requirements.txt; `make test` makes one with tests/py/setup.sh)"
+        );
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/mcp_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("HUSK_BIN", common::husk_binary())
+        .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .output()
+        .expect("python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the MCP client failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summary: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .expect("the client's summary");
+    // What the client destroyed, and what it left when it went, are gone.
+    for key in ["destroyed", "left"] {
+        let id = summary[key].as_str().expect("a sandbox id");
+        wait_until(&format!("{id} to be gone"), || {
+            matches!(get(id), Err(ApiClientError::Status { status: 404, .. }))
+        });
+    }
+}
+
 /// A TCP listener on `ip` in the network namespace of process `pid`:
 /// returns its port, what each connection sent, and a flag that stops it
 /// (so its socket does not keep the namespace alive).

@@ -176,6 +176,7 @@ routes! {
     post "/v1/sandboxes/{id}/exec" => exec,
     get "/v1/sandboxes/{id}/files" => download,
     put "/v1/sandboxes/{id}/files" => upload,
+    get "/v1/sandboxes/{id}/dir" => list_dir,
     post "/v1/sandboxes/{id}/pause" => pause,
     post "/v1/sandboxes/{id}/resume" => resume,
     post "/v1/sandboxes/{id}/kill-all" => kill_all,
@@ -824,6 +825,24 @@ impl std::io::Write for ChannelWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// The entries of a guest directory.
+async fn list_dir(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
+) -> ApiResult<Response> {
+    let q = file_query(q)?;
+    let entries = blocking(move || {
+        let mut client = d.agent(&id)?;
+        let entries = client.list(&q.path)?;
+        d.store().audit(&who.0, "list", Some(&id), None, &q.path)?;
+        Ok(entries)
+    })
+    .await?;
+    Ok(ok(StatusCode::OK, entries))
 }
 
 async fn download(

@@ -256,19 +256,24 @@ impl Jail {
 
         close_inherited_fds();
         self.limit_resources()?;
+        // The network first: the firewall is loaded by a child (`nft`),
+        // which must not become PID 1 of the new PID namespace (its exit
+        // would end the namespace before the VMM is in it).
+        unshare(CloneFlags::CLONE_NEWNET).map_err(sys(
+            "enter a new network namespace (run husk-jailer as root)",
+        ))?;
+        if let Some(tap) = &self.tap {
+            create_tap(tap, self.uid, self.gid)?;
+            firewall()?;
+        }
         unshare(
             CloneFlags::CLONE_NEWNS
                 | CloneFlags::CLONE_NEWPID
-                | CloneFlags::CLONE_NEWNET
                 | CloneFlags::CLONE_NEWIPC
                 | CloneFlags::CLONE_NEWUTS,
         )
         .map_err(sys("enter new namespaces (run husk-jailer as root)"))?;
         nix::unistd::sethostname(&self.id).map_err(sys("set the host name"))?;
-        if let Some(tap) = &self.tap {
-            create_tap(tap, self.uid, self.gid)?;
-            firewall()?;
-        }
         self.build_root(&binds, kvm)?;
         self.fork_and_exec(&exe, &argv, &env)
     }

@@ -13,6 +13,9 @@
 //!   [`cgroup`]: its memory, CPU and pid limits (cgroup v2 or v1);
 //!   [`jail`]: the namespaces, root, ids and rlimits it runs in
 //!   (`husk-jailer`);
+//! - [`egress`]: the per-sandbox egress proxy, and [`intercept`] its TLS
+//!   for hosts a sandbox holds credentials for;
+//! - [`mcp`]: `husk mcp`, the Model Context Protocol over stdio;
 //! - [`metrics`]: Prometheus text at /metrics;
 //! - [`agent_client`]: a typed client of the guest agent over the VMM's
 //!   vsock socket;
@@ -31,6 +34,7 @@ pub mod egress;
 pub mod fuzz;
 pub mod intercept;
 pub mod jail;
+pub mod mcp;
 pub mod metrics;
 pub mod readiness;
 pub mod rootfs;

@@ -237,6 +237,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Serve the Model Context Protocol on stdin/stdout: tools to create a
+    /// sandbox, run commands, read, write and list files, and destroy it.
+    /// The client's sandboxes are destroyed when it disconnects.
+    Mcp {
+        /// Sandboxes the client may hold at once.
+        #[arg(long, default_value_t = 4)]
+        max_sandboxes: usize,
+        /// Tool calls the client may make.
+        #[arg(long, default_value_t = 1000)]
+        max_calls: u64,
+        /// Longest a command may run, in seconds.
+        #[arg(long, default_value_t = 300)]
+        max_command_s: u64,
+        /// Most bytes of output or file content one call returns.
+        #[arg(long, default_value_t = 1 << 20)]
+        max_output: u64,
+    },
     /// Start clones of the snapshot in DIR, each its own husk-vmm.
     Restore {
         dir: PathBuf,
@@ -1065,6 +1082,29 @@ fn main() -> ExitCode {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
                 eprintln!("husk serve: {e}");
+                ExitCode::from(HUSK_FAILED)
+            }
+        };
+    }
+    if let Command::Mcp {
+        max_sandboxes,
+        max_calls,
+        max_command_s,
+        max_output,
+    } = args.command
+    {
+        let limits = husk_host::mcp::Limits {
+            sandboxes: max_sandboxes,
+            calls: max_calls,
+            command_s: max_command_s,
+            output: max_output,
+        };
+        let session =
+            std::sync::Arc::new(husk_host::mcp::Session::new(sandboxes::client(), limits));
+        return match husk_host::mcp::serve(session, std::io::stdin().lock(), std::io::stdout()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("husk mcp: {e}");
                 ExitCode::from(HUSK_FAILED)
             }
         };

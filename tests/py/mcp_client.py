@@ -1,0 +1,130 @@
+"""The official MCP Python SDK's client (PyPI `mcp`) against `husk mcp`.
+
+Run by tests/daemon.rs with HUSK_BIN (the husk binary) and HUSK_HOST (the
+test daemon's socket). Asserts as it goes; prints one JSON line at the end
+with the sandbox it left behind on purpose (the session must destroy it).
+"""
+
+import asyncio
+import json
+import os
+
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.shared.exceptions import McpError
+
+TOOLS = {
+    "create_sandbox",
+    "run_command",
+    "read_file",
+    "write_file",
+    "list_files",
+    "destroy_sandbox",
+}
+
+
+def text(result):
+    return "".join(c.text for c in result.content if c.type == "text")
+
+
+async def call(session, tool, args, error=False):
+    result = await session.call_tool(tool, args)
+    assert result.isError == error, f"{tool} {args}: isError={result.isError}: {text(result)}"
+    return text(result)
+
+
+async def main():
+    params = StdioServerParameters(
+        command=os.environ["HUSK_BIN"],
+        args=["mcp", "--max-sandboxes", "1", "--max-command-s", "60"],
+        env={"HUSK_HOST": os.environ["HUSK_HOST"], "PATH": os.environ.get("PATH", "")},
+    )
+    async with stdio_client(params) as (read, write):
+        async with ClientSession(read, write) as s:
+            init = await s.initialize()
+            assert init.serverInfo.name == "husk", init
+            listed = await s.list_tools()
+            names = {t.name for t in listed.tools}
+            assert names == TOOLS, names
+            for t in listed.tools:
+                assert t.description and t.inputSchema["type"] == "object", t
+
+            created = await call(s, "create_sandbox", {"template": "base"})
+            sandbox = created.split()[2]
+            assert sandbox.startswith("sb-"), created
+            # Its limit: one sandbox at a time.
+            refused = await call(s, "create_sandbox", {}, error=True)
+            assert "limit" in refused, refused
+
+            ran = await call(
+                s, "run_command", {"sandbox": sandbox, "command": "echo hi; echo oops >&2; exit 3"}
+            )
+            assert ran.startswith("exit code 3\n"), ran
+            assert "stdout:\nhi\n" in ran and "stderr:\noops\n" in ran, ran
+
+            await call(s, "run_command", {"sandbox": sandbox, "command": "mkdir -p /tmp/mcp"})
+            wrote = await call(
+                s,
+                "write_file",
+                {"sandbox": sandbox, "path": "/tmp/mcp/hello.txt", "content": "hello mcp\n"},
+            )
+            assert "10 bytes" in wrote, wrote
+            read = await call(s, "read_file", {"sandbox": sandbox, "path": "/tmp/mcp/hello.txt"})
+            assert read == "hello mcp\n", read
+            listing = await call(s, "list_files", {"sandbox": sandbox, "path": "/tmp/mcp"})
+            assert listing == "f 10 hello.txt\n", listing
+            by_shell = await call(
+                s, "run_command", {"sandbox": sandbox, "command": "cat /tmp/mcp/hello.txt"}
+            )
+            assert "stdout:\nhello mcp\n" in by_shell, by_shell
+
+            # Refusals an agent can act on.
+            timed_out = await call(
+                s,
+                "run_command",
+                {"sandbox": sandbox, "command": "sleep 600", "timeout_s": 3},
+                error=True,
+            )
+            assert "timed out after 3 s" in timed_out, timed_out
+            too_long = await call(
+                s,
+                "run_command",
+                {"sandbox": sandbox, "command": "true", "timeout_s": 3600},
+                error=True,
+            )
+            assert "timeout_s must be 1-60" in too_long, too_long
+            missing = await call(
+                s, "read_file", {"sandbox": sandbox, "path": "/no/such/file"}, error=True
+            )
+            assert "/no/such/file" in missing, missing
+            relative = await call(
+                s, "read_file", {"sandbox": sandbox, "path": "etc/passwd"}, error=True
+            )
+            assert "not absolute" in relative, relative
+            others = await call(
+                s, "run_command", {"sandbox": "sb-someone-else", "command": "id"}, error=True
+            )
+            assert "not created by this MCP client" in others, others
+            no_args = await call(s, "run_command", {"sandbox": sandbox}, error=True)
+            assert "`command`" in no_args, no_args
+            try:
+                await s.call_tool("format_disk", {})
+                raise AssertionError("an unknown tool was accepted")
+            except McpError as e:
+                assert "format_disk" in str(e), e
+
+            destroyed = await call(s, "destroy_sandbox", {"sandbox": sandbox})
+            assert sandbox in destroyed, destroyed
+            gone = await call(
+                s, "run_command", {"sandbox": sandbox, "command": "true"}, error=True
+            )
+            assert "not created by this MCP client" in gone, gone
+
+            # One left behind: the session destroys it when the client goes.
+            created = await call(s, "create_sandbox", {})
+            left = created.split()[2]
+            await s.send_ping()
+    print(json.dumps({"left": left, "destroyed": sandbox}))
+
+
+asyncio.run(main())
