@@ -198,7 +198,7 @@ impl Session {
         Ok(id)
     }
 
-    fn path<'a>(args: &'a Value) -> Result<&'a str, Refusal> {
+    fn path(args: &Value) -> Result<&str, Refusal> {
         let path = arg_str(args, "path")?;
         if !path.starts_with('/') {
             return Err(Refusal(format!("path `{path}` is not absolute")));
