@@ -19,7 +19,7 @@ ext4_size=64M
 log() { echo "rootfs: $*" >&2; }
 
 missing=()
-for p in busybox-static e2fsprogs; do
+for p in busybox-static bash-static e2fsprogs; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
 done
 if ((${#missing[@]})); then
@@ -49,10 +49,12 @@ mkdir -p "$out_dir"
 exec 9>"$out_dir/.lock"
 flock 9
 
-"$bin/husk-mkrootfs" "$bin/guest-init" /bin/busybox cpio "$out_dir/initramfs.cpio"
+# bash (static) as /bin/bash: what E2B-style clients run commands with.
+bash=/bin/bash-static
+"$bin/husk-mkrootfs" "$bin/guest-init" /bin/busybox cpio "$out_dir/initramfs.cpio" "$bash"
 
 stage="$out_dir/rootfs.stage"
-"$bin/husk-mkrootfs" "$bin/guest-init" /bin/busybox dir "$stage"
+"$bin/husk-mkrootfs" "$bin/guest-init" /bin/busybox dir "$stage" "$bash"
 rm -f "$out_dir/rootfs.ext4.tmp"
 mkfs.ext4 -q -F -L husk-root -E root_owner=0:0 -d "$stage" "$out_dir/rootfs.ext4.tmp" "$ext4_size" >/dev/null
 printf '%s\n' "cd /dev" "mknod console c 5 1" "sif console mode 020600" \

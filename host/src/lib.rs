@@ -29,6 +29,7 @@ pub mod api;
 pub mod api_client;
 pub mod cgroup;
 pub mod daemon;
+pub mod e2b;
 pub mod egress;
 #[doc(hidden)]
 pub mod fuzz;

@@ -1,10 +1,12 @@
 //! husk-mkrootfs: lays out the guest's root file system: guest-init as
 //! `/init` (and `/sbin/init`, where the kernel looks on a disk root), a
 //! static busybox with a symlink per applet, the mount points guest-init
-//! uses and the two device nodes a console needs.
+//! uses and the two device nodes a console needs; with a static bash, that
+//! as `/bin/bash`; and the users E2B-style clients expect: `root`, and
+//! `user` (uid 1000) with its home `/home/user`.
 //!
-//! usage: husk-mkrootfs <guest-init> <busybox> cpio <output.cpio>
-//!        husk-mkrootfs <guest-init> <busybox> dir <output-dir>
+//! usage: husk-mkrootfs <guest-init> <busybox> cpio <output.cpio> [<bash>]
+//!        husk-mkrootfs <guest-init> <busybox> dir <output-dir> [<bash>]
 //!
 //! `cpio` writes a newc initramfs: no root privileges needed, reproducible
 //! (timestamps 0, owner root). `dir` writes the same tree as a directory for
@@ -40,13 +42,24 @@ impl<W: Write> Cpio<W> {
     }
 
     fn entry(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> io::Result<()> {
+        self.entry_owned(name, mode, rdev, 0, data)
+    }
+
+    fn entry_owned(
+        &mut self,
+        name: &str,
+        mode: u32,
+        rdev: (u32, u32),
+        owner: u32,
+        data: &[u8],
+    ) -> io::Result<()> {
         self.ino += 1;
         let nlink = if mode & S_IFDIR != 0 { 2 } else { 1 };
         let fields = [
             self.ino,
             mode,
-            0, // uid
-            0, // gid
+            owner, // uid
+            owner, // gid
             nlink,
             0, // mtime
             data.len() as u32,
@@ -109,14 +122,27 @@ enum Node {
     File(Vec<u8>),
     Symlink(&'static str),
     CharDevice(u32, u32),
+    /// A directory owned by this uid (and gid).
+    OwnedDir(u32),
 }
 
+/// The users: root, and `user` as E2B templates have it.
+const PASSWD: &str = "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n";
+const GROUP: &str = "root:x:0:\nuser:x:1000:\n";
+
 /// The tree: (path without leading slash, permission bits, node).
-fn tree(init: &Path, busybox: &Path) -> io::Result<Vec<(String, u32, Node)>> {
+fn tree(init: &Path, busybox: &Path, bash: Option<&Path>) -> io::Result<Vec<(String, u32, Node)>> {
     let mut entries: Vec<(String, u32, Node)> = DIRS
         .iter()
         .map(|d| (d.to_string(), 0o755, Node::Dir))
         .collect();
+    entries.push(("etc/passwd".into(), 0o644, Node::File(PASSWD.into())));
+    entries.push(("etc/group".into(), 0o644, Node::File(GROUP.into())));
+    entries.push(("home".into(), 0o755, Node::Dir));
+    entries.push(("home/user".into(), 0o755, Node::OwnedDir(1000)));
+    if let Some(bash) = bash {
+        entries.push(("bin/bash".into(), 0o755, Node::File(std::fs::read(bash)?)));
+    }
     entries.push(("dev/console".into(), 0o600, Node::CharDevice(5, 1)));
     entries.push(("dev/null".into(), 0o666, Node::CharDevice(1, 3)));
     entries.push(("init".into(), 0o755, Node::File(std::fs::read(init)?)));
@@ -148,6 +174,7 @@ fn write_cpio(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> 
     for (path, perm, node) in entries {
         match node {
             Node::Dir => cpio.entry(path, S_IFDIR | perm, (0, 0), &[])?,
+            Node::OwnedDir(uid) => cpio.entry_owned(path, S_IFDIR | perm, (0, 0), *uid, &[])?,
             Node::File(bytes) => cpio.entry(path, S_IFREG | perm, (0, 0), bytes)?,
             Node::Symlink(target) => cpio.entry(path, S_IFLNK | perm, (0, 0), target.as_bytes())?,
             Node::CharDevice(major, minor) => {
@@ -169,6 +196,11 @@ fn write_dir(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> {
         let target = output.join(path);
         match node {
             Node::Dir => std::fs::create_dir_all(&target)?,
+            Node::OwnedDir(uid) => {
+                std::fs::create_dir_all(&target)?;
+                // Only root may give it away; mkfs.ext4 -d keeps the owner.
+                let _ = std::os::unix::fs::chown(&target, Some(*uid), Some(*uid));
+            }
             Node::File(bytes) => {
                 std::fs::write(&target, bytes)?;
                 std::fs::set_permissions(&target, std::fs::Permissions::from_mode(*perm))?;
@@ -182,12 +214,18 @@ fn write_dir(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
-    let [_, init, busybox, format, output] = args.as_slice() else {
-        eprintln!("usage: husk-mkrootfs <guest-init> <busybox> cpio|dir <output>");
-        return ExitCode::from(2);
+    let (init, busybox, format, output, bash) = match args.as_slice() {
+        [_, init, busybox, format, output] => (init, busybox, format, output, None),
+        [_, init, busybox, format, output, bash] => {
+            (init, busybox, format, output, Some(Path::new(bash)))
+        }
+        _ => {
+            eprintln!("usage: husk-mkrootfs <guest-init> <busybox> cpio|dir <output> [<bash>]");
+            return ExitCode::from(2);
+        }
     };
     let result =
-        tree(Path::new(init), Path::new(busybox)).and_then(|entries| match format.as_str() {
+        tree(Path::new(init), Path::new(busybox), bash).and_then(|entries| match format.as_str() {
             "cpio" => write_cpio(&entries, Path::new(output)),
             "dir" => write_dir(&entries, Path::new(output)),
             other => Err(io::Error::other(format!("unknown output format `{other}`"))),

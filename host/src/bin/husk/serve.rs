@@ -76,6 +76,13 @@ pub struct ServeArgs {
     /// private API's CA, a test server's).
     #[arg(long)]
     pub egress_upstream_ca: Option<PathBuf>,
+    /// Serve the E2B API (control plane and envd) on this TCP address, so
+    /// E2B's SDKs drive husk sandboxes (E2B_API_URL=E2B_SANDBOX_URL=http://ADDR).
+    #[arg(long, requires = "e2b_api_key_file")]
+    pub e2b: Option<String>,
+    /// The API keys E2B clients must send (X-API-KEY), one per line.
+    #[arg(long)]
+    pub e2b_api_key_file: Option<PathBuf>,
 }
 
 /// The state directory when none is given.
@@ -198,12 +205,33 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     };
     let socket = args.socket.unwrap_or_else(|| state_dir.join("husk.sock"));
     let daemon = Daemon::start(cfg).map_err(|e| e.to_string())?;
+    let e2b = match (&args.e2b, &args.e2b_api_key_file) {
+        (Some(addr), Some(file)) => {
+            let keys: Vec<String> = std::fs::read_to_string(file)
+                .map_err(|e| format!("cannot read the E2B key file {}: {e}", file.display()))?
+                .lines()
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if keys.iter().any(|k| k.len() < 16) || keys.is_empty() {
+                return Err(format!(
+                    "{}: give one or more API keys of at least 16 characters",
+                    file.display()
+                ));
+            }
+            let gateway = husk_host::e2b::E2b::new(daemon.clone(), keys)
+                .map_err(|e| format!("the E2B API: {e}"))?;
+            Some((addr.clone(), gateway))
+        }
+        _ => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let result = runtime.block_on(listen(daemon.clone(), &socket, args.tcp, token));
+    let result = runtime.block_on(listen(daemon.clone(), &socket, args.tcp, token, e2b));
     daemon.stop();
     let _ = std::fs::remove_file(&socket);
     result.map(|()| 0)
@@ -214,6 +242,7 @@ async fn listen(
     socket: &std::path::Path,
     tcp: Option<String>,
     token: Option<String>,
+    e2b: Option<(String, Arc<husk_host::e2b::E2b>)>,
 ) -> Result<(), String> {
     // A socket left by a daemon that died is replaced; one that answers
     // belongs to a running daemon.
@@ -262,12 +291,30 @@ async fn listen(
         }
         None => None,
     };
+    let e2b_server = match e2b {
+        Some((addr, gateway)) => {
+            let listener = tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            tracing::info!("E2B API on tcp {addr}");
+            let app = husk_host::e2b::router(gateway);
+            let mut stop_e2b = stop_tx.subscribe();
+            Some(tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop_e2b.recv().await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
     stop.await;
     tracing::info!("stopping; sandboxes keep running for the next daemon");
     let _ = stop_tx.send(());
     // Streams in flight (a long exec) are not waited for past a moment.
     let _ = tokio::time::timeout(Duration::from_secs(5), unix_server).await;
-    if let Some(t) = tcp_server {
+    for t in [tcp_server, e2b_server].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     Ok(())
