@@ -36,7 +36,7 @@ run:
 
 test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
-		HUSK_TEST_PYTHON=$$(tests/py/setup.sh); \
+		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
 	cargo test --workspace --locked
 
 lint:

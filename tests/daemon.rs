@@ -28,6 +28,8 @@ const PATIENCE: Duration = Duration::from_secs(300);
 struct TestDaemon {
     state_dir: PathBuf,
     tcp: String,
+    /// Where it serves the E2B API.
+    e2b: String,
     token: String,
     child: Mutex<Option<Child>>,
 }
@@ -111,6 +113,8 @@ impl TestDaemon {
             .arg("--vmm")
             .arg(common::vmm_binary())
             .args(["--tcp", &self.tcp])
+            .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
+            .arg(self.state_dir.with_extension("e2bkeys"))
             .args(
                 egress_net()
                     .map(|ns| {
@@ -235,6 +239,7 @@ fn daemon() -> &'static TestDaemon {
             }
             let _ = std::fs::remove_dir_all(&dir);
             let _ = std::fs::remove_file(dir.with_extension("token"));
+            let _ = std::fs::remove_file(dir.with_extension("e2bkeys"));
             let _ = std::fs::remove_file(dir.with_extension("upstream-ca.pem"));
             let log = dir.with_extension("log");
             if FAILED.load(std::sync::atomic::Ordering::SeqCst) {
@@ -259,9 +264,12 @@ fn daemon() -> &'static TestDaemon {
         unsafe { libc::atexit(cleanup) };
         let token = "test-token-0123456789abcdef".to_owned();
         std::fs::write(state_dir.with_extension("token"), &token).expect("token");
+        std::fs::write(state_dir.with_extension("e2bkeys"), format!("{E2B_KEY}\n"))
+            .expect("E2B keys");
         let d = TestDaemon {
             state_dir,
             tcp: format!("127.0.0.1:{}", free_port()),
+            e2b: format!("127.0.0.1:{}", free_port()),
             token,
             child: Mutex::new(None),
         };
@@ -1439,10 +1447,78 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
         .expect("remove");
 }
 
+/// The API key the E2B SDK is given in these tests.
+const E2B_KEY: &str = "e2b_00112233445566778899aabbccddeeff";
+
+#[test]
+fn the_e2b_python_sdk_drives_husk_unchanged() {
+    let (d, _g) = shared();
+    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|p| !p.is_empty()) else {
+        eprintln!(
+            "skipped: HUSK_TEST_PYTHON (a python with the pinned clients of \
+             tests/py/requirements.txt; `make test` makes one with tests/py/setup.sh)"
+        );
+        return;
+    };
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/test_e2b.py");
+    let url = format!("http://{}", d.e2b);
+    let out = Command::new(python)
+        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(tests)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", E2B_KEY)
+        .env("HUSK_E2B_TEMPLATE", "base")
+        .output()
+        .expect("pytest");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}");
+    assert!(
+        out.status.success(),
+        "the E2B SDK's tests failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Nothing the SDK made is left.
+    let left: Vec<SandboxInfo> = api()
+        .call("GET", "/v1/sandboxes?label=e2b%3D1", None)
+        .expect("list");
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn the_e2b_js_sdk_drives_husk_unchanged() {
+    let (d, _g) = shared();
+    let Some(dir) = std::env::var_os("HUSK_TEST_JS").filter(|d| !d.is_empty()) else {
+        eprintln!(
+            "skipped: HUSK_TEST_JS (node 20.18+ with the pinned clients of \
+             tests/js/package.json; `make test` sets it up with tests/js/setup.sh)"
+        );
+        return;
+    };
+    let url = format!("http://{}", d.e2b);
+    let out = Command::new("node")
+        .arg("e2b_client.mjs")
+        .current_dir(&dir)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", E2B_KEY)
+        .env("HUSK_E2B_TEMPLATE", "base")
+        .output()
+        .expect("node");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("e2b js sdk: ok"),
+        "the E2B JS SDK failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn the_official_mcp_client_lists_and_calls_every_tool() {
     let (d, _g) = shared();
-    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON") else {
+    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|p| !p.is_empty()) else {
         eprintln!(
             "skipped: HUSK_TEST_PYTHON (a python with the pinned clients of \
              tests/py/requirements.txt; `make test` makes one with tests/py/setup.sh)"

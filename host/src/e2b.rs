@@ -663,14 +663,22 @@ async fn metrics(
 
 // ---- data plane ----
 
+/// Why an envd request is not for a sandbox it may reach.
+struct Unreachable(StatusCode, Value);
+
+impl IntoResponse for Unreachable {
+    fn into_response(self) -> Response {
+        (self.0, axum::Json(self.1)).into_response()
+    }
+}
+
 /// The sandbox an envd request is for, its token checked.
-fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Response> {
+fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Unreachable> {
     let gone = |msg: String| {
-        (
+        Unreachable(
             StatusCode::BAD_GATEWAY,
-            axum::Json(json!({ "code": 502, "message": msg })),
+            json!({ "code": 502, "message": msg }),
         )
-            .into_response()
     };
     let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) else {
         return Err(gone(
@@ -692,11 +700,11 @@ fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Response> {
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
     if token != e2b.token(id) {
-        return Err(RpcError(
+        let e = RpcError(
             "unauthenticated",
             "invalid access token (X-Access-Token)".into(),
-        )
-        .into_response());
+        );
+        return Err(Unreachable(e.status(), e.json()));
     }
     Ok(id.to_owned())
 }
@@ -704,7 +712,7 @@ fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Response> {
 async fn health(State(e2b): State<Shared>, headers: HeaderMap) -> Response {
     match envd_sandbox(&e2b, &headers) {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -932,7 +940,7 @@ async fn process_rpc(
 ) -> Response {
     let id = match envd_sandbox(&e2b, &headers) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let msg = match request_message(&headers, &body) {
         Ok(m) => m,
@@ -1141,7 +1149,7 @@ async fn filesystem_rpc(
 ) -> Response {
     let id = match envd_sandbox(&e2b, &headers) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let msg = match request_message(&headers, &body) {
         Ok(m) => m,
@@ -1352,7 +1360,7 @@ async fn download(
 ) -> Response {
     let id = match envd_sandbox(&e2b, &headers) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let name = user_name(&headers, q.username.as_deref());
     let e = e2b.clone();
@@ -1383,11 +1391,11 @@ async fn download(
     }
 }
 
-/// The parts of a multipart body: (field name, file name, bytes).
-fn multipart(
-    content_type: &str,
-    body: &[u8],
-) -> Result<Vec<(String, Option<String>, Vec<u8>)>, String> {
+/// One part of a multipart body: field name, file name, bytes.
+type Part = (String, Option<String>, Vec<u8>);
+
+/// The parts of a multipart body.
+fn multipart(content_type: &str, body: &[u8]) -> Result<Vec<Part>, String> {
     let boundary = content_type
         .split(';')
         .find_map(|p| p.trim().strip_prefix("boundary="))
@@ -1443,7 +1451,7 @@ async fn upload(
 ) -> Response {
     let id = match envd_sandbox(&e2b, &headers) {
         Ok(id) => id,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let content_type = headers
         .get(header::CONTENT_TYPE)
