@@ -24,6 +24,9 @@ use crate::cgroup::Cgroup;
 use crate::reaper;
 
 const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
+/// Where templates put the egress proxy's CA certificate
+/// (`husk_host::template::GUEST_CA`).
+const EGRESS_CA: &str = "/etc/husk/egress-ca.pem";
 /// After the program exits, how long its output may stay open (a child it
 /// left behind holding the pipe) before the output is declared finished.
 const OUTPUT_GRACE: Duration = Duration::from_secs(2);
@@ -495,6 +498,11 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
         for key in ["no_proxy", "NO_PROXY"] {
             env.push((key.into(), "localhost,127.0.0.1,::1".into()));
         }
+    }
+    // The proxy's CA (for hosts it adds credentials to) is in the system
+    // bundles a template has; Node reads only its own, plus this.
+    if std::path::Path::new(EGRESS_CA).exists() {
+        env.push(("NODE_EXTRA_CA_CERTS".into(), EGRESS_CA.into()));
     }
     if let Some(tunables) = crate::simd::glibc_tunables() {
         env.push(("GLIBC_TUNABLES".into(), tunables.into()));

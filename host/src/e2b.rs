@@ -17,8 +17,7 @@
 //! resolve there) unless the SDK names another user, as `/bin/bash -l -c`
 //! (husk's root file system carries bash and the user).
 //!
-//! Not served: PTYs (`pty` in Start, `Update`), `StreamInput`, the
-//! `WatchDir` stream (the polling watcher trio is), presigned file URLs,
+//! Not served: PTYs (`pty` in Start, `Update`), `StreamInput`, presigned file URLs,
 //! file metadata headers; the SDK is told envd [`ENVD_VERSION`], the
 //! lowest version whose features these are.
 
@@ -845,8 +844,9 @@ fn unary(result: Result<Value, RpcError>) -> Response {
     }
 }
 
-/// A server stream: envelopes from `rx`, then the end-of-stream envelope.
-fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>) -> Response {
+/// A server stream: envelopes from `rx`, `keepalive` when it is quiet,
+/// then the end-of-stream envelope.
+fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: Value) -> Response {
     let (tx, out) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(KEEPALIVE);
@@ -863,8 +863,7 @@ fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>) -> Response 
                     None => break json!({}),
                 },
                 _ = ticker.tick() => {
-                    let alive = json!({ "event": { "keepalive": {} } });
-                    if tx.send(Ok(envelope(0, &alive))).await.is_err() {
+                    if tx.send(Ok(envelope(0, &keepalive))).await.is_err() {
                         return;
                     }
                 }
@@ -980,7 +979,7 @@ async fn process_rpc(
                     }
                 }
             });
-            stream_response(rx)
+            stream_response(rx, json!({ "event": { "keepalive": {} } }))
         }
         "Connect" => {
             let pid = match pid_of(&msg) {
@@ -989,7 +988,7 @@ async fn process_rpc(
             };
             let (tx, rx) = mpsc::channel(64);
             std::thread::spawn(move || stream_program(agent, pid, tx));
-            stream_response(rx)
+            stream_response(rx, json!({ "event": { "keepalive": {} } }))
         }
         "List" => unary(
             blocking(move || {
@@ -1156,6 +1155,13 @@ async fn filesystem_rpc(
         Err(e) => return e.into_response(),
     };
     let name = user_name(&headers, None);
+    if method == "WatchDir" {
+        let (tx, rx) = mpsc::channel(64);
+        let e = e2b.clone();
+        std::thread::spawn(move || watch_stream(&e, &id, &name, &msg, tx));
+        // WatchDirResponse has its oneof at the top.
+        return stream_response(rx, json!({ "keepalive": {} }));
+    }
     let e = e2b.clone();
     unary(
         blocking(move || {
@@ -1260,6 +1266,63 @@ async fn filesystem_rpc(
     )
 }
 
+/// An envd filesystem event for an agent's change under `dir`.
+fn fs_event(dir: &str, e: &husk_protocol::FsEvent) -> Option<Value> {
+    use husk_protocol::FsEventKind as K;
+    let kind = match e.kind {
+        K::Created | K::MovedTo => "EVENT_TYPE_CREATE",
+        K::Modified | K::Closed => "EVENT_TYPE_WRITE",
+        K::Removed => "EVENT_TYPE_REMOVE",
+        K::MovedFrom => "EVENT_TYPE_RENAME",
+        _ => return None,
+    };
+    let name = e
+        .path
+        .strip_prefix(&format!("{}/", dir.trim_end_matches('/')))
+        .unwrap_or(&e.path)
+        .to_owned();
+    Some(json!({ "name": name, "type": kind }))
+}
+
+/// `WatchDir`: a stream of the changes under a directory, until the client
+/// goes (noticed at the next change) or the sandbox does.
+fn watch_stream(
+    e2b: &E2b,
+    sandbox: &str,
+    user: &str,
+    msg: &Value,
+    tx: mpsc::Sender<Result<Value, RpcError>>,
+) {
+    let watched = (|| {
+        let mut agent = e2b.daemon.agent(sandbox).map_err(RpcError::from)?;
+        let user = guest_user(&mut agent, user)?;
+        let dir = msg["path"]
+            .as_str()
+            .map(|p| resolve(&user, p))
+            .ok_or_else(|| RpcError("invalid_argument", "`path` is required".into()))?;
+        Ok::<_, RpcError>((agent, dir))
+    })();
+    let (mut agent, dir) = match watched {
+        Ok(v) => v,
+        Err(e) => return drop(tx.blocking_send(Err(e))),
+    };
+    let recursive = msg["recursive"].as_bool().unwrap_or(false);
+    let mut watch = match agent.watch(&dir, recursive) {
+        Ok(w) => w,
+        Err(e) => return drop(tx.blocking_send(Err(e.into()))),
+    };
+    if tx.blocking_send(Ok(json!({ "start": {} }))).is_err() {
+        return;
+    }
+    while let Ok(batch) = watch.next_events() {
+        for e in batch.iter().filter_map(|e| fs_event(&dir, e)) {
+            if tx.blocking_send(Ok(json!({ "filesystem": e }))).is_err() {
+                return;
+            }
+        }
+    }
+}
+
 /// Starts a watcher whose events wait for `GetWatcherEvents`.
 fn create_watcher(
     e2b: &Arc<E2b>,
@@ -1302,21 +1365,11 @@ fn create_watcher(
             }
             let mut held = ev.lock().unwrap_or_else(|e| e.into_inner());
             for e in batch {
-                use husk_protocol::FsEventKind as K;
-                let kind = match e.kind {
-                    K::Created | K::MovedTo => "EVENT_TYPE_CREATE",
-                    K::Modified | K::Closed => "EVENT_TYPE_WRITE",
-                    K::Removed => "EVENT_TYPE_REMOVE",
-                    K::MovedFrom => "EVENT_TYPE_RENAME",
-                    _ => continue,
+                let Some(event) = fs_event(&dir, &e) else {
+                    continue;
                 };
-                let name = e
-                    .path
-                    .strip_prefix(&format!("{}/", dir.trim_end_matches('/')))
-                    .unwrap_or(&e.path)
-                    .to_owned();
                 if held.len() < 10_000 {
-                    held.push(json!({ "name": name, "type": kind }));
+                    held.push(event);
                 }
             }
         }

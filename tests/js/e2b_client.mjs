@@ -44,6 +44,18 @@ try {
   await sbx.files.remove('/home/user/jsdir', slow)
   check(!(await sbx.files.exists('/home/user/jsdir', slow)), 'removed')
 
+  // watchDir: the WatchDir stream.
+  await sbx.files.makeDir('/home/user/watched', slow)
+  const seen = []
+  const watch = await sbx.files.watchDir('/home/user/watched', (ev) => seen.push(ev.name), slow)
+  await sbx.files.write('/home/user/watched/new.txt', 'x', slow)
+  const deadline = Date.now() + 300_000
+  while (!seen.includes('new.txt') && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 200))
+  }
+  await watch.stop()
+  check(seen.includes('new.txt'), `watched ${JSON.stringify(seen)}`)
+
   const listed = await Sandbox.list({ query: { metadata: { suite: 'js' } } }).nextItems()
   check(listed.length === 1 && listed[0].sandboxId === sbx.sandboxId, JSON.stringify(listed))
   await sbx.setTimeout(900_000)
