@@ -1,6 +1,7 @@
 """E2B's SDK against husk, next to husk's own API for the same work:
-create a sandbox (a warm pool's clone), run `echo hi`, time to its first
-output, destroy it. What the E2B gateway costs is the difference.
+create a sandbox (a warm pool's clone), run `echo hi` the way the SDK does
+(`/bin/bash -l -c` as `user` in /home/user), time to its first output,
+destroy it. What the E2B gateway costs is the difference.
 
     husk serve --e2b 127.0.0.1:3000 --e2b-api-key-file KEYS ...
     husk template build base; husk pool set base 4
@@ -61,7 +62,13 @@ def via_husk():
     created = json.loads(r.read())
     c.close()
     sid = created["sandbox"]["id"]
-    c, r = husk("POST", f"/v1/sandboxes/{sid}/exec", {"argv": ["/bin/sh", "-c", "echo hi"]})
+    # The same program the SDK's commands.run starts, as the same user.
+    c, r = husk("POST", f"/v1/sandboxes/{sid}/exec", {
+        "argv": ["/bin/bash", "-l", "-c", "echo hi"],
+        "user": {"uid": 1000, "gid": 1000},
+        "cwd": "/home/user",
+        "env": {"HOME": "/home/user", "USER": "user"},
+    })
     first = None
     while first is None:
         line = r.readline()

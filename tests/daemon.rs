@@ -113,6 +113,7 @@ impl TestDaemon {
             .arg("--vmm")
             .arg(common::vmm_binary())
             .args(["--tcp", &self.tcp])
+            .args(["--mcp-max-sandboxes", "1", "--mcp-max-command-s", "60"])
             .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
             .arg(self.state_dir.with_extension("e2bkeys"))
             .args(
@@ -1530,6 +1531,8 @@ fn the_official_mcp_client_lists_and_calls_every_tool() {
         .arg(script)
         .env("HUSK_BIN", common::husk_binary())
         .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .env("HUSK_MCP_URL", format!("http://{}/mcp", d.tcp))
+        .env("HUSK_TOKEN", &d.token)
         .output()
         .expect("python");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -1541,9 +1544,15 @@ fn the_official_mcp_client_lists_and_calls_every_tool() {
     );
     let summary: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .expect("the client's summary");
-    // What the client destroyed, and what it left when it went, are gone.
-    for key in ["destroyed", "left"] {
-        let id = summary[key].as_str().expect("a sandbox id");
+    // What the client destroyed, and what it left when it went, are gone,
+    // on either transport.
+    for (transport, key) in [
+        ("stdio", "destroyed"),
+        ("stdio", "left"),
+        ("http", "destroyed"),
+        ("http", "left"),
+    ] {
+        let id = summary[transport][key].as_str().expect("a sandbox id");
         wait_until(&format!("{id} to be gone"), || {
             matches!(get(id), Err(ApiClientError::Status { status: 404, .. }))
         });

@@ -185,6 +185,9 @@ routes! {
     get "/v1/sandboxes/{id}/logs" => logs,
     get "/v1/audit" => audit,
     get "/v1/egress/ca" => egress_ca,
+    post "/mcp" => mcp_post,
+    delete "/mcp" => mcp_delete,
+    get "/mcp" => mcp_get,
     get "/metrics" => metrics,
 }
 
@@ -619,6 +622,51 @@ async fn audit(
     let log =
         blocking(move || Ok(d.store().audit_log(q.sandbox.as_deref(), q.after, limit)?)).await?;
     Ok(ok(StatusCode::OK, log))
+}
+
+fn mcp_session(headers: &axum::http::HeaderMap) -> Option<String> {
+    headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// MCP over streamable HTTP: one JSON-RPC message (or batch) per POST.
+async fn mcp_post(
+    State(d): State<Shared>,
+    headers: axum::http::HeaderMap,
+    body: Bytes,
+) -> Response {
+    let session = mcp_session(&headers);
+    let answer = tokio::task::spawn_blocking(move || d.mcp.post(session.as_deref(), &body)).await;
+    let Ok(answer) = answer else {
+        return ApiError(StatusCode::INTERNAL_SERVER_ERROR, "internal error".into())
+            .into_response();
+    };
+    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
+    let mut resp = match answer.body {
+        Some(v) => (status, axum::Json(v)).into_response(),
+        None => status.into_response(),
+    };
+    if let Some(id) = answer.session.and_then(|s| s.parse().ok()) {
+        resp.headers_mut().insert("mcp-session-id", id);
+    }
+    resp
+}
+
+async fn mcp_delete(State(d): State<Shared>, headers: axum::http::HeaderMap) -> Response {
+    let session = mcp_session(&headers);
+    let status = tokio::task::spawn_blocking(move || d.mcp.delete(session.as_deref()))
+        .await
+        .unwrap_or(500);
+    StatusCode::from_u16(status)
+        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+        .into_response()
+}
+
+/// No server-sent events: this server sends no requests of its own.
+async fn mcp_get() -> Response {
+    StatusCode::METHOD_NOT_ALLOWED.into_response()
 }
 
 async fn egress_ca(State(d): State<Shared>) -> ApiResult<Response> {

@@ -277,6 +277,8 @@ pub struct Daemon {
     pub metrics: Metrics,
     stopping: AtomicBool,
     egress: Arc<Egress>,
+    /// MCP over HTTP (`/mcp`).
+    pub mcp: crate::mcp::HttpSessions,
 }
 
 /// A new id: `prefix` and 12 hex digits from the kernel's randomness.
@@ -402,6 +404,7 @@ impl Daemon {
             metrics: Metrics::default(),
             stopping: AtomicBool::new(false),
             egress,
+            mcp: Default::default(),
         });
         daemon.recover()?;
         let d = daemon.clone();

@@ -17,7 +17,7 @@
 //! resolve there) unless the SDK names another user, as `/bin/bash -l -c`
 //! (husk's root file system carries bash and the user).
 //!
-//! Not served: PTYs (`pty` in Start, `Update`), `StreamInput`, presigned file URLs,
+//! Not served: `StreamInput`, presigned file URLs,
 //! file metadata headers; the SDK is told envd [`ENVD_VERSION`], the
 //! lowest version whose features these are.
 
@@ -68,6 +68,11 @@ pub struct E2b {
     envs: Mutex<HashMap<String, BTreeMap<String, String>>>,
     watchers: Mutex<HashMap<String, Watcher>>,
     next_watcher: AtomicU64,
+    /// Each sandbox's /etc/passwd, read once (a guest round trip saved on
+    /// every command).
+    passwd: Mutex<HashMap<String, Arc<String>>>,
+    /// Programs started on a terminal: (sandbox, pid).
+    ptys: Mutex<std::collections::HashSet<(String, i32)>>,
 }
 
 impl std::fmt::Debug for E2b {
@@ -111,6 +116,8 @@ impl E2b {
             envs: Mutex::new(HashMap::new()),
             watchers: Mutex::new(HashMap::new()),
             next_watcher: AtomicU64::new(1),
+            passwd: Mutex::new(HashMap::new()),
+            ptys: Mutex::new(Default::default()),
         }))
     }
 
@@ -524,6 +531,14 @@ async fn kill(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&id);
+    e2b.passwd
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id);
+    e2b.ptys
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|(s, _)| *s != id);
     e2b.watchers
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -740,11 +755,34 @@ fn user_name(headers: &HeaderMap, query: Option<&str>) -> String {
         .unwrap_or_else(|| "user".to_owned())
 }
 
-/// Looks `name` up in the guest's /etc/passwd.
-fn guest_user(agent: &mut AgentClient, name: &str) -> Result<GuestUser, RpcError> {
-    let mut passwd = Vec::new();
-    let _ = agent.read_file("/etc/passwd", &mut passwd);
-    let text = String::from_utf8_lossy(&passwd);
+impl E2b {
+    /// Looks `name` up in sandbox `id`'s /etc/passwd.
+    fn user(&self, id: &str, agent: &mut AgentClient, name: &str) -> Result<GuestUser, RpcError> {
+        let cached = self
+            .passwd
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned();
+        let text = match cached {
+            Some(t) => t,
+            None => {
+                let mut passwd = Vec::new();
+                let _ = agent.read_file("/etc/passwd", &mut passwd);
+                let t = Arc::new(String::from_utf8_lossy(&passwd).into_owned());
+                self.passwd
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(id.to_owned(), t.clone());
+                t
+            }
+        };
+        guest_user(&text, name)
+    }
+}
+
+/// Looks `name` up in the text of an /etc/passwd.
+fn guest_user(text: &str, name: &str) -> Result<GuestUser, RpcError> {
     for line in text.lines() {
         let f: Vec<&str> = line.split(':').collect();
         if f.len() >= 6 && f[0] == name {
@@ -911,10 +949,17 @@ fn end_event(termination: husk_protocol::Termination) -> Value {
 }
 
 /// Streams a program's output and end from `agent` (attached to `pid`).
-fn stream_program(mut agent: AgentClient, pid: i32, tx: mpsc::Sender<Result<Value, RpcError>>) {
+/// `pty`: the program runs on a terminal (its output is `pty` data).
+fn stream_program(
+    mut agent: AgentClient,
+    pid: i32,
+    pty: bool,
+    tx: mpsc::Sender<Result<Value, RpcError>>,
+) {
     let _ = tx.blocking_send(Ok(json!({ "event": { "start": { "pid": pid } } })));
     let sent = agent.attach_streaming(pid, |event| {
         let msg = match event {
+            Event::Output(_, d) if pty => json!({ "event": { "data": { "pty": b64(d) } } }),
             Event::Output(husk_protocol::Stream::Stdout, d) => {
                 json!({ "event": { "data": { "stdout": b64(d) } } })
             }
@@ -969,11 +1014,23 @@ async fn process_rpc(
                 .cloned()
                 .unwrap_or_default();
             let (tx, rx) = mpsc::channel(64);
+            let e = e2b.clone();
             std::thread::spawn(move || {
                 let mut agent = agent;
-                let started = start_program(&mut agent, &msg, &name, envs, timeout_ms);
+                let started = e
+                    .user(&id, &mut agent, &name)
+                    .and_then(|user| start_program(&mut agent, &msg, &user, envs, timeout_ms));
                 match started {
-                    Ok(pid) => stream_program(agent, pid, tx),
+                    Ok(pid) => {
+                        let pty = !msg["pty"].is_null();
+                        if pty {
+                            e.ptys
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert((id.clone(), pid));
+                        }
+                        stream_program(agent, pid, pty, tx)
+                    }
                     Err(e) => {
                         let _ = tx.blocking_send(Err(e));
                     }
@@ -987,7 +1044,12 @@ async fn process_rpc(
                 Err(e) => return e.into_response(),
             };
             let (tx, rx) = mpsc::channel(64);
-            std::thread::spawn(move || stream_program(agent, pid, tx));
+            let pty = e2b
+                .ptys
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&(id.clone(), pid));
+            std::thread::spawn(move || stream_program(agent, pid, pty, tx));
             stream_response(rx, json!({ "event": { "keepalive": {} } }))
         }
         "List" => unary(
@@ -1034,6 +1096,25 @@ async fn process_rpc(
             })
             .await,
         ),
+        "Update" => unary(
+            blocking(move || {
+                let agent = agent;
+                let pid = pid_of(&msg)?;
+                let size = &msg["pty"]["size"];
+                let dim = |k: &str| {
+                    size[k]
+                        .as_u64()
+                        .map(|v| v.clamp(1, 1000) as u16)
+                        .ok_or_else(|| RpcError("invalid_argument", format!("`pty.size.{k}`")))
+                };
+                agent
+                    .input(pid)
+                    .resize(dim("rows")?, dim("cols")?)
+                    .map_err(RpcError::from)?;
+                Ok(json!({}))
+            })
+            .await,
+        ),
         "CloseStdin" => unary(
             blocking(move || {
                 let agent = agent;
@@ -1054,17 +1135,21 @@ async fn process_rpc(
 fn start_program(
     agent: &mut AgentClient,
     msg: &Value,
-    user: &str,
+    user: &GuestUser,
     mut env: BTreeMap<String, String>,
     timeout_ms: Option<u64>,
 ) -> Result<i32, RpcError> {
     let p = &msg["process"];
-    if !msg["pty"].is_null() {
-        return Err(RpcError(
-            "unimplemented",
-            "terminals (pty) are not served by husk's E2B API yet".into(),
-        ));
-    }
+    let pty = if msg["pty"].is_null() {
+        None
+    } else {
+        let size = &msg["pty"]["size"];
+        let dim = |k: &str| size[k].as_u64().map(|v| v.clamp(1, 1000) as u16);
+        Some(husk_protocol::WindowSize {
+            rows: dim("rows").unwrap_or(24),
+            cols: dim("cols").unwrap_or(80),
+        })
+    };
     let cmd = p["cmd"]
         .as_str()
         .ok_or_else(|| RpcError("invalid_argument", "`process.cmd` is required".into()))?;
@@ -1072,7 +1157,6 @@ fn start_program(
     if let Some(args) = p["args"].as_array() {
         argv.extend(args.iter().filter_map(|a| a.as_str().map(str::to_owned)));
     }
-    let user = guest_user(agent, user)?;
     env.insert("HOME".into(), user.home.clone());
     env.insert("USER".into(), user.name.clone());
     env.insert("LOGNAME".into(), user.name.clone());
@@ -1100,6 +1184,7 @@ fn start_program(
             gid: user.gid,
         }),
         stdin_open: msg["stdin"].as_bool().unwrap_or(false),
+        pty,
         timeout_ms,
         ..Default::default()
     };
@@ -1166,7 +1251,7 @@ async fn filesystem_rpc(
     unary(
         blocking(move || {
             let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
-            let user = guest_user(&mut agent, &name)?;
+            let user = e.user(&id, &mut agent, &name)?;
             let path = |field: &str| -> Result<String, RpcError> {
                 msg[field]
                     .as_str()
@@ -1295,7 +1380,7 @@ fn watch_stream(
 ) {
     let watched = (|| {
         let mut agent = e2b.daemon.agent(sandbox).map_err(RpcError::from)?;
-        let user = guest_user(&mut agent, user)?;
+        let user = e2b.user(sandbox, &mut agent, user)?;
         let dir = msg["path"]
             .as_str()
             .map(|p| resolve(&user, p))
@@ -1419,7 +1504,7 @@ async fn download(
     let e = e2b.clone();
     let read = blocking(move || {
         let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
-        let user = guest_user(&mut agent, &name)?;
+        let user = e.user(&id, &mut agent, &name)?;
         let path = resolve(&user, q.path.as_deref().unwrap_or_default());
         let st = agent.stat(&path).map_err(RpcError::from)?;
         if st.kind != husk_protocol::FileKind::File {
@@ -1539,7 +1624,7 @@ async fn upload(
     let e = e2b.clone();
     let written = blocking(move || {
         let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
-        let user = guest_user(&mut agent, &name)?;
+        let user = e.user(&id, &mut agent, &name)?;
         let mut out = Vec::new();
         for (path, data) in files {
             let path =

@@ -582,6 +582,159 @@ pub fn serve(
     Ok(())
 }
 
+/// Sessions the daemon's `/mcp` holds open at once.
+pub const MAX_HTTP_SESSIONS: usize = 64;
+/// A session unused this long is closed (its sandboxes destroyed).
+pub const HTTP_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// MCP over streamable HTTP (`POST /mcp` on the daemon's API): a session per
+/// client, named by the `Mcp-Session-Id` header the answer to `initialize`
+/// carries, with the same tools and limits as `husk mcp`. Answers are JSON
+/// (no server-sent events: the server sends no requests of its own).
+#[derive(Debug, Default)]
+pub struct HttpSessions {
+    /// How sessions reach the daemon (its own socket), and their limits.
+    config: std::sync::OnceLock<(ApiClient, Limits)>,
+    sessions: Mutex<std::collections::HashMap<String, (Arc<Session>, std::time::Instant)>>,
+}
+
+/// An answer to a `POST /mcp`.
+#[derive(Debug)]
+pub struct HttpAnswer {
+    pub status: u16,
+    /// A new session's id (after `initialize`).
+    pub session: Option<String>,
+    pub body: Option<Value>,
+}
+
+fn rpc_error(code: i64, message: &str) -> Value {
+    json!({ "jsonrpc": "2.0", "id": null, "error": { "code": code, "message": message } })
+}
+
+impl HttpSessions {
+    /// Sets how sessions reach the daemon; until then `/mcp` is refused.
+    pub fn configure(&self, api: ApiClient, limits: Limits) {
+        let _ = self.config.set((api, limits));
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<
+        '_,
+        std::collections::HashMap<String, (Arc<Session>, std::time::Instant)>,
+    > {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Closes sessions idle past [`HTTP_IDLE`] (in the background).
+    fn sweep(&self) {
+        let idle: Vec<Arc<Session>> = {
+            let mut sessions = self.lock();
+            let old: Vec<String> = sessions
+                .iter()
+                .filter(|(_, (_, used))| used.elapsed() > HTTP_IDLE)
+                .map(|(id, _)| id.clone())
+                .collect();
+            old.iter()
+                .filter_map(|id| sessions.remove(id).map(|(s, _)| s))
+                .collect()
+        };
+        if !idle.is_empty() {
+            std::thread::spawn(move || idle.iter().for_each(|s| s.close()));
+        }
+    }
+
+    /// Answers one POST (blocking: tools call the daemon).
+    pub fn post(&self, session: Option<&str>, body: &[u8]) -> HttpAnswer {
+        let answer = |status: u16, body: Option<Value>| HttpAnswer {
+            status,
+            session: None,
+            body,
+        };
+        let Some((api, limits)) = self.config.get() else {
+            return answer(
+                503,
+                Some(rpc_error(-32000, "MCP is not served by this daemon")),
+            );
+        };
+        let msg: Value = match serde_json::from_slice(body) {
+            Ok(v) => v,
+            Err(e) => return answer(400, Some(rpc_error(-32700, &format!("parse error: {e}")))),
+        };
+        let batch = msg.is_array();
+        let messages = match msg {
+            Value::Array(m) => m,
+            one => vec![one],
+        };
+        let initialize = messages
+            .iter()
+            .any(|m| m.get("method").and_then(Value::as_str) == Some("initialize"));
+        let (session, new) = if initialize {
+            if messages.len() != 1 {
+                return answer(
+                    400,
+                    Some(rpc_error(-32600, "initialize must be sent alone")),
+                );
+            }
+            self.sweep();
+            let mut sessions = self.lock();
+            if sessions.len() >= MAX_HTTP_SESSIONS {
+                return answer(
+                    429,
+                    Some(rpc_error(
+                        -32000,
+                        &format!("refused: this daemon holds {MAX_HTTP_SESSIONS} MCP sessions, its limit"),
+                    )),
+                );
+            }
+            let s = Arc::new(Session::new(api.clone(), limits.clone()));
+            let id = format!("mcp-{}-{}", s.id, sessions.len());
+            sessions.insert(id.clone(), (s.clone(), std::time::Instant::now()));
+            (s, Some(id))
+        } else {
+            let Some(id) = session else {
+                return answer(
+                    400,
+                    Some(rpc_error(
+                        -32000,
+                        "Bad Request: the Mcp-Session-Id header is required",
+                    )),
+                );
+            };
+            let mut sessions = self.lock();
+            let Some((s, used)) = sessions.get_mut(id) else {
+                return answer(
+                    404,
+                    Some(rpc_error(-32001, "no such MCP session (initialize again)")),
+                );
+            };
+            *used = std::time::Instant::now();
+            (s.clone(), None)
+        };
+        let replies: Vec<Value> = messages.iter().filter_map(|m| session.handle(m)).collect();
+        let body = match (replies.len(), batch) {
+            (0, _) => None,
+            (_, true) => Some(Value::Array(replies)),
+            (_, false) => replies.into_iter().next(),
+        };
+        HttpAnswer {
+            status: if body.is_some() { 200 } else { 202 },
+            session: new,
+            body,
+        }
+    }
+
+    /// Ends a session (`DELETE /mcp`): its sandboxes are destroyed.
+    pub fn delete(&self, session: Option<&str>) -> u16 {
+        let Some(id) = session else { return 400 };
+        let Some((s, _)) = self.lock().remove(id) else {
+            return 404;
+        };
+        s.close();
+        204
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

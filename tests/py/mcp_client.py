@@ -8,9 +8,11 @@ with the sandbox it left behind on purpose (the session must destroy it).
 import asyncio
 import json
 import os
+from contextlib import asynccontextmanager
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamablehttp_client
 from mcp.shared.exceptions import McpError
 
 TOOLS = {
@@ -33,7 +35,8 @@ async def call(session, tool, args, error=False):
     return text(result)
 
 
-async def main():
+@asynccontextmanager
+async def over_stdio():
     params = StdioServerParameters(
         command=os.environ["HUSK_BIN"],
         args=["mcp", "--max-sandboxes", "1", "--max-command-s", "60"],
@@ -41,6 +44,23 @@ async def main():
     )
     async with stdio_client(params) as (read, write):
         async with ClientSession(read, write) as s:
+            yield s
+
+
+@asynccontextmanager
+async def over_http():
+    # The daemon's own /mcp (its limits: husk serve --mcp-max-sandboxes 1).
+    headers = {"Authorization": f"Bearer {os.environ['HUSK_TOKEN']}"}
+    async with streamablehttp_client(
+        os.environ["HUSK_MCP_URL"], headers=headers, timeout=300, sse_read_timeout=300
+    ) as (read, write, _):
+        async with ClientSession(read, write) as s:
+            yield s
+
+
+async def scenario(connect):
+    async with connect() as s:
+        if True:
             init = await s.initialize()
             assert init.serverInfo.name == "husk", init
             listed = await s.list_tools()
@@ -124,7 +144,11 @@ async def main():
             created = await call(s, "create_sandbox", {})
             left = created.split()[2]
             await s.send_ping()
-    print(json.dumps({"left": left, "destroyed": sandbox}))
+    return {"left": left, "destroyed": sandbox}
+
+
+async def main():
+    print(json.dumps({"stdio": await scenario(over_stdio), "http": await scenario(over_http)}))
 
 
 asyncio.run(main())

@@ -15,6 +15,7 @@ from e2b import (
     CommandExitException,
     FileType,
     NotFoundException,
+    PtySize,
     Sandbox,
     SandboxQuery,
     TimeoutException,
@@ -60,6 +61,18 @@ def test_background_command_then_kill(sbx):
 def test_a_command_that_times_out(sbx):
     with pytest.raises(TimeoutException):
         sbx.commands.run("sleep 600", timeout=3, request_timeout=SLOW)
+
+
+def test_a_terminal(sbx):
+    got = []
+    h = sbx.pty.create(PtySize(rows=24, cols=80), timeout=SLOW)
+    sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(h.pid, b"stty size; tty; exit\n")
+    r = h.wait(on_pty=lambda d: got.append(d))
+    out = b"".join(got).decode(errors="replace")
+    assert r.exit_code == 0, out
+    assert "30 100" in out, out
+    assert "/dev/pts/" in out, out
 
 
 def test_files(sbx):

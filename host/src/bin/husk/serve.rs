@@ -83,6 +83,12 @@ pub struct ServeArgs {
     /// The API keys E2B clients must send (X-API-KEY), one per line.
     #[arg(long)]
     pub e2b_api_key_file: Option<PathBuf>,
+    /// Sandboxes one MCP client (a session on `/mcp`) may hold at once.
+    #[arg(long, default_value_t = 4)]
+    pub mcp_max_sandboxes: usize,
+    /// Longest a command an MCP client runs may take, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub mcp_max_command_s: u64,
 }
 
 /// The state directory when none is given.
@@ -205,6 +211,18 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     };
     let socket = args.socket.unwrap_or_else(|| state_dir.join("husk.sock"));
     let daemon = Daemon::start(cfg).map_err(|e| e.to_string())?;
+    // MCP sessions on `/mcp` drive the daemon through its own socket, as
+    // `husk mcp` does.
+    daemon.mcp.configure(
+        husk_host::api_client::ApiClient::new(husk_host::api_client::Endpoint::Unix(
+            socket.clone(),
+        )),
+        husk_host::mcp::Limits {
+            sandboxes: args.mcp_max_sandboxes,
+            command_s: args.mcp_max_command_s,
+            ..Default::default()
+        },
+    );
     let e2b = match (&args.e2b, &args.e2b_api_key_file) {
         (Some(addr), Some(file)) => {
             let keys: Vec<String> = std::fs::read_to_string(file)
