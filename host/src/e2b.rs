@@ -1173,7 +1173,7 @@ fn start_program(
     }
     let cwd = p["cwd"]
         .as_str()
-        .map(|c| resolve(&user, c))
+        .map(|c| resolve(user, c))
         .unwrap_or_else(|| user.home.clone());
     let req = husk_protocol::ExecRequest {
         argv,
