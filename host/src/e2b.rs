@@ -1183,7 +1183,8 @@ fn start_program(
             uid: user.uid,
             gid: user.gid,
         }),
-        stdin_open: msg["stdin"].as_bool().unwrap_or(false),
+        // A terminal's input is always open (keys go through it).
+        stdin_open: msg["stdin"].as_bool().unwrap_or(false) || pty.is_some(),
         pty,
         timeout_ms,
         ..Default::default()
