@@ -89,6 +89,12 @@ struct Watcher {
 
 type Shared = Arc<E2b>;
 
+/// A mutex's guard, whether or not a holder panicked (the maps it guards
+/// stay consistent entry by entry).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl E2b {
     /// `api_keys`: the keys clients must send (`X-API-KEY`); the secret that
     /// makes access tokens is kept in `<state dir>/e2b.secret`.
@@ -409,10 +415,7 @@ async fn create(
         Ok::<_, RestError>((created, t.name))
     })
     .await?;
-    e2b.envs
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(created.sandbox.id.clone(), body.env_vars);
+    lock(&e2b.envs).insert(created.sandbox.id.clone(), body.env_vars);
     Ok((
         StatusCode::CREATED,
         axum::Json(sandbox_json(&e2b, &created.sandbox, &alias)),
@@ -527,28 +530,16 @@ async fn kill(
     let e = e2b.clone();
     let sid = id.clone();
     blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
-    e2b.envs
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&id);
-    e2b.passwd
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&id);
-    e2b.ptys
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|(s, _)| *s != id);
-    e2b.watchers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .retain(|_, w| {
-            let keep = w.sandbox != id;
-            if !keep {
-                w.stop.store(true, Ordering::SeqCst);
-            }
-            keep
-        });
+    lock(&e2b.envs).remove(&id);
+    lock(&e2b.passwd).remove(&id);
+    lock(&e2b.ptys).retain(|(s, _)| *s != id);
+    lock(&e2b.watchers).retain(|_, w| {
+        let keep = w.sandbox != id;
+        if !keep {
+            w.stop.store(true, Ordering::SeqCst);
+        }
+        keep
+    });
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -758,22 +749,14 @@ fn user_name(headers: &HeaderMap, query: Option<&str>) -> String {
 impl E2b {
     /// Looks `name` up in sandbox `id`'s /etc/passwd.
     fn user(&self, id: &str, agent: &mut AgentClient, name: &str) -> Result<GuestUser, RpcError> {
-        let cached = self
-            .passwd
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .cloned();
+        let cached = lock(&self.passwd).get(id).cloned();
         let text = match cached {
             Some(t) => t,
             None => {
                 let mut passwd = Vec::new();
                 let _ = agent.read_file("/etc/passwd", &mut passwd);
                 let t = Arc::new(String::from_utf8_lossy(&passwd).into_owned());
-                self.passwd
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(id.to_owned(), t.clone());
+                lock(&self.passwd).insert(id.to_owned(), t.clone());
                 t
             }
         };
@@ -1006,13 +989,7 @@ async fn process_rpc(
                 .and_then(|v| v.parse().ok())
                 .filter(|t| *t > 0);
             let name = user_name(&headers, None);
-            let envs = e2b
-                .envs
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&id)
-                .cloned()
-                .unwrap_or_default();
+            let envs = lock(&e2b.envs).get(&id).cloned().unwrap_or_default();
             let (tx, rx) = mpsc::channel(64);
             let e = e2b.clone();
             std::thread::spawn(move || {
@@ -1024,10 +1001,7 @@ async fn process_rpc(
                     Ok(pid) => {
                         let pty = !msg["pty"].is_null();
                         if pty {
-                            e.ptys
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .insert((id.clone(), pid));
+                            lock(&e.ptys).insert((id.clone(), pid));
                         }
                         stream_program(agent, pid, pty, tx)
                     }
@@ -1044,11 +1018,7 @@ async fn process_rpc(
                 Err(e) => return e.into_response(),
             };
             let (tx, rx) = mpsc::channel(64);
-            let pty = e2b
-                .ptys
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains(&(id.clone(), pid));
+            let pty = lock(&e2b.ptys).contains(&(id.clone(), pid));
             std::thread::spawn(move || stream_program(agent, pid, pty, tx));
             stream_response(rx, json!({ "event": { "keepalive": {} } }))
         }
@@ -1321,18 +1291,16 @@ async fn filesystem_rpc(
                 }
                 "GetWatcherEvents" => {
                     let w = msg["watcherId"].as_str().unwrap_or_default();
-                    let watchers = e.watchers.lock().unwrap_or_else(|e| e.into_inner());
+                    let watchers = lock(&e.watchers);
                     let Some(watcher) = watchers.get(w).filter(|x| x.sandbox == id) else {
                         return Err(RpcError("not_found", format!("no watcher `{w}`")));
                     };
-                    let events = std::mem::take(
-                        &mut *watcher.events.lock().unwrap_or_else(|e| e.into_inner()),
-                    );
+                    let events = std::mem::take(&mut *lock(&watcher.events));
                     Ok(json!({ "events": events }))
                 }
                 "RemoveWatcher" => {
                     let w = msg["watcherId"].as_str().unwrap_or_default();
-                    let mut watchers = e.watchers.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut watchers = lock(&e.watchers);
                     match watchers.get(w) {
                         Some(x) if x.sandbox == id => {
                             x.stop.store(true, Ordering::SeqCst);
@@ -1417,10 +1385,7 @@ fn create_watcher(
     path: &str,
     recursive: bool,
 ) -> Result<Value, RpcError> {
-    let count = e2b
-        .watchers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    let count = lock(&e2b.watchers)
         .values()
         .filter(|w| w.sandbox == sandbox)
         .count();
@@ -1449,7 +1414,7 @@ fn create_watcher(
             if st.load(Ordering::SeqCst) {
                 break;
             }
-            let mut held = ev.lock().unwrap_or_else(|e| e.into_inner());
+            let mut held = lock(&ev);
             for e in batch {
                 let Some(event) = fs_event(&dir, &e) else {
                     continue;
@@ -1464,17 +1429,14 @@ fn create_watcher(
         .recv()
         .map_err(|_| RpcError("internal", "the watcher did not start".into()))??;
     let id = format!("w{}", e2b.next_watcher.fetch_add(1, Ordering::SeqCst));
-    e2b.watchers
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(
-            id.clone(),
-            Watcher {
-                sandbox: sandbox.to_owned(),
-                events,
-                stop,
-            },
-        );
+    lock(&e2b.watchers).insert(
+        id.clone(),
+        Watcher {
+            sandbox: sandbox.to_owned(),
+            events,
+            stop,
+        },
+    );
     Ok(json!({ "watcherId": id }))
 }
 
