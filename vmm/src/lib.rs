@@ -380,6 +380,7 @@ impl Vmm {
         let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
         let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let (tx, rx) = mpsc::channel();
+        let slice = vstate::vcpu::host_vcpu_slice();
         for vcpu in self.vcpus.drain(..) {
             let reporter = StopReporter {
                 tx: tx.clone(),
@@ -392,6 +393,7 @@ impl Vmm {
                 self.timeline.clone(),
                 self.msr_indices.clone(),
                 filters.clone(),
+                slice,
             )?;
             self.handles.push(handle);
         }
