@@ -451,6 +451,52 @@ fn health_reports_the_guest_and_its_clock_can_be_set() {
     assert!(text(&cli.stdout).contains("mem_total_kib="), "{cli:?}");
 }
 
+/// The host kernel's release as (major, minor).
+fn host_kernel() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
+/// On an emulating host a vCPU thread asks for long scheduler slices: with
+/// the default ones, guests that outnumber the cores all but stop.
+#[test]
+fn vcpu_threads_ask_for_long_slices_on_an_emulating_host() {
+    let vm = sandbox("slices");
+    let slices: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", vm.pid()))
+        .expect("the VMM's threads")
+        .flatten()
+        .filter(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("vcpu"))
+        })
+        .map(|t| {
+            // `se.slice : 100000000` (ns), where the host shows it.
+            std::fs::read_to_string(t.path().join("sched"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("se.slice"))
+                .map(|v| v.trim_start_matches([' ', ':']).trim().to_owned())
+                .unwrap_or_default()
+        })
+        .collect();
+
+    assert_eq!(slices.len(), 1, "one vCPU thread: {slices:?}");
+    let want = husk_vmm::vstate::vcpu::host_vcpu_slice();
+    match want {
+        Some(slice) if host_kernel() >= (6, 12) && !slices[0].is_empty() => {
+            assert_eq!(slices[0], slice.as_nanos().to_string());
+        }
+        Some(_) => eprintln!(
+            "not checked: this host (Linux {:?}) does not show or take custom slices",
+            host_kernel()
+        ),
+        None => eprintln!("not checked: hardware KVM keeps the scheduler's slices"),
+    }
+}
+
 #[test]
 fn the_rng_is_ready_before_init_and_each_clone_reseeds() {
     let (first, second) = (sandbox("rng-a"), sandbox("rng-b"));

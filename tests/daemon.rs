@@ -1454,35 +1454,55 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
 /// The API key the E2B SDK is given in these tests.
 const E2B_KEY: &str = "e2b_00112233445566778899aabbccddeeff";
 
-#[test]
-fn the_e2b_python_sdk_drives_husk_unchanged() {
-    let (d, _g) = shared();
-    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|p| !p.is_empty()) else {
-        eprintln!(
-            "skipped: HUSK_TEST_PYTHON (a python with the pinned clients of \
-             tests/py/requirements.txt; `make test` makes one with tests/py/setup.sh)"
-        );
-        return;
-    };
-    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/test_e2b.py");
+/// The client `var` names (`make test` sets it up), or `None` after saying
+/// that the test is skipped and why.
+fn client_from_env(var: &str, what: &str) -> Option<std::ffi::OsString> {
+    let value = std::env::var_os(var).filter(|v| !v.is_empty());
+    if value.is_none() {
+        eprintln!("skipped: {var} ({what}; `make test` sets it up)");
+    }
+    value
+}
+
+const PYTHON_CLIENTS: &str = "a python with the pinned clients of tests/py/requirements.txt";
+
+/// `program` with the environment an E2B SDK reads, aimed at the test
+/// daemon's E2B API.
+fn e2b_client(program: impl AsRef<std::ffi::OsStr>, d: &TestDaemon) -> Command {
     let url = format!("http://{}", d.e2b);
-    let out = Command::new(python)
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
-        .arg(tests)
-        .env("E2B_API_URL", &url)
+    let mut cmd = Command::new(program);
+    cmd.env("E2B_API_URL", &url)
         .env("E2B_SANDBOX_URL", &url)
         .env("E2B_API_KEY", E2B_KEY)
-        .env("HUSK_E2B_TEMPLATE", "base")
-        .output()
-        .expect("pytest");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}");
+        .env("HUSK_E2B_TEMPLATE", "base");
+    cmd
+}
+
+/// Runs a client program to its end: its standard output, once it has
+/// succeeded (the test fails with both of its streams otherwise).
+fn run_client(mut cmd: Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
-        "the E2B SDK's tests failed ({}):\n{stdout}\n{}",
+        "{what} failed ({}):\n{stdout}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+    stdout
+}
+
+#[test]
+fn the_e2b_python_sdk_drives_husk_unchanged() {
+    let (d, _g) = shared();
+    let Some(python) = client_from_env("HUSK_TEST_PYTHON", PYTHON_CLIENTS) else {
+        return;
+    };
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/test_e2b.py");
+    let mut cmd = e2b_client(python, d);
+    cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .arg(tests);
+    eprintln!("{}", run_client(cmd, "the E2B SDK's tests"));
     // Nothing the SDK made is left.
     let left: Vec<SandboxInfo> = api()
         .call("GET", "/v1/sandboxes?label=e2b%3D1", None)
@@ -1493,58 +1513,32 @@ fn the_e2b_python_sdk_drives_husk_unchanged() {
 #[test]
 fn the_e2b_js_sdk_drives_husk_unchanged() {
     let (d, _g) = shared();
-    let Some(dir) = std::env::var_os("HUSK_TEST_JS").filter(|d| !d.is_empty()) else {
-        eprintln!(
-            "skipped: HUSK_TEST_JS (node 20.18+ with the pinned clients of \
-             tests/js/package.json; `make test` sets it up with tests/js/setup.sh)"
-        );
+    let Some(dir) = client_from_env(
+        "HUSK_TEST_JS",
+        "node 20.18+ with the pinned clients of tests/js/package.json",
+    ) else {
         return;
     };
-    let url = format!("http://{}", d.e2b);
-    let out = Command::new("node")
-        .arg("e2b_client.mjs")
-        .current_dir(&dir)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", E2B_KEY)
-        .env("HUSK_E2B_TEMPLATE", "base")
-        .output()
-        .expect("node");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("e2b js sdk: ok"),
-        "the E2B JS SDK failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut cmd = e2b_client("node", d);
+    cmd.arg("e2b_client.mjs").current_dir(&dir);
+    let stdout = run_client(cmd, "the E2B JS SDK");
+    assert!(stdout.contains("e2b js sdk: ok"), "{stdout}");
 }
 
 #[test]
 fn the_official_mcp_client_lists_and_calls_every_tool() {
     let (d, _g) = shared();
-    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|p| !p.is_empty()) else {
-        eprintln!(
-            "skipped: HUSK_TEST_PYTHON (a python with the pinned clients of \
-             tests/py/requirements.txt; `make test` makes one with tests/py/setup.sh)"
-        );
+    let Some(python) = client_from_env("HUSK_TEST_PYTHON", PYTHON_CLIENTS) else {
         return;
     };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/mcp_client.py");
-    let out = Command::new(python)
-        .arg(script)
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
         .env("HUSK_BIN", common::husk_binary())
         .env("HUSK_HOST", d.state_dir.join("husk.sock"))
         .env("HUSK_MCP_URL", format!("http://{}/mcp", d.tcp))
-        .env("HUSK_TOKEN", &d.token)
-        .output()
-        .expect("python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "the MCP client failed ({}):\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+        .env("HUSK_TOKEN", &d.token);
+    let stdout = run_client(cmd, "the MCP client");
     let summary: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .expect("the client's summary");
     // What the client destroyed, and what it left when it went, are gone,

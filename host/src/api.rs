@@ -74,18 +74,22 @@ impl IntoResponse for ApiError {
 
 impl From<DaemonError> for ApiError {
     fn from(e: DaemonError) -> Self {
-        let status = match &e {
-            DaemonError::NotFound(_) => StatusCode::NOT_FOUND,
-            DaemonError::Invalid(_) => StatusCode::BAD_REQUEST,
-            DaemonError::Conflict(_) => StatusCode::CONFLICT,
-            DaemonError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
-            DaemonError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            DaemonError::Template(TemplateError::Invalid(_)) => StatusCode::BAD_REQUEST,
-            DaemonError::Template(TemplateError::Corrupt(_)) => StatusCode::CONFLICT,
-            DaemonError::Agent(c) => agent_status(c),
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        ApiError(status, e.to_string())
+        ApiError(daemon_status(&e), e.to_string())
+    }
+}
+
+/// The HTTP status of a daemon error, the same on every API it serves.
+pub(crate) fn daemon_status(e: &DaemonError) -> StatusCode {
+    match e {
+        DaemonError::NotFound(_) => StatusCode::NOT_FOUND,
+        DaemonError::Invalid(_) => StatusCode::BAD_REQUEST,
+        DaemonError::Conflict(_) => StatusCode::CONFLICT,
+        DaemonError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
+        DaemonError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        DaemonError::Template(TemplateError::Invalid(_)) => StatusCode::BAD_REQUEST,
+        DaemonError::Template(TemplateError::Corrupt(_)) => StatusCode::CONFLICT,
+        DaemonError::Agent(c) => agent_status(c),
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

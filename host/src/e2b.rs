@@ -153,15 +153,7 @@ impl IntoResponse for RestError {
 
 impl From<DaemonError> for RestError {
     fn from(e: DaemonError) -> Self {
-        let status = match &e {
-            DaemonError::NotFound(_) => StatusCode::NOT_FOUND,
-            DaemonError::Invalid(_) => StatusCode::BAD_REQUEST,
-            DaemonError::Conflict(_) => StatusCode::CONFLICT,
-            DaemonError::Limit(_) => StatusCode::TOO_MANY_REQUESTS,
-            DaemonError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        RestError(status, e.to_string())
+        RestError(crate::api::daemon_status(&e), e.to_string())
     }
 }
 
