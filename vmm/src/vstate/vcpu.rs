@@ -24,12 +24,12 @@ pub static USERSPACE_EXITS: std::sync::atomic::AtomicU64 = std::sync::atomic::At
 /// (PVM) host, where the guest kernel runs through KVM's instruction
 /// emulator. There, vCPUs of several VMs sharing a core with the default
 /// slices (a few ms) make next to no progress: four busy guests on two
-/// cores each took 12 times as long as alone in turn (192 s against
-/// 16 s for the same work), with 100 ms slices 22 s. A guest that waits
-/// (HLT) gives its core back at once, so a long slice only lengthens
-/// the turns of guests that are all busy. Hardware KVM keeps the
-/// scheduler's default.
-pub const PVM_VCPU_SLICE: Duration = Duration::from_millis(100);
+/// cores took 192 s for what took 16 s alone, 52 s with 10 ms slices,
+/// 32 s with 20 ms and 22 s with 100 ms. Longer slices also make a guest
+/// that waits on its devices wait longer behind a busy neighbour (a guest
+/// opening vsock connections beside busy ones managed 0.4 a second with
+/// 100 ms slices), so 20 ms. Hardware KVM keeps the scheduler's default.
+pub const PVM_VCPU_SLICE: Duration = Duration::from_millis(20);
 
 /// The slice a vCPU thread asks for on this host (see [`PVM_VCPU_SLICE`]).
 pub fn host_vcpu_slice() -> Option<Duration> {
