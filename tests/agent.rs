@@ -484,7 +484,8 @@ fn vcpu_threads_ask_for_long_slices_on_an_emulating_host() {
         .collect();
 
     assert_eq!(slices.len(), 1, "one vCPU thread: {slices:?}");
-    let want = husk_vmm::vstate::vcpu::host_vcpu_slice();
+    let want =
+        husk_vmm::vstate::kvm::is_pvm_host().then_some(husk_vmm::vstate::vcpu::PVM_VCPU_SLICE);
     match want {
         Some(slice) if host_kernel() >= (6, 12) && !slices[0].is_empty() => {
             assert_eq!(slices[0], slice.as_nanos().to_string());

@@ -380,7 +380,7 @@ impl Vmm {
         let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
         let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let (tx, rx) = mpsc::channel();
-        let slice = vstate::vcpu::host_vcpu_slice();
+        let slice = self.pvm.then_some(vstate::vcpu::PVM_VCPU_SLICE);
         for vcpu in self.vcpus.drain(..) {
             let reporter = StopReporter {
                 tx: tx.clone(),

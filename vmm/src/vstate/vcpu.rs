@@ -31,11 +31,6 @@ pub static USERSPACE_EXITS: std::sync::atomic::AtomicU64 = std::sync::atomic::At
 /// 100 ms slices), so 20 ms. Hardware KVM keeps the scheduler's default.
 pub const PVM_VCPU_SLICE: Duration = Duration::from_millis(20);
 
-/// The slice a vCPU thread asks for on this host (see [`PVM_VCPU_SLICE`]).
-pub fn host_vcpu_slice() -> Option<Duration> {
-    crate::vstate::kvm::is_pvm_host().then_some(PVM_VCPU_SLICE)
-}
-
 /// `struct sched_attr` of sched_setattr(2) (its first version, 56 bytes).
 #[repr(C)]
 struct SchedAttr {
