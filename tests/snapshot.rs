@@ -86,8 +86,10 @@ fn base() -> &'static Base {
             "{}",
             text(&mounted.stderr)
         );
+        // One long sleep, not a `sleep 1` loop: every fork+exec costs seconds
+        // of emulated guest kernel here, and a loop would keep each clone busy.
         let sleeper = client
-            .spawn(sh("while true; do sleep 1; done"))
+            .spawn(sh("sleep 1000000"))
             .expect("spawn");
         let uptime_ms = client.ping().expect("ping");
         let snapshot = dir.as_path().join("snap");
