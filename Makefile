@@ -11,7 +11,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 CMD ?= /bin/busybox uname -a
 
-.PHONY: run test lint bench
+.PHONY: run test test-hostile lint bench
 
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
@@ -38,6 +38,13 @@ test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
 		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
 	cargo test --workspace --locked
+
+# The hostile-guest tests (fork bombs, a memory hog, vsock and console
+# floods): each costs minutes of emulated guest work on a PVM host, so they
+# are a tier of their own rather than part of every `make test`.
+test-hostile:
+	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
+	cargo test --locked -p husk-vmm --test agent -- --ignored
 
 lint:
 	cargo fmt --all --check

@@ -40,7 +40,8 @@ fn main() {
         "--serial",
         "null",
     ]));
-    let deadline = Instant::now() + common::BOOT_TIMEOUT;
+    let spawned = Instant::now();
+    let deadline = spawned + common::BOOT_TIMEOUT;
     let mut client = loop {
         match AgentClient::connect(&uds, Duration::from_secs(120)) {
             Ok(c) => break c,
@@ -49,6 +50,10 @@ fn main() {
         }
     };
 
+    println!(
+        "cold boot to agent:   {:>9.2?}  (guest kernel boot: emulated on a PVM host)",
+        spawned.elapsed()
+    );
     let mut pings: Vec<Duration> = (0..50)
         .map(|_| {
             let t = Instant::now();
@@ -56,6 +61,11 @@ fn main() {
             t.elapsed()
         })
         .collect();
+    println!(
+        "ping round trip:      p50 {:>9.2?}  p99 {:>9.2?}  (n=50)",
+        percentile(&mut pings, 0.5),
+        percentile(&mut pings, 0.99)
+    );
     let mut execs: Vec<Duration> = (0..10)
         .map(|_| {
             let t = Instant::now();
@@ -63,6 +73,11 @@ fn main() {
             t.elapsed()
         })
         .collect();
+    println!(
+        "exec true round trip: p50 {:>9.2?}  p99 {:>9.2?}  (n=10)",
+        percentile(&mut execs, 0.5),
+        percentile(&mut execs, 0.99)
+    );
     let t = Instant::now();
     let out = client
         .exec(argv(&["dd", "if=/dev/zero", "bs=65536", "count=256"]))
@@ -72,16 +87,6 @@ fn main() {
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     common::wait(child, Duration::from_secs(60));
 
-    println!(
-        "ping round trip:      p50 {:>9.2?}  p99 {:>9.2?}  (n=50)",
-        percentile(&mut pings, 0.5),
-        percentile(&mut pings, 0.99)
-    );
-    println!(
-        "exec true round trip: p50 {:>9.2?}  p99 {:>9.2?}  (n=10)",
-        percentile(&mut execs, 0.5),
-        percentile(&mut execs, 0.99)
-    );
     println!(
         "exec stdout:          {} MiB in {dd:.2?}: {:.2} MiB/s",
         out.stdout.len() >> 20,

@@ -326,10 +326,14 @@ fn a_directory_watch_sees_what_another_exec_does() {
     assert!(after.is_ok());
 }
 
-/// 10 MiB that are not all alike: a xorshift stream.
+/// Bytes in the round-tripped file: four full chunks and a partial one
+/// (each MiB through the guest's emulated vsock stack costs seconds here).
+const TEST_FILE_BYTES: usize = 4 * husk_protocol::FILE_CHUNK + 4321;
+
+/// Bytes that are not all alike: a xorshift stream.
 fn test_content() -> Vec<u8> {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    (0..10 << 20)
+    (0..TEST_FILE_BYTES)
         .map(|_| {
             x ^= x << 13;
             x ^= x >> 7;
@@ -395,7 +399,10 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
         "the file read back differs from what was written"
     );
     // No temporary file was left behind: it was renamed into place.
-    assert_eq!(text(&seen_by_exec.stdout), "10485760\n0\n");
+    assert_eq!(
+        text(&seen_by_exec.stdout),
+        format!("{TEST_FILE_BYTES}\n0\n")
+    );
     assert_eq!(kind(missing), ErrorKind::NotFound);
     let names: Vec<&str> = listing.iter().map(|e| e.name.as_str()).collect();
     assert_eq!(names, vec!["f"]);
@@ -601,8 +608,55 @@ fn requests_run_concurrently_and_bad_frames_are_survived() {
     assert!(!serial.contains("panicked"), "{serial}");
 }
 
+/// A guest file read by the agent itself: no guest program runs for it
+/// (a fork+exec costs seconds of emulated guest kernel here, and polling
+/// with programs would take the vCPU from what the test waits for).
+fn guest_file(client: &mut husk_host::agent_client::AgentClient, path: &str) -> String {
+    let mut out = Vec::new();
+    client
+        .read_file(path, &mut out)
+        .unwrap_or_else(|e| panic!("read {path}: {e:?}"));
+    text(&out)
+}
+
+/// The guest's sandbox cgroup (every program the agent started is below it).
+const SANDBOX_CGROUP: &str = "/sys/fs/cgroup/sandbox";
+
+/// Forks the pids controller refused in the programs' cgroups so far
+/// (`pids.events` counts them in the cgroup of the process that forked).
+fn refused_forks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
+    let programs = client
+        .list(SANDBOX_CGROUP)
+        .expect("list the sandbox cgroup");
+    programs
+        .iter()
+        .filter(|e| e.stat.kind == FileKind::Dir)
+        .filter_map(|e| {
+            let mut out = Vec::new();
+            // A program's cgroup may go while we look.
+            client
+                .read_file(
+                    &format!("{SANDBOX_CGROUP}/{}/pids.events", e.name),
+                    &mut out,
+                )
+                .ok()?;
+            text(&out)
+                .lines()
+                .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Tasks in the sandbox cgroup: everything the agent's programs started.
+fn sandbox_tasks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
+    guest_file(client, &format!("{SANDBOX_CGROUP}/pids.current"))
+        .trim()
+        .parse()
+        .expect("pids.current")
+}
+
 #[test]
-#[ignore = "fails on the current emulating hosts since 2026-12-01 (fork bomb never fills / kill-all past 60 s); under investigation, see the issue-12 note; run with --ignored"]
+#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     let vm = sandbox("floods");
     // A client that reads some of an endless flood and then vanishes: the
@@ -618,19 +672,16 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         }
     }
     let mut client = vm.client();
-    // The agent kills it when it sees the connection end: wait for that
-    // (each check is a guest program, so the pace is the guest's).
-    let mut yes_left = String::new();
+    // The agent kills it when it sees the connection end: wait until the
+    // sandbox cgroup is empty.
+    let mut yes_left = u64::MAX;
     let mut gone = WaitBudget::new(Duration::from_secs(120));
     while !gone.expired() {
-        let out = client
-            .exec(sh("ps -o comm | grep -c '^yes' || true"))
-            .expect("ps");
-        yes_left = text(&out.stdout);
-        if yes_left == "0\n" {
+        yes_left = sandbox_tasks(&mut client);
+        if yes_left == 0 {
             break;
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_secs(2));
     }
     // A flood with a timeout: output streams until the kill.
     let mut flood_bytes = 0usize;
@@ -641,20 +692,10 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         },
         |_, data| flood_bytes += data.len(),
     );
-    // The kernel logs the first fork it refuses in each cgroup: evidence
-    // that outlives the bomb.
-    let refusals = |client: &mut husk_host::agent_client::AgentClient| {
-        let out = client
-            .exec(sh(
-                "dmesg | grep -c 'fork rejected by pids controller' || true",
-            ))
-            .expect("dmesg");
-        text(&out.stdout).trim().parse::<u32>().unwrap_or(0)
-    };
-    let refused_before = refusals(&mut client);
     // A fork bomb bounded by its pids limit; the timeout ends all of it.
     // Its first process forks once, then becomes `sleep`: it never needs a
     // fork the limit would refuse, so only the timeout ends it.
+    let refused_before = refused_forks(&mut client);
     let mut bomber = vm.client();
     let bomb = std::thread::spawn(move || {
         bomber.exec(ExecRequest {
@@ -666,22 +707,23 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     });
     // Wait until the bomb has hit its limit, then check the agent still
     // serves requests while it runs.
+    // Nothing else runs in the sandbox, and the bomb's cgroup can never
+    // hold more than 16: 16 tasks is the limit reached. Checked every few
+    // seconds: the agent's work, at full weight, takes the CPU from the
+    // sandbox, whose programs have the lowest.
     let mut limit_wait = WaitBudget::new(Duration::from_secs(300));
-    while refusals(&mut client) == refused_before && !limit_wait.expired() && !bomb.is_finished() {
-        std::thread::sleep(Duration::from_millis(200));
+    let mut tasks = 0;
+    while tasks < 16 && !limit_wait.expired() && !bomb.is_finished() {
+        std::thread::sleep(Duration::from_secs(5));
+        tasks = sandbox_tasks(&mut client);
     }
     let during = client.exec(argv(&["echo", "still here"]));
+    let hit_limit = refused_forks(&mut client) > refused_before;
     let bombed: Result<ExecOutput, ClientError> = bomb.join().expect("bomb thread");
-    let hit_limit = refusals(&mut client) > refused_before;
     // The timeout is reported once every process of the bomb is gone.
-    let left = text(
-        &client
-            .exec(sh("ps -o args | grep -c '^sh -c [b]omb' || true"))
-            .expect("ps")
-            .stdout,
-    );
+    let left = sandbox_tasks(&mut client);
 
-    assert_eq!(yes_left, "0\n");
+    assert_eq!(yes_left, 0, "the vanished client's program runs on");
     assert_eq!(kind(timed), ErrorKind::Timeout);
     assert!(flood_bytes > 0);
     assert_eq!(
@@ -689,23 +731,22 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         Some("still here\n".to_owned()),
         "{during:?}"
     );
-    assert!(hit_limit, "the bomb never reached its pids limit");
+    assert_eq!(tasks, 16, "the bomb never reached its pids limit");
+    assert!(hit_limit, "no fork was refused");
     assert_eq!(kind(bombed), ErrorKind::Timeout);
-    assert_eq!(left, "0\n", "processes of the bomb left");
+    assert_eq!(left, 0, "processes of the bomb left");
 }
 
 #[test]
-#[ignore = "fails on the current emulating hosts since 2026-12-01 (fork bomb never fills / kill-all past 60 s); under investigation, see the issue-12 note; run with --ignored"]
+#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all() {
     let vm = sandbox("hostile");
     let mut client = vm.client();
-    let mut cat = |path: &str| text(&client.exec(argv(&["cat", path])).expect("cat").stdout);
     // The boundaries inside the guest: programs share the lowest CPU weight,
     // PID 1 (and so the agent) is exempt from the OOM killer, programs not.
-    let weight = cat("/sys/fs/cgroup/sandbox/cpu.weight");
-    let init_oom = cat("/proc/1/oom_score_adj");
-    let program_oom = cat("/proc/self/oom_score_adj");
-    let mut client = vm.client();
+    let weight = guest_file(&mut client, &format!("{SANDBOX_CGROUP}/cpu.weight"));
+    let init_oom = guest_file(&mut client, "/proc/1/oom_score_adj");
+    let program_oom = client.exec(argv(&["cat", "/proc/self/oom_score_adj"]));
 
     // Output past `output_max` ends the program with a limit error; the
     // client got exactly the allowance.
@@ -718,25 +759,20 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
         |_, data| capped += data.len(),
     );
 
-    // The kernel's log tells what happened to the hostile programs.
-    let dmesg_until = |what: &str, client: &mut husk_host::agent_client::AgentClient| {
-        // A full sandbox took up to ten minutes on a loaded emulating host.
-        let mut wait = WaitBudget::new(Duration::from_secs(900));
-        loop {
-            // `dmesg` itself needs no fork: it runs even in a full sandbox.
-            let log = client.exec(argv(&["dmesg"])).map(|o| text(&o.stdout));
-            if log.as_deref().is_ok_and(|l| l.contains(what)) || wait.expired() {
-                return log;
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    };
     // A memory hog that leaves its exec (which returns at once, so its
     // timeout never applies): `dd` with a 96 MiB buffer in a 128 MiB guest,
     // again and again. Here every page it touches is a fault served by the
     // emulated guest kernel (about 200 KiB/s), so the test does not wait for
-    // the OOM killer (minutes); it waits until the hog is busy faulting,
+    // the OOM killer (minutes); it waits until the hog has taken 4 MiB,
     // which is kernel work that competes with the agent's.
+    let available = |client: &mut husk_host::agent_client::AgentClient| -> u64 {
+        guest_file(client, "/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("MemAvailable")
+    };
+    let available_before = available(&mut client);
     let started = Instant::now();
     let hog = client.exec(sh(
         "(while :; do dd if=/dev/zero of=/dev/null bs=96M count=1; done) >/dev/null 2>&1 &",
@@ -744,33 +780,31 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
     let mut hog_kib = 0;
     let mut wait = WaitBudget::new(Duration::from_secs(300));
     while hog_kib < 4096 && !wait.expired() {
-        std::thread::sleep(Duration::from_millis(500));
-        let ps = client
-            .exec(argv(&["ps", "-o", "rss,comm"]))
-            .map(|o| text(&o.stdout));
-        hog_kib = ps
-            .as_deref()
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().strip_suffix(" dd"))
-            .filter_map(|rss| {
-                let (n, scale) = match rss.trim().strip_suffix('m') {
-                    Some(mib) => (mib, 1024),
-                    None => (rss.trim(), 1),
-                };
-                n.parse::<u64>().ok().map(|n| n * scale)
-            })
-            .max()
-            .unwrap_or(0);
+        std::thread::sleep(Duration::from_secs(3));
+        hog_kib = available_before.saturating_sub(available(&mut client));
     }
     eprintln!("{:?}: the hog holds {hog_kib} KiB", started.elapsed());
     // Then a fork bomb, also detached, in a sandbox made small enough for it
     // to fill here in a minute (the default limit is three quarters of the
     // guest's threads).
+    let refused_before = refused_forks(&mut client);
     let small = client.exec(sh("echo 32 > /sys/fs/cgroup/sandbox/pids.max"));
     let bomb = client.exec(sh("b() { b | b & }; b >/dev/null 2>&1"));
-    let full = dmesg_until("fork rejected by pids controller", &mut client);
-    eprintln!("{:?}: the sandbox is full", started.elapsed());
+    // A full sandbox took up to ten minutes on a loaded emulating host when
+    // this was watched with guest programs.
+    // Watched every few seconds, with one file read: the agent's work, at
+    // full weight, takes the CPU from the sandbox's programs.
+    let mut full_wait = WaitBudget::new(Duration::from_secs(600));
+    let mut tasks = 0;
+    while tasks < 32 && !full_wait.expired() {
+        std::thread::sleep(Duration::from_secs(5));
+        tasks = sandbox_tasks(&mut client);
+    }
+    let full = refused_forks(&mut client) > refused_before;
+    eprintln!(
+        "{:?}: {tasks} tasks in the sandbox, forks refused: {full}",
+        started.elapsed()
+    );
     // With both running: the agent answers, and a new program runs.
     let mut pings = Vec::new();
     for _ in 0..3 {
@@ -785,13 +819,8 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
         "pings with both running: {pings:?}; kill-all took {:?}: {killed:?}",
         t.elapsed()
     );
+    let left = sandbox_tasks(&mut client);
     let after = client.exec(argv(&["echo", "back"]));
-    let left = text(
-        &client
-            .exec(argv(&["cat", "/sys/fs/cgroup/sandbox/pids.current"]))
-            .expect("cat")
-            .stdout,
-    );
     let survivors: Vec<String> =
         text(&client.exec(argv(&["ps", "-o", "comm"])).expect("ps").stdout)
             .lines()
@@ -802,7 +831,10 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
 
     assert_eq!(weight, "1\n");
     assert_eq!(init_oom, "-1000\n");
-    assert_eq!(program_oom, "0\n");
+    assert_eq!(
+        program_oom.map(|o| text(&o.stdout)).ok().as_deref(),
+        Some("0\n")
+    );
     assert_eq!(kind(over), ErrorKind::Limit);
     assert_eq!(capped, 100_000);
     assert!(
@@ -810,11 +842,8 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
         "{hog:?} {small:?} {bomb:?}"
     );
     assert!(hog_kib >= 4096, "the memory hog never grew ({hog_kib} KiB)");
-    let full = full.expect("dmesg");
-    assert!(
-        full.contains("fork rejected by pids controller"),
-        "the bomb never filled the sandbox"
-    );
+    assert_eq!(tasks, 32, "the bomb never filled the sandbox");
+    assert!(full, "no fork was refused in a full sandbox");
     assert!(pings.iter().all(|(_, ok)| *ok), "{pings:?}");
     assert_eq!(
         during.as_ref().map(|o| text(&o.stdout)).ok(),
@@ -823,13 +852,12 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
     );
     let killed = killed.expect("kill-all");
     assert!(killed >= 16, "killed only {killed} tasks of a full sandbox");
+    assert_eq!(left, 0, "tasks left in the sandbox after kill-all");
     assert_eq!(
         after.as_ref().map(|o| text(&o.stdout)).ok(),
         Some("back\n".to_owned()),
         "{after:?}"
     );
-    // Only the `cat` that read it.
-    assert_eq!(left, "1\n");
     assert!(survivors.is_empty(), "{survivors:?}");
     // The memory the hog held is back.
     assert!(
@@ -867,6 +895,7 @@ fn open_fds(pid: u32) -> usize {
 }
 
 #[test]
+#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
     use std::os::unix::net::UnixListener;
     let vm = sandbox("hostile-io");
