@@ -612,11 +612,16 @@ fn requests_run_concurrently_and_bad_frames_are_survived() {
 /// (a fork+exec costs seconds of emulated guest kernel here, and polling
 /// with programs would take the vCPU from what the test waits for).
 fn guest_file(client: &mut husk_host::agent_client::AgentClient, path: &str) -> String {
+    try_guest_file(client, path).unwrap_or_else(|e| panic!("read {path}: {e:?}"))
+}
+
+fn try_guest_file(
+    client: &mut husk_host::agent_client::AgentClient,
+    path: &str,
+) -> Result<String, ClientError> {
     let mut out = Vec::new();
-    client
-        .read_file(path, &mut out)
-        .unwrap_or_else(|e| panic!("read {path}: {e:?}"));
-    text(&out)
+    client.read_file(path, &mut out)?;
+    Ok(text(&out))
 }
 
 /// The guest's sandbox cgroup (every program the agent started is below it).
@@ -632,15 +637,9 @@ fn refused_forks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
         .iter()
         .filter(|e| e.stat.kind == FileKind::Dir)
         .filter_map(|e| {
-            let mut out = Vec::new();
             // A program's cgroup may go while we look.
-            client
-                .read_file(
-                    &format!("{SANDBOX_CGROUP}/{}/pids.events", e.name),
-                    &mut out,
-                )
-                .ok()?;
-            text(&out)
+            try_guest_file(client, &format!("{SANDBOX_CGROUP}/{}/pids.events", e.name))
+                .ok()?
                 .lines()
                 .find_map(|l| l.strip_prefix("max ")?.trim().parse::<u64>().ok())
         })
@@ -653,6 +652,27 @@ fn sandbox_tasks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
         .trim()
         .parse()
         .expect("pids.current")
+}
+
+/// Reads the sandbox's task count every `every` until `done` holds, `budget`
+/// passes or `stop` says to give up; returns the last count. Checked rarely:
+/// the agent's work, at full CPU weight, takes the CPU from the sandbox's
+/// programs, which have the lowest.
+fn watch_sandbox_tasks(
+    client: &mut husk_host::agent_client::AgentClient,
+    budget: Duration,
+    every: Duration,
+    done: impl Fn(u64) -> bool,
+    stop: impl Fn() -> bool,
+) -> u64 {
+    let mut wait = WaitBudget::new(budget);
+    loop {
+        let tasks = sandbox_tasks(client);
+        if done(tasks) || wait.expired() || stop() {
+            return tasks;
+        }
+        std::thread::sleep(every);
+    }
 }
 
 #[test]
@@ -674,15 +694,13 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     let mut client = vm.client();
     // The agent kills it when it sees the connection end: wait until the
     // sandbox cgroup is empty.
-    let mut yes_left = u64::MAX;
-    let mut gone = WaitBudget::new(Duration::from_secs(120));
-    while !gone.expired() {
-        yes_left = sandbox_tasks(&mut client);
-        if yes_left == 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_secs(2));
-    }
+    let yes_left = watch_sandbox_tasks(
+        &mut client,
+        Duration::from_secs(120),
+        Duration::from_secs(2),
+        |n| n == 0,
+        || false,
+    );
     // A flood with a timeout: output streams until the kill.
     let mut flood_bytes = 0usize;
     let timed = client.exec_streaming(
@@ -706,17 +724,16 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         })
     });
     // Wait until the bomb has hit its limit, then check the agent still
-    // serves requests while it runs.
-    // Nothing else runs in the sandbox, and the bomb's cgroup can never
-    // hold more than 16: 16 tasks is the limit reached. Checked every few
-    // seconds: the agent's work, at full weight, takes the CPU from the
-    // sandbox, whose programs have the lowest.
-    let mut limit_wait = WaitBudget::new(Duration::from_secs(300));
-    let mut tasks = 0;
-    while tasks < 16 && !limit_wait.expired() && !bomb.is_finished() {
-        std::thread::sleep(Duration::from_secs(5));
-        tasks = sandbox_tasks(&mut client);
-    }
+    // serves requests while it runs. Nothing else runs in the sandbox, and
+    // the bomb's cgroup can never hold more than 16: 16 tasks is the limit
+    // reached.
+    let tasks = watch_sandbox_tasks(
+        &mut client,
+        Duration::from_secs(300),
+        Duration::from_secs(5),
+        |n| n >= 16,
+        || bomb.is_finished(),
+    );
     let during = client.exec(argv(&["echo", "still here"]));
     let hit_limit = refused_forks(&mut client) > refused_before;
     let bombed: Result<ExecOutput, ClientError> = bomb.join().expect("bomb thread");
@@ -790,16 +807,15 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
     let refused_before = refused_forks(&mut client);
     let small = client.exec(sh("echo 32 > /sys/fs/cgroup/sandbox/pids.max"));
     let bomb = client.exec(sh("b() { b | b & }; b >/dev/null 2>&1"));
-    // A full sandbox took up to ten minutes on a loaded emulating host when
-    // this was watched with guest programs.
-    // Watched every few seconds, with one file read: the agent's work, at
-    // full weight, takes the CPU from the sandbox's programs.
-    let mut full_wait = WaitBudget::new(Duration::from_secs(600));
-    let mut tasks = 0;
-    while tasks < 32 && !full_wait.expired() {
-        std::thread::sleep(Duration::from_secs(5));
-        tasks = sandbox_tasks(&mut client);
-    }
+    // Generous: a full sandbox took up to ten minutes on a loaded emulating
+    // host when this was watched with guest programs.
+    let tasks = watch_sandbox_tasks(
+        &mut client,
+        Duration::from_secs(600),
+        Duration::from_secs(5),
+        |n| n >= 32,
+        || false,
+    );
     let full = refused_forks(&mut client) > refused_before;
     eprintln!(
         "{:?}: {tasks} tasks in the sandbox, forks refused: {full}",
