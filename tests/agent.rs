@@ -676,7 +676,6 @@ fn watch_sandbox_tasks(
 }
 
 #[test]
-#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     let vm = sandbox("floods");
     // A client that reads some of an endless flood and then vanishes: the
@@ -755,7 +754,6 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
 }
 
 #[test]
-#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all() {
     let vm = sandbox("hostile");
     let mut client = vm.client();
@@ -911,7 +909,6 @@ fn open_fds(pid: u32) -> usize {
 }
 
 #[test]
-#[ignore = "hostile tier: minutes of emulated guest work each on a PVM host; run with `make test-hostile`"]
 fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
     use std::os::unix::net::UnixListener;
     let vm = sandbox("hostile-io");
