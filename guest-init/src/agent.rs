@@ -320,12 +320,9 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
     Some(Frame { id, body: quick })
 }
 
-/// How long the killed tasks may take to exit before `KillAll` fails.
-const KILL_ALL_DRAIN: std::time::Duration = std::time::Duration::from_secs(60);
-
 /// `KillAll`: everything the sandbox's user started, gone.
 fn kill_all(id: u64) -> Frame {
-    match crate::cgroup::kill_all(KILL_ALL_DRAIN) {
+    match crate::cgroup::kill_all(husk_protocol::KILL_ALL_DRAIN) {
         Ok(tasks) => {
             crate::log(&format!("agent: killed all {tasks} tasks of the sandbox"));
             Frame {

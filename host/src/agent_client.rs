@@ -547,9 +547,16 @@ impl AgentClient {
 
     /// SIGKILLs everything the sandbox's user started (every program and
     /// what it left behind, detached or not) and returns once it is gone,
-    /// with how many tasks there were. The agent keeps running.
+    /// with how many tasks there were. The agent keeps running. The reply
+    /// is awaited for as long as the agent lets the tasks take to exit
+    /// ([`husk_protocol::KILL_ALL_DRAIN`]) and a minute more.
     pub fn kill_all(&mut self) -> Result<u64, ClientError> {
-        match self.call(Body::KillAll)? {
+        let previous = self.reader.get_ref().read_timeout()?;
+        let patience = husk_protocol::KILL_ALL_DRAIN + Duration::from_secs(60);
+        self.set_read_timeout(previous.map(|p| p.max(patience)))?;
+        let reply = self.call(Body::KillAll);
+        self.set_read_timeout(previous)?;
+        match reply? {
             Body::KilledAll { tasks } => Ok(tasks),
             other => Err(ClientError::Unexpected(Box::new(other))),
         }

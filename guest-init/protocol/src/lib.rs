@@ -114,6 +114,11 @@ pub const LIST_BATCH: usize = 512;
 pub const FILE_CHUNK: usize = 256 << 10;
 /// Output the guest keeps per program for a client that is not attached.
 pub const OUTPUT_BUFFER: usize = 1 << 20;
+/// How long the tasks `KillAll` SIGKILLed may take to exit before it fails
+/// with a timeout. SIGKILLed tasks exit at the pace the host gives the
+/// guest's vCPU: on a loaded emulating (PVM) host the 29 tasks of a fork
+/// bomb and a memory hog took over a minute.
+pub const KILL_ALL_DRAIN: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// One message with its request id.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
