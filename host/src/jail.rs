@@ -45,6 +45,8 @@ use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{chown, fork, ForkResult, Gid, Pid, Uid};
 
+use husk_vmm_api::cmdline::PVM_MODULE;
+
 /// First uid (and gid) the daemon gives a jail; each sandbox gets its own.
 pub const UID_BASE: u32 = 200_000;
 /// How many uids the daemon hands out.
@@ -91,9 +93,6 @@ pub struct JailConfig {
     pub jailer: PathBuf,
     pub uids: std::sync::Arc<UidPool>,
 }
-
-/// Where a PVM host shows its KVM module (see husk-vmm's `is_pvm_host`).
-const PVM_MODULE: &str = "/sys/module/kvm_pvm";
 
 /// A path the VMM sees, at the same place as on the host.
 #[derive(Debug, Clone, PartialEq, Eq)]

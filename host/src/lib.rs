@@ -19,6 +19,8 @@
 //! - [`metrics`]: Prometheus text at /metrics;
 //! - [`agent_client`]: a typed client of the guest agent over the VMM's
 //!   vsock socket;
+//! - [`bench`]: `husk bench`, cold boot, restore and pooled create next to
+//!   QEMU, per phase;
 //! - [`readiness`]: how long to wait for a guest that boots or restores,
 //!   counted in the CPU share the host can give it.
 //!
@@ -27,6 +29,7 @@
 pub mod agent_client;
 pub mod api;
 pub mod api_client;
+pub mod bench;
 pub mod cgroup;
 pub mod daemon;
 pub mod e2b;

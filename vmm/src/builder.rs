@@ -120,7 +120,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
     if let Some(vsock) = &config.vsock {
-        let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
+        let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?.with_timeline(timeline.clone());
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Vsock(device), None)?;
@@ -224,6 +224,7 @@ fn restore_devices(
     config: &RestoreConfig,
     saved: &[persist::DeviceSnapshot],
     created: &mut CreatedFiles,
+    timeline: &Arc<Timeline>,
 ) -> Result<Vec<DeviceHandle>, BuildError> {
     let restore_err = |m: String| BuildError::Restore(m);
     let has = |f: fn(&SavedDevice) -> bool| saved.iter().any(|d| f(&d.device));
@@ -274,7 +275,8 @@ fn restore_devices(
                     .vsock
                     .as_ref()
                     .ok_or_else(|| restore_err("no vsock".into()))?;
-                let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?;
+                let device =
+                    VsockDevice::new(vsock.cid, &vsock.uds_path)?.with_timeline(timeline.clone());
                 DeviceHandle::Vsock(Arc::new(Mutex::new(device)))
             }
             SavedDevice::Net { .. } => {
@@ -346,7 +348,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
         .into());
     }
     let mut created = CreatedFiles(Vec::new());
-    let restored_devices = restore_devices(config, &state.devices, &mut created)?;
+    let restored_devices = restore_devices(config, &state.devices, &mut created, &timeline)?;
     let console_out = config.serial.open()?;
     timeline.mark(Phase::StateLoaded);
 

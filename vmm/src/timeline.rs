@@ -21,13 +21,24 @@ pub enum Phase {
     FirstKvmRun,
     /// guest-init printed its readiness line.
     GuestReady,
+    /// Restore only: the vsock transport reset was put in the guest's event
+    /// queue (its old connections are gone).
+    VsockResetSent,
+    /// Restore only: the guest handed its event buffer back, so it has
+    /// handled the reset and may be given new connections.
+    VsockResetHandled,
+    /// The guest accepted the first host-initiated vsock connection.
+    VsockConnected,
+    /// The guest sent its first data on a vsock connection (for a host
+    /// client of the agent: the first reply).
+    VsockFirstReply,
     /// The guest asked to be reset or powered off.
     GuestExit,
 }
 
 impl Phase {
     /// Every phase, in order.
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 12] = [
         Phase::StateLoaded,
         Phase::VmCreated,
         Phase::MemoryReady,
@@ -35,6 +46,10 @@ impl Phase {
         Phase::VcpusReady,
         Phase::FirstKvmRun,
         Phase::GuestReady,
+        Phase::VsockResetSent,
+        Phase::VsockResetHandled,
+        Phase::VsockConnected,
+        Phase::VsockFirstReply,
         Phase::GuestExit,
     ];
 
@@ -48,6 +63,10 @@ impl Phase {
             Phase::VcpusReady => "vcpus_ready",
             Phase::FirstKvmRun => "first_kvm_run",
             Phase::GuestReady => "guest_ready",
+            Phase::VsockResetSent => "vsock_reset_sent",
+            Phase::VsockResetHandled => "vsock_reset_handled",
+            Phase::VsockConnected => "vsock_connected",
+            Phase::VsockFirstReply => "vsock_first_reply",
             Phase::GuestExit => "guest_exit",
         }
     }
@@ -60,7 +79,7 @@ pub struct Timeline {
     /// CLOCK_MONOTONIC at the start, comparable across processes (a parent
     /// can tell how long the process took to reach `main`).
     start_monotonic_ns: u64,
-    marks: [OnceLock<Instant>; 8],
+    marks: [OnceLock<Instant>; Phase::ALL.len()],
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the same clock for every process.

@@ -16,6 +16,7 @@
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.
 
+pub mod cmdline;
 pub mod limits;
 
 use std::collections::BTreeMap;

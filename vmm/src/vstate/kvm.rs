@@ -74,9 +74,7 @@ pub fn check_vcpu_count(kvm: &Kvm, vcpus: u8) -> Result<(), KvmError> {
 
 /// Whether the host serves `/dev/kvm` through the PVM module, whose guests
 /// need the kernel command-line flags of shared/platform.md.
-pub fn is_pvm_host() -> bool {
-    Path::new("/sys/module/kvm_pvm").exists()
-}
+pub use husk_vmm_api::cmdline::is_pvm_host;
 
 #[cfg(test)]
 mod tests {

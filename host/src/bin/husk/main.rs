@@ -12,6 +12,7 @@
 //!     husk exec|cp|pause|resume|logs|inspect|rm|fork SANDBOX ...
 //!     husk snapshot SANDBOX TEMPLATE_NAME
 //!     husk audit [--sandbox ID]
+//!     husk bench [-n N] [--clones K] [--json FILE] [--svg FILE] [--no-qemu] [--no-pooled]
 //!
 //! Without it, one VM is driven through its own sockets (a target with a
 //! `/` is a socket path):
@@ -64,6 +65,7 @@ use husk_host::readiness::WaitBudget;
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
 use husk_vmm_api::{Reply, Request};
 
+mod bench;
 mod sandboxes;
 mod serve;
 
@@ -237,6 +239,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Benchmark cold boot, snapshot restore and pooled create of one guest,
+    /// next to QEMU's microvm; per phase, as a table, JSON and SVG.
+    Bench(bench::BenchArgs),
     /// Serve the Model Context Protocol on stdin/stdout: tools to create a
     /// sandbox, run commands, read, write and list files, and destroy it.
     /// The client's sandboxes are destroyed when it disconnects.
@@ -1082,6 +1087,15 @@ fn main() -> ExitCode {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
                 eprintln!("husk serve: {e}");
+                ExitCode::from(HUSK_FAILED)
+            }
+        };
+    }
+    if let Command::Bench(bench_args) = args.command {
+        return match bench::bench(bench_args) {
+            Ok(code) => ExitCode::from(code),
+            Err(e) => {
+                eprintln!("husk bench: {e}");
                 ExitCode::from(HUSK_FAILED)
             }
         };

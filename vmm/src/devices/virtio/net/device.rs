@@ -187,7 +187,7 @@ impl NetDevice {
 }
 
 /// Copies a TX chain (device-readable descriptors only) into `frame`.
-pub(crate) fn gather(
+pub fn gather(
     mem: &GuestMemoryMmap,
     descriptors: &[virtio_queue::desc::split::Descriptor],
     frame: &mut Vec<u8>,
@@ -208,7 +208,7 @@ pub(crate) fn gather(
 
 /// Copies `frame` into an RX chain; `None` if the chain is unusable or too
 /// small. Sets num_buffers to 1 (no mergeable buffers).
-pub(crate) fn scatter(
+pub fn scatter(
     mem: &GuestMemoryMmap,
     descriptors: &[virtio_queue::desc::split::Descriptor],
     frame: &[u8],

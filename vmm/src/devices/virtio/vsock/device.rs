@@ -2,6 +2,7 @@
 //! loop together with the Unix sockets of its connections.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_queue::QueueOwnedT;
@@ -14,6 +15,7 @@ use crate::devices::virtio::{
     read_config_bytes, watch_queues, ActivateError, ActiveQueues, VirtioDevice, INT_VRING,
     TYPE_VSOCK, VIRTIO_F_VERSION_1,
 };
+use crate::timeline::{Phase, Timeline};
 
 const RX: usize = 0;
 const TX: usize = 1;
@@ -36,6 +38,8 @@ pub struct VsockDevice {
     /// yet handed its event buffer back. Until it does, nothing goes to the
     /// guest: it would drop new connections along with the old ones.
     awaiting_reset: bool,
+    /// Where the reset and the first connection are marked, if anywhere.
+    timeline: Option<Arc<Timeline>>,
 }
 
 impl VsockDevice {
@@ -59,7 +63,22 @@ impl VsockDevice {
             config: cid.to_le_bytes(),
             active: None,
             awaiting_reset: false,
+            timeline: None,
         })
+    }
+
+    /// Marks the transport reset and the first connection on `timeline`
+    /// (the restore-to-answer phases that benchmarks report).
+    pub fn with_timeline(mut self, timeline: Arc<Timeline>) -> Self {
+        self.muxer.set_timeline(timeline.clone());
+        self.timeline = Some(timeline);
+        self
+    }
+
+    fn mark(&self, phase: Phase) {
+        if let Some(timeline) = &self.timeline {
+            timeline.mark(phase);
+        }
     }
 
     /// Takes every packet the guest sent, then fills RX buffers with what
@@ -178,6 +197,7 @@ impl VirtioDevice for VsockDevice {
         if sent {
             self.awaiting_reset = true;
             active.interrupt.trigger(INT_VRING);
+            self.mark(Phase::VsockResetSent);
         } else {
             tracing::warn!("vsock: no event buffer from the guest; its old connections stay");
         }
@@ -201,8 +221,9 @@ impl MutEventSubscriber for VsockDevice {
                 let _ = evt.read();
                 // The guest refills the event queue once it has handled
                 // the transport reset (reset its sockets, read the CID).
-                if token as usize == EVENT {
+                if token as usize == EVENT && self.awaiting_reset {
                     self.awaiting_reset = false;
+                    self.mark(Phase::VsockResetHandled);
                 }
             }
             None => self.muxer.on_event(token, events.event_set(), ops),

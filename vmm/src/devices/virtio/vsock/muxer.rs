@@ -27,10 +27,12 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use event_manager::{EventOps, EventSet, Events};
 
 use super::packet::*;
+use crate::timeline::{Phase, Timeline};
 
 /// Buffer space we advertise to the guest per connection.
 pub const CONN_BUF: u32 = 256 << 10;
@@ -140,6 +142,8 @@ pub struct Muxer {
     /// until a connection closes, so the event loop does not spin on it.
     listener_paused: bool,
     refusals: Refusals,
+    /// Where the first accepted connection and first reply are marked.
+    timeline: Option<Arc<Timeline>>,
 }
 
 /// Errors setting up the host side.
@@ -177,7 +181,19 @@ impl Muxer {
             host_conns: 0,
             listener_paused: false,
             refusals: Refusals::default(),
+            timeline: None,
         })
+    }
+
+    /// Marks the first accepted connection and first reply on `timeline`.
+    pub fn set_timeline(&mut self, timeline: Arc<Timeline>) {
+        self.timeline = Some(timeline);
+    }
+
+    fn mark(&self, phase: Phase) {
+        if let Some(timeline) = &self.timeline {
+            timeline.mark(phase);
+        }
     }
 
     /// Removes the socket file, if it is still the one this muxer bound.
@@ -507,6 +523,9 @@ impl Muxer {
         match (h.op, conn.state) {
             (OP_RESPONSE, ConnState::LocalInit) => {
                 conn.state = ConnState::Established;
+                if let Some(timeline) = &self.timeline {
+                    timeline.mark(Phase::VsockConnected);
+                }
                 let reply = format!("OK {}\n", key.local_port);
                 if conn.stream.write_all(reply.as_bytes()).is_err() {
                     self.close(key, true, ops);
@@ -514,7 +533,10 @@ impl Muxer {
                 }
                 self.watch(key, EventSet::IN | EventSet::READ_HANG_UP, ops);
             }
-            (OP_RW, ConnState::Established) => self.take_guest_data(key, payload, ops),
+            (OP_RW, ConnState::Established) => {
+                self.mark(Phase::VsockFirstReply);
+                self.take_guest_data(key, payload, ops);
+            }
             (OP_CREDIT_UPDATE, ConnState::Established) => self.resume_rx(key, ops),
             (OP_CREDIT_REQUEST, ConnState::Established) => self.send_control(key, OP_CREDIT_UPDATE),
             (OP_SHUTDOWN, ConnState::Established) => self.peer_shutdown(key, h.flags, ops),

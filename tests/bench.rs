@@ -1,0 +1,215 @@
+//! `husk bench`, a tiny run of the real thing: two runs of each contender
+//! and mode (QEMU too where it is installed) on real guests. Its report
+//! must validate against the published schema, and its numbers must be
+//! sane: positive, phases in order and summing to each run's total. They
+//! are never checked against time limits.
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use husk_host::bench::report::{Report, Side, Status};
+
+/// Phases of husk's runs, in the order they happen.
+const HUSK_ORDER: [&str; 13] = [
+    "process_start",
+    "state_load",
+    "vm_create",
+    "memory",
+    "kernel_load",
+    "vcpus_and_devices",
+    "to_first_kvm_run",
+    "vsock_reset_handled",
+    "connection_accepted",
+    "first_reply",
+    "agent_answering",
+    "claim_resume_and_identity",
+    "first_exec_output",
+];
+
+fn validate_with_python(report: &Path, schema: &str) {
+    let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|v| !v.is_empty()) else {
+        eprintln!("schema check skipped: HUSK_TEST_PYTHON (a python with jsonschema; `make test` sets it up)");
+        return;
+    };
+    let schema_file = report.with_extension("schema.json");
+    std::fs::write(&schema_file, schema).expect("schema file");
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import json, sys, jsonschema\n\
+             schema = json.load(open(sys.argv[1]))\n\
+             jsonschema.Draft202012Validator.check_schema(schema)\n\
+             jsonschema.Draft202012Validator(schema).validate(json.load(open(sys.argv[2])))\n\
+             print('valid')",
+        ])
+        .arg(&schema_file)
+        .arg(report)
+        .output()
+        .expect("python");
+    assert!(
+        out.status.success(),
+        "the report does not validate against its schema:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let (json, svg) = (
+        dir.as_path().join("bench.json"),
+        dir.as_path().join("bench.svg"),
+    );
+
+    let out = Command::new(common::husk_binary())
+        .args(["bench", "--iterations", "2", "--clones", "2"])
+        .arg("--kernel")
+        .arg(common::kernel())
+        .arg("--initramfs")
+        .arg(common::initramfs())
+        .arg("--vmm")
+        .arg(common::vmm_binary())
+        .arg("--json")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .expect("husk bench");
+    let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+    eprintln!("{stderr}\n{stdout}");
+
+    assert!(out.status.success(), "husk bench failed: {}", out.status);
+    let schema = Command::new(common::husk_binary())
+        .args(["bench", "--schema"])
+        .output()
+        .expect("husk bench --schema");
+    assert!(schema.status.success());
+    validate_with_python(&json, &common::text(&schema.stdout));
+    let report: Report =
+        serde_json::from_slice(&std::fs::read(&json).expect("report")).expect("report JSON");
+    assert_eq!(report.schema, "husk-bench/1");
+    let pvm = Path::new("/sys/module/kvm_pvm").exists();
+    assert_eq!(report.labels.kvm, if pvm { "pvm" } else { "hardware" });
+    assert_eq!(report.labels.warning.is_some(), pvm);
+    assert!(report.labels.cpus >= 1 && report.labels.guest_kernel_bytes > 0);
+    assert_eq!(
+        report.labels.guest_clocksource.as_deref(),
+        Some("kvm-clock")
+    );
+    for s in &report.series {
+        let label = format!("{} {}", s.contender, s.mode);
+        if s.contender == "qemu" && s.status == Status::Skipped {
+            assert!(
+                which_qemu().is_none(),
+                "{label} skipped with QEMU installed: {}",
+                s.note
+            );
+            continue;
+        }
+        // Every husk mode, and QEMU where installed, ran both times.
+        assert_eq!(s.status, Status::Ok, "{label}: {:?}", s.failures);
+        assert_eq!(s.samples.len(), 2, "{label}");
+        for sample in &s.samples {
+            assert!(sample.total_ms > 0.0, "{label}: {sample:?}");
+            assert!(
+                sample.phases.iter().all(|p| p.ms >= 0.0),
+                "{label}: {sample:?}"
+            );
+            let sum: f64 = sample.phases.iter().map(|p| p.ms).sum();
+            assert!((sum - sample.total_ms).abs() < 1e-6, "{label}: {sample:?}");
+            // Host work comes before the guest's.
+            let first_guest = sample.phases.iter().position(|p| p.side == Side::Guest);
+            let last_host = sample.phases.iter().rposition(|p| p.side == Side::Host);
+            if let (Some(g), Some(h)) = (first_guest, last_host) {
+                assert!(h < g, "{label}: {sample:?}");
+            }
+            let memory = sample.memory.expect("memory of the run's VMM");
+            assert!(
+                memory.pss_kib > 0 && memory.rss_kib >= memory.private_kib,
+                "{label}"
+            );
+        }
+        if s.contender == "husk" && s.mode != "pooled_create" {
+            // Timed to the point QEMU reaches too, within the run.
+            for sample in &s.samples {
+                let c = sample.comparable_ms.expect("comparable endpoint");
+                assert!(c > 0.0 && c <= sample.total_ms, "{label}: {sample:?}");
+            }
+        }
+        if s.contender == "husk" {
+            for sample in &s.samples {
+                let at: Vec<usize> = sample
+                    .phases
+                    .iter()
+                    .map(|p| {
+                        HUSK_ORDER
+                            .iter()
+                            .position(|n| *n == p.name)
+                            .expect("known phase")
+                    })
+                    .collect();
+                assert!(at.windows(2).all(|w| w[0] < w[1]), "{label}: {sample:?}");
+                assert_eq!(
+                    sample.phases.last().map(|p| p.name.as_str()),
+                    Some("first_exec_output")
+                );
+            }
+        }
+    }
+    let series = |c: &str, m: &str| {
+        report
+            .series
+            .iter()
+            .find(|s| s.contender == c && s.mode == m)
+            .unwrap_or_else(|| panic!("no {c} {m}"))
+    };
+    // A restore is broken into the VMM's phases and the guest's answer.
+    let restore = &series("husk", "restore").samples[1];
+    let names: Vec<&str> = restore.phases.iter().map(|p| p.name.as_str()).collect();
+    for phase in [
+        "state_load",
+        "memory",
+        "to_first_kvm_run",
+        "connection_accepted",
+        "first_exec_output",
+    ] {
+        assert!(names.contains(&phase), "{names:?}");
+    }
+    assert!(restore.snapshot_age_s.is_some_and(|a| a >= 0.0));
+    assert!(restore.guest_clock_offset_ms.is_some());
+    let cold = &series("husk", "cold_boot").samples[0];
+    assert!(cold.phases.iter().any(|p| p.name == "connection_accepted"));
+    // QEMU, where it ran, against husk to the same endpoints.
+    if which_qemu().is_some() {
+        let modes: Vec<&str> = report.ratios.iter().map(|r| r.mode.as_str()).collect();
+        assert_eq!(modes, ["cold_boot", "restore"], "{:?}", report.ratios);
+        assert!(report.ratios.iter().all(|r| r.p50_over_husk > 0.0));
+    }
+    // Two clones at once: shared pages counted once in the PSS sum.
+    let clones = &report.clones[0];
+    assert_eq!((clones.contender.as_str(), clones.count), ("husk", 2));
+    assert!(clones.pss_total_kib > 0 && clones.pss_total_kib <= clones.rss_total_kib);
+    // The table and the chart show every phase that ran.
+    let chart = std::fs::read_to_string(&svg).expect("svg");
+    assert!(chart.starts_with("<svg") && chart.trim_end().ends_with("</svg>"));
+    for p in &series("husk", "restore").phases {
+        assert!(
+            chart.contains(&format!("husk restore: {}", p.name)),
+            "{}",
+            p.name
+        );
+        assert!(stdout.contains(&p.name), "{}", p.name);
+    }
+}
+
+fn which_qemu() -> Option<()> {
+    Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| ())
+}
