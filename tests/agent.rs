@@ -675,6 +675,28 @@ fn watch_sandbox_tasks(
     }
 }
 
+/// Waits (reading every 5 s, within `budget` or until `stop`) for the pids
+/// controller to refuse a fork in the sandbox since `before` refusals. A
+/// full sandbox refuses the bomb's next fork, but on a loaded emulating
+/// host that fork may come many seconds after the sandbox filled.
+fn watch_refused_forks(
+    client: &mut husk_host::agent_client::AgentClient,
+    before: u64,
+    budget: Duration,
+    stop: impl Fn() -> bool,
+) -> bool {
+    let mut wait = WaitBudget::new(budget);
+    loop {
+        if refused_forks(client) > before {
+            return true;
+        }
+        if wait.expired() || stop() {
+            return false;
+        }
+        std::thread::sleep(Duration::from_secs(5));
+    }
+}
+
 #[test]
 fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     let vm = sandbox("floods");
@@ -717,8 +739,9 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
     let bomb = std::thread::spawn(move || {
         bomber.exec(ExecRequest {
             pids_max: Some(16),
-            // Long enough for a slow guest to fill its 16 pids first.
-            timeout_ms: Some(120_000),
+            // Long enough for a slow guest to fill its 16 pids and be
+            // refused a fork first.
+            timeout_ms: Some(180_000),
             ..sh("bomb() { bomb | bomb & }; bomb; exec sleep 1000")
         })
     });
@@ -734,7 +757,12 @@ fn floods_fork_bombs_and_vanishing_clients_leave_the_agent_working() {
         || bomb.is_finished(),
     );
     let during = client.exec(argv(&["echo", "still here"]));
-    let hit_limit = refused_forks(&mut client) > refused_before;
+    let hit_limit = watch_refused_forks(
+        &mut client,
+        refused_before,
+        Duration::from_secs(120),
+        || bomb.is_finished(),
+    );
     let bombed: Result<ExecOutput, ClientError> = bomb.join().expect("bomb thread");
     // The timeout is reported once every process of the bomb is gone.
     let left = sandbox_tasks(&mut client);
@@ -814,7 +842,12 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
         |n| n >= 32,
         || false,
     );
-    let full = refused_forks(&mut client) > refused_before;
+    let full = watch_refused_forks(
+        &mut client,
+        refused_before,
+        Duration::from_secs(120),
+        || false,
+    );
     eprintln!(
         "{:?}: {tasks} tasks in the sandbox, forks refused: {full}",
         started.elapsed()
