@@ -1373,6 +1373,10 @@ fn a_network_template_gives_each_sandbox_its_own_tap_and_mac() {
         eprintln!("skipped: creating TAP devices needs root (CAP_NET_ADMIN)");
         return;
     }
+    if Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: a sandbox with a NIC gets a firewall, which needs nftables (`nft`)");
+        return;
+    }
     let t = build_template("net", json!({ "name": "net", "network": true }))
         .expect("build a template with a network device");
     let a = create("net").sandbox;
