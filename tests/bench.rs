@@ -180,6 +180,17 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
     }
     assert!(restore.snapshot_age_s.is_some_and(|a| a >= 0.0));
     assert!(restore.guest_clock_offset_ms.is_some());
+    // The pooled sandbox's memory is its VMM's (the daemon's pid for it is
+    // the jailer's): at least the guest pages its exec touched.
+    let pooled = series("husk", "pooled_create");
+    assert!(
+        pooled
+            .samples
+            .iter()
+            .all(|s| s.memory.is_some_and(|m| m.rss_kib > 4096)),
+        "{:?}",
+        pooled.samples
+    );
     let cold = &series("husk", "cold_boot").samples[0];
     assert!(cold.phases.iter().any(|p| p.name == "connection_accepted"));
     // QEMU, where it ran, against husk to the same endpoints.

@@ -162,9 +162,10 @@ impl Daemon {
             .map_err(|e| format!("create: {e}"))?;
         let created_ns = monotonic_ns();
         let id = created.sandbox.id.clone();
-        let result = self
-            .first_output(&id)
-            .map(|output_ns| (output_ns, Memory::of(created.sandbox.pid)));
+        let result = self.first_output(&id).map(|output_ns| {
+            let vmm = vmm_process(created.sandbox.pid);
+            (output_ns, vmm.and_then(Memory::of))
+        });
         let _ = self.api.send(
             "DELETE",
             &format!("/v1/sandboxes/{}", encode(&id)),
@@ -212,6 +213,20 @@ impl Daemon {
         }
         first.ok_or_else(|| "the program wrote nothing".to_owned())
     }
+}
+
+/// The husk-vmm process at or below `pid` (a jailed sandbox's pid is its
+/// jailer's, and the VMM runs as its child).
+fn vmm_process(pid: u32) -> Option<u32> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if comm.trim() == "husk-vmm" {
+        return Some(pid);
+    }
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
+    children
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .find_map(vmm_process)
 }
 
 /// The daemon's state directory under the bench's work directory.
