@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use husk_protocol::{ExecRequest, Stream};
 
-use super::report::{segments, total, Memory, Sample, Side};
+use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
 use crate::agent_client::{AgentClient, ClientError};
 use crate::readiness::WaitBudget;
@@ -244,7 +244,6 @@ pub fn sample(
         ("agent_answering", Side::Guest, Some(answered.answered_ns)),
         ("first_exec_output", Side::Guest, Some(answered.output_ns)),
     ];
-    let phases = segments(spawned_ns, &points);
     // What QEMU can be timed to as well (see report::endpoint).
     let endpoint = if restore.is_some() {
         t("first_kvm_run")
@@ -252,12 +251,9 @@ pub fn sample(
         t("guest_ready")
     };
     Sample {
-        iteration,
-        total_ms: total(&phases),
-        phases,
-        memory: answered.memory,
         snapshot_age_s: restore.map(|(age, _)| age),
         guest_clock_offset_ms: restore.and_then(|(_, offset)| offset),
         comparable_ms: endpoint.map(|e| e.saturating_sub(spawned_ns) as f64 / 1e6),
+        ..Sample::from_points(iteration, spawned_ns, &points, answered.memory)
     }
 }

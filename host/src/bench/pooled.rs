@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::report::{segments, total, Memory, Sample, Side};
+use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
 use crate::api::{BuildEvent, ExecEvent};
 use crate::api_client::{encode, ApiClient, Endpoint, Payload};
@@ -179,16 +179,7 @@ impl Daemon {
             ("claim_resume_and_identity", Side::Guest, Some(created_ns)),
             ("first_exec_output", Side::Guest, Some(output_ns)),
         ];
-        let phases = segments(started_ns, &points);
-        Ok(Sample {
-            iteration,
-            total_ms: total(&phases),
-            phases,
-            memory,
-            snapshot_age_s: None,
-            guest_clock_offset_ms: None,
-            comparable_ms: None,
-        })
+        Ok(Sample::from_points(iteration, started_ns, &points, memory))
     }
 
     /// Runs the program through the API; when its first output came.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use super::report::{segments, total, Memory, Sample, Side};
+use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig};
 
 /// guest-init's readiness line on the console.
@@ -278,17 +278,21 @@ pub fn cold_boot(
         ("process_start_and_vm_setup", Side::Host, Some(setup_ns)),
         ("guest_init_ready", Side::Guest, Some(ready_ns)),
     ];
-    let phases = segments(qemu.spawned_ns, &points);
-    let total_ms = total(&phases);
-    Ok(Sample {
+    Ok(comparable(Sample::from_points(
         iteration,
-        total_ms,
-        phases,
+        qemu.spawned_ns,
+        &points,
         memory,
-        snapshot_age_s: None,
-        guest_clock_offset_ms: None,
-        comparable_ms: Some(total_ms),
-    })
+    )))
+}
+
+/// QEMU's runs end at the endpoint every contender reaches: their whole
+/// span is what ratios compare.
+fn comparable(sample: Sample) -> Sample {
+    Sample {
+        comparable_ms: Some(sample.total_ms),
+        ..sample
+    }
 }
 
 /// One restore of the migration file `snapshot`, to QMP's `running`.
@@ -315,17 +319,10 @@ pub fn restore(
         ("state_and_memory_load", Side::Host, Some(loaded_ns)),
         ("resume", Side::Host, Some(running_ns)),
     ];
-    let phases = segments(qemu.spawned_ns, &points);
-    let total_ms = total(&phases);
-    Ok(Sample {
-        iteration,
-        total_ms,
-        phases,
-        memory,
+    Ok(comparable(Sample {
         snapshot_age_s: Some(age),
-        guest_clock_offset_ms: None,
-        comparable_ms: Some(total_ms),
-    })
+        ..Sample::from_points(iteration, qemu.spawned_ns, &points, memory)
+    }))
 }
 
 #[cfg(test)]

@@ -80,6 +80,28 @@ pub struct Sample {
     pub comparable_ms: Option<f64>,
 }
 
+impl Sample {
+    /// A run whose phases lead from `start` through `points` (see
+    /// [`segments`]); the restore and comparison figures are left unset.
+    pub fn from_points(
+        iteration: usize,
+        start: u64,
+        points: &[(&str, Side, Option<u64>)],
+        memory: Option<Memory>,
+    ) -> Sample {
+        let phases = segments(start, points);
+        Sample {
+            iteration,
+            total_ms: total(&phases),
+            phases,
+            memory,
+            snapshot_age_s: None,
+            guest_clock_offset_ms: None,
+            comparable_ms: None,
+        }
+    }
+}
+
 /// Summary statistics over runs, in ms (or KiB for memory).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
