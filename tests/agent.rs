@@ -941,6 +941,64 @@ fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
 }
 
+/// What a hostile-guest test sees of the VMM and the agents during attacks.
+struct Watch {
+    pid: u32,
+    max_fds: usize,
+    max_own: u64,
+    /// (sent, answered)
+    pings: (usize, usize),
+    bystander_pings: (usize, usize),
+}
+
+impl Watch {
+    /// Starts `attacks` in the guest and, every 2 s until all have ended or
+    /// `budget` has passed (then SIGKILLed, their reports cut short), notes
+    /// the VMM's descriptors and memory and pings this guest's agent and a
+    /// neighbour's. Returns each attacker's report.
+    fn attack(
+        &mut self,
+        client: &mut husk_host::agent_client::AgentClient,
+        bystander: &common::Sandbox,
+        attacks: &[&[&str]],
+        budget: Duration,
+    ) -> Vec<String> {
+        let attackers: Vec<i32> = attacks
+            .iter()
+            .map(|args| client.spawn(argv(args)).expect("start an attacker"))
+            .collect();
+        let mut wait = WaitBudget::new(budget);
+        while !wait.expired() {
+            self.max_fds = self.max_fds.max(open_fds(self.pid));
+            self.max_own = self.max_own.max(vmm_own_rss_kib(self.pid));
+            self.pings.0 += 1;
+            self.pings.1 += usize::from(client.ping().is_ok());
+            self.bystander_pings.0 += 1;
+            self.bystander_pings.1 += usize::from(bystander.client().ping().is_ok());
+            let running = client.processes().expect("ps");
+            if attackers
+                .iter()
+                .all(|a| running.iter().any(|p| p.pid == *a && p.exit.is_some()))
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        if wait.expired() {
+            for &a in &attackers {
+                let _ = client.signal(a, libc::SIGKILL);
+            }
+        }
+        attackers
+            .iter()
+            .map(|&a| {
+                let out = client.attach(a).expect("an attacker's report");
+                format!("{}{}", text(&out.stdout), text(&out.stderr))
+            })
+            .collect()
+    }
+}
+
 #[test]
 fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
     use std::os::unix::net::UnixListener;
@@ -966,63 +1024,53 @@ fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
         .expect("upload");
     let pid = vm.pid();
     let (fds_before, own_before) = (open_fds(pid), vmm_own_rss_kib(pid));
-    let attack_s = 30;
     // Started straight by the agent, no shell, and watched through the
     // agent's process list: a fork+exec costs seconds of emulated guest
     // kernel here, and polling with `cat` would take the vCPU the attack needs.
     let tool_path = "/tmp/husk-hostile";
-    let secs = attack_s.to_string();
-    let attackers: Vec<i32> = [
-        vec![tool_path, "vsock", "5000", &secs, "256"],
-        vec![tool_path, "vsock", "5001", &secs, "256"],
-        vec![tool_path, "console", &secs],
-    ]
-    .iter()
-    .map(|args| client.spawn(argv(args)).expect("start an attacker"))
-    .collect();
-    // Through the attack (and a little after): the VMM's descriptors and
-    // memory, and whether this guest's agent and a neighbour answer.
-    let (mut max_fds, mut max_own) = (fds_before, own_before);
-    let mut pings = (0, 0);
-    let mut bystander_pings = (0, 0);
-    // Until the three programs have ended (their attack ends after
-    // `attack_s` of guest time; a busy guest takes longer to notice).
-    // Generous: the vsock programs' own cap is ten times `attack_s` of guest
-    // time, and a loaded host stretches that again.
-    let mut wait = WaitBudget::new(Duration::from_secs(attack_s * 20 + 120));
-    while !wait.expired() {
-        max_fds = max_fds.max(open_fds(pid));
-        max_own = max_own.max(vmm_own_rss_kib(pid));
-        pings.0 += 1;
-        pings.1 += usize::from(client.ping().is_ok());
-        bystander_pings.0 += 1;
-        bystander_pings.1 += usize::from(bystander.client().ping().is_ok());
-        let running = client.processes().expect("ps");
-        if attackers
-            .iter()
-            .all(|a| running.iter().any(|p| p.pid == *a && p.exit.is_some()))
-        {
-            break;
-        }
-        std::thread::sleep(Duration::from_secs(2));
-    }
-    if wait.expired() {
-        // Their reports, cut short, still say how far they got.
-        for &a in &attackers {
-            let _ = client.signal(a, libc::SIGKILL);
-        }
-    }
-    let reports: Vec<String> = attackers
-        .iter()
-        .map(|&a| {
-            let out = client.attach(a).expect("an attacker's report");
-            format!("{}{}", text(&out.stdout), text(&out.stderr))
-        })
-        .collect();
+    let mut watch = Watch {
+        pid,
+        max_fds: fds_before,
+        max_own: own_before,
+        pings: (0, 0),
+        bystander_pings: (0, 0),
+    };
+    // First, alone on the guest's vCPU (on an emulating host three busy
+    // programs share it and each makes about one connection a second): more
+    // connections to the never-reading port than the VMM may hold at once,
+    // however long the guest takes to make them (at most 900 s).
+    let sink_attack = [tool_path, "vsock", "5000", "10", "160", "900"];
+    let to_sink = watch.attack(
+        &mut client,
+        &bystander,
+        &[&sink_attack],
+        Duration::from_secs(900 + 300),
+    );
+    // Then connections to a port nobody listens on, and the console flood,
+    // together for 30 s of guest time (a busy guest takes longer to notice
+    // the time is up).
+    let attack_s = "30";
+    let to_nobody_and_console = watch.attack(
+        &mut client,
+        &bystander,
+        &[
+            &[tool_path, "vsock", "5001", attack_s],
+            &[tool_path, "console", attack_s],
+        ],
+        Duration::from_secs(30 * 20 + 120),
+    );
+    let reports: Vec<String> = to_sink.into_iter().chain(to_nobody_and_console).collect();
     let [to_sink, to_nobody, console] = &reports[..] else {
         panic!("no reports: {reports:?}");
     };
     let console_file = std::fs::metadata(&vm.console).map_or(0, |m| m.len());
+    let Watch {
+        max_fds,
+        max_own,
+        pings,
+        bystander_pings,
+        ..
+    } = watch;
     eprintln!(
         "hostile guest: {to_sink} / {to_nobody} / {console}; VMM fds {fds_before} -> max {max_fds}, \
          own memory {own_before} -> max {max_own} KiB, console file {console_file} bytes"

@@ -2,16 +2,17 @@
 //! that show the VMM stays bounded. Not in the root file system: a test
 //! uploads it into a sandbox. Every mode runs for SECONDS and exits 0.
 //!
-//!   husk-hostile vsock PORT SECONDS [MIN]
+//!   husk-hostile vsock PORT SECONDS [MIN [CAP]]
 //!                                     connect to host port PORT as fast as it
 //!                                     can, write into each connection once and
 //!                                     keep it open (when the guest's own limit
 //!                                     on descriptors is reached, the oldest is
 //!                                     closed); prints the connect attempts the
 //!                                     guest kernel let start. Goes on past
-//!                                     SECONDS until MIN were made (at most ten
-//!                                     times SECONDS), so a slow guest attacks
-//!                                     as hard as a fast one
+//!                                     SECONDS until MIN were made, for at most
+//!                                     CAP seconds (ten times SECONDS unless
+//!                                     given), so a slow guest attacks as hard
+//!                                     as a fast one
 //!   husk-hostile console SECONDS      write to the console without pause
 
 use std::collections::VecDeque;
@@ -97,13 +98,14 @@ fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let seconds = |s: &str| s.parse::<u64>().ok().map(Duration::from_secs);
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        ["vsock", port, secs] | ["vsock", port, secs, _] => {
+        ["vsock", port, secs, ..] if args.len() <= 5 => {
             let (Ok(port), Some(d)) = (port.parse::<u32>(), seconds(secs)) else {
                 return usage();
             };
             let min = args.get(3).and_then(|m| m.parse().ok()).unwrap_or(0);
+            let cap = args.get(4).and_then(|c| seconds(c)).unwrap_or(d * 10);
             let now = Instant::now();
-            let (made, failed) = vsock(port, now + d, min, now + d * 10);
+            let (made, failed) = vsock(port, now + d, min, now + cap);
             println!("vsock port={port} connected={made} failed={failed}");
         }
         ["console", secs] => {
@@ -118,6 +120,6 @@ fn main() -> std::process::ExitCode {
 }
 
 fn usage() -> std::process::ExitCode {
-    eprintln!("usage: husk-hostile vsock PORT SECONDS [MIN] | console SECONDS");
+    eprintln!("usage: husk-hostile vsock PORT SECONDS [MIN [CAP]] | console SECONDS");
     std::process::ExitCode::from(2)
 }
