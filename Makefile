@@ -55,4 +55,4 @@ lint:
 bench:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
 	cargo build --release --locked -p husk-host; \
-	cargo bench --locked --bench micro --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon
+	cargo bench --locked --bench micro --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon --bench containerd

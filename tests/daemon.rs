@@ -39,39 +39,6 @@ static DAEMON_LOCK: RwLock<()> = RwLock::new(());
 /// Whether a test has panicked (its daemon's log is then kept).
 static FAILED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Removes the cgroups of the sandboxes and templates under `dir` (the
-/// daemon's, left when the test process kills it), once their processes
-/// are gone.
-fn remove_cgroups_of(dir: &Path) {
-    let ids: Vec<String> = ["sandboxes", "templates"]
-        .iter()
-        .flat_map(|sub| {
-            std::fs::read_dir(dir.join(sub))
-                .into_iter()
-                .flatten()
-                .flatten()
-        })
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    for id in ids {
-        for base in [
-            "/sys/fs/cgroup",
-            "/sys/fs/cgroup/memory",
-            "/sys/fs/cgroup/cpu",
-            "/sys/fs/cgroup/pids",
-        ] {
-            let cg = Path::new(base).join("husk").join(&id);
-            // A killed process leaves its cgroup a moment after SIGKILL.
-            for _ in 0..50 {
-                if !cg.exists() || std::fs::remove_dir(&cg).is_ok() {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
-}
-
 fn guest_init() -> PathBuf {
     if let Some(p) = std::env::var_os("HUSK_GUEST_INIT") {
         return PathBuf::from(p);
@@ -232,7 +199,7 @@ fn daemon() -> &'static TestDaemon {
         extern "C" fn cleanup() {
             let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
             common::kill_everything_under(&dir);
-            remove_cgroups_of(&dir);
+            common::remove_cgroups_of(&dir);
             if let Some(Some(ns)) = EGRESS_NET.get() {
                 let _ = Command::new("ip")
                     .args(["netns", "delete", &ns.name])

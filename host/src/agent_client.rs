@@ -172,6 +172,12 @@ impl Running<'_> {
     pub fn next_event(&mut self) -> Result<Event, ClientError> {
         self.client.event(self.id)
     }
+
+    /// Bounds each wait for the next event (`None`: for a program that may
+    /// be silent for as long as it likes).
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.client.set_read_timeout(timeout)
+    }
 }
 
 /// A directory watch started by [`AgentClient::watch`].

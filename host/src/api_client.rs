@@ -177,6 +177,36 @@ impl std::fmt::Debug for Payload<'_> {
     }
 }
 
+/// The daemon's state directory unless told (`--state-dir`):
+/// `$HUSK_STATE_DIR`, else `/var/lib/husk` for root and
+/// `~/.local/share/husk` for others.
+pub fn default_state_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("HUSK_STATE_DIR") {
+        return PathBuf::from(dir);
+    }
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } == 0 {
+        return PathBuf::from("/var/lib/husk");
+    }
+    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+    home.join(".local/share/husk")
+}
+
+/// A client of the daemon at `$HUSK_HOST` (a socket path, or
+/// `tcp://HOST:PORT` with the token in `$HUSK_TOKEN`), else the default
+/// state directory's socket.
+pub fn from_env() -> ApiClient {
+    let endpoint = match std::env::var("HUSK_HOST") {
+        Ok(h) if h.starts_with("tcp://") => Endpoint::Tcp(
+            h.trim_start_matches("tcp://").to_owned(),
+            std::env::var("HUSK_TOKEN").unwrap_or_default(),
+        ),
+        Ok(h) if !h.is_empty() => Endpoint::Unix(PathBuf::from(h)),
+        _ => Endpoint::Unix(default_state_dir().join("husk.sock")),
+    };
+    ApiClient::new(endpoint)
+}
+
 impl ApiClient {
     pub fn new(endpoint: Endpoint) -> Self {
         ApiClient {

@@ -169,6 +169,11 @@ pub struct SandboxInfo {
     /// What its egress proxy lets it reach.
     #[serde(default)]
     pub egress: EgressSpec,
+    /// Its guest agent's socket on the daemon's host (for programs there
+    /// that drive the agent themselves, such as the containerd shim; the
+    /// socket is root's).
+    #[serde(default)]
+    pub agent_socket: Option<String>,
 }
 
 /// What a create did.
@@ -317,6 +322,7 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
                 })
                 .collect(),
         },
+        agent_socket: Some(rec.run_dir.join(vmm_process::VSOCK).display().to_string()),
     }
 }
 

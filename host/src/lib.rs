@@ -21,6 +21,8 @@
 //!   vsock socket;
 //! - [`bench`]: `husk bench`, cold boot, restore and pooled create next to
 //!   QEMU, per phase;
+//! - [`shim`]: `containerd-shim-husk-v2`, the containerd runtime that runs
+//!   each task in a sandbox of the daemon's;
 //! - [`readiness`]: how long to wait for a guest that boots or restores,
 //!   counted in the CPU share the host can give it.
 //!
@@ -42,6 +44,7 @@ pub mod mcp;
 pub mod metrics;
 pub mod readiness;
 pub mod rootfs;
+pub mod shim;
 pub mod store;
 pub mod template;
 pub mod vmm_process;

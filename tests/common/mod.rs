@@ -3,6 +3,8 @@
 //! the husk-vmm binary.
 #![allow(dead_code)]
 
+pub mod containerd;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -452,6 +454,39 @@ pub fn kill_everything_under(dir: &Path) {
         if String::from_utf8_lossy(&cmdline).contains(&needle) {
             // SAFETY: kill(2) on a pid read from /proc.
             unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// Removes the cgroups of the sandboxes and templates under `dir` (the
+/// daemon's, left when the test process kills it), once their processes
+/// are gone.
+pub fn remove_cgroups_of(dir: &Path) {
+    let ids: Vec<String> = ["sandboxes", "templates"]
+        .iter()
+        .flat_map(|sub| {
+            std::fs::read_dir(dir.join(sub))
+                .into_iter()
+                .flatten()
+                .flatten()
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    for id in ids {
+        for base in [
+            "/sys/fs/cgroup",
+            "/sys/fs/cgroup/memory",
+            "/sys/fs/cgroup/cpu",
+            "/sys/fs/cgroup/pids",
+        ] {
+            let cg = Path::new(base).join("husk").join(&id);
+            // A killed process leaves its cgroup a moment after SIGKILL.
+            for _ in 0..50 {
+                if !cg.exists() || std::fs::remove_dir(&cg).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }

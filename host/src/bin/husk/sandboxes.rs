@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use base64::Engine;
 use husk_host::api::{BuildEvent, ExecEvent, ExecSpec};
-use husk_host::api_client::{encode, ApiClient, ApiClientError, Endpoint, Payload};
+use husk_host::api_client::{encode, ApiClient, ApiClientError, Payload};
 use husk_host::daemon::{Created, PoolInfo, SandboxInfo};
 use husk_host::store::{AuditEntry, TemplateRecord};
 use husk_host::template::{RootfsSource, TemplateSpec};
@@ -21,15 +21,7 @@ const HUSK_FAILED: u8 = 125;
 /// The daemon: `$HUSK_HOST` (a socket path, or `tcp://HOST:PORT` with the
 /// token in `$HUSK_TOKEN`), else the default state directory's socket.
 pub fn client() -> ApiClient {
-    let endpoint = match std::env::var("HUSK_HOST") {
-        Ok(h) if h.starts_with("tcp://") => Endpoint::Tcp(
-            h.trim_start_matches("tcp://").to_owned(),
-            std::env::var("HUSK_TOKEN").unwrap_or_default(),
-        ),
-        Ok(h) if !h.is_empty() => Endpoint::Unix(PathBuf::from(h)),
-        _ => Endpoint::Unix(crate::serve::default_state_dir().join("husk.sock")),
-    };
-    ApiClient::new(endpoint)
+    husk_host::api_client::from_env()
 }
 
 /// A sandbox id (as the daemon makes them) rather than a VM socket path.

@@ -92,17 +92,7 @@ pub struct ServeArgs {
 }
 
 /// The state directory when none is given.
-pub fn default_state_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("HUSK_STATE_DIR") {
-        return PathBuf::from(dir);
-    }
-    // SAFETY: getuid cannot fail.
-    if unsafe { libc::getuid() } == 0 {
-        return PathBuf::from("/var/lib/husk");
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
-    home.join(".local/share/husk")
-}
+pub use husk_host::api_client::default_state_dir;
 
 fn host_memory_mib() -> u64 {
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();

@@ -1,0 +1,268 @@
+//! A private containerd (its own root, state and sockets) with a husk
+//! daemon behind `containerd-shim-husk-v2`, for the containerd tests and
+//! benchmark: everything lives under one directory, and everything started
+//! is killed and removed at exit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use husk_host::readiness::WaitBudget;
+
+pub const RUNTIME: &str = "io.containerd.husk.v2";
+pub const NAMESPACE: &str = "default";
+
+/// containerd and `husk serve`, running.
+pub struct Containerd {
+    pub dir: PathBuf,
+    _children: Vec<Child>,
+}
+
+fn which(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Why containerd cannot run here, if it cannot.
+pub fn missing() -> Option<String> {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("containerd and husk's VMM jail need root".into());
+    }
+    if !which("containerd") || !which("ctr") || !which("runc") {
+        return Some("containerd is not installed (apt-get install containerd runc)".into());
+    }
+    None
+}
+
+/// The directory of this process's containerd (`kind`: test or bench).
+fn dir_of(kind: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("husk-ctr-{kind}-{}", std::process::id()))
+}
+
+static KIND: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+extern "C" fn cleanup() {
+    let Some(kind) = KIND.get() else { return };
+    let dir = dir_of(kind);
+    super::kill_everything_under(&dir);
+    super::remove_cgroups_of(&dir.join("husk"));
+    // The sockets of shims killed just now (each bundle names its shim's).
+    let tasks = dir.join("state/io.containerd.runtime.v2.task");
+    for ns in std::fs::read_dir(tasks).into_iter().flatten().flatten() {
+        for bundle in std::fs::read_dir(ns.path()).into_iter().flatten().flatten() {
+            let address =
+                std::fs::read_to_string(bundle.path().join("address")).unwrap_or_default();
+            if let Some(socket) = address.trim().strip_prefix("unix://") {
+                let _ = std::fs::remove_file(socket);
+            }
+        }
+    }
+    let _ = Command::new("umount")
+        .args(["-R", "-l"])
+        .arg(dir.join("state"))
+        .stderr(Stdio::null())
+        .status();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+impl Containerd {
+    /// Starts containerd and a husk daemon under a new directory and waits
+    /// for both to answer. `kind` names the directory (one per process).
+    pub fn start(kind: &'static str) -> Containerd {
+        assert!(KIND.set(kind).is_ok(), "one containerd per process");
+        let dir = dir_of(kind);
+        // SAFETY: registers a plain function to run at exit.
+        unsafe { libc::atexit(cleanup) };
+        let husk_dir = dir.join("husk");
+        std::fs::create_dir_all(&husk_dir).expect("state dir");
+        let daemon = Command::new(super::husk_binary())
+            .arg("serve")
+            .arg("--state-dir")
+            .arg(&husk_dir)
+            .arg("--kernel")
+            .arg(super::kernel())
+            .arg("--initramfs")
+            .arg(super::initramfs())
+            .arg("--guest-init")
+            .arg(super::repo_root().join("target/x86_64-unknown-linux-musl/guest/guest-init"))
+            .arg("--vmm")
+            .arg(super::vmm_binary())
+            .stdout(Stdio::null())
+            .stderr(log_file(&dir.join("daemon.log")))
+            .spawn()
+            .expect("husk serve");
+        let config = dir.join("containerd.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
+                 disabled_plugins = [\"io.containerd.grpc.v1.cri\", \
+                 \"io.containerd.snapshotter.v1.btrfs\", \"io.containerd.snapshotter.v1.zfs\", \
+                 \"io.containerd.snapshotter.v1.devmapper\", \"io.containerd.snapshotter.v1.aufs\"]\n\
+                 [grpc]\n  address = \"{d}/containerd.sock\"\n\
+                 [ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n",
+                d = dir.display()
+            ),
+        )
+        .expect("containerd config");
+        // containerd finds the shim on its PATH and passes its environment
+        // (the daemon's socket) on to it.
+        let bin_dir = Path::new(super::vmm_binary()).parent().expect("target dir");
+        let shim = bin_dir.join("containerd-shim-husk-v2");
+        assert!(
+            shim.exists(),
+            "{} is missing: build with `cargo test --workspace` or `cargo build -p husk-host`",
+            shim.display()
+        );
+        let containerd = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .env(
+                "PATH",
+                format!(
+                    "{}:{}",
+                    bin_dir.display(),
+                    std::env::var("PATH").unwrap_or_default()
+                ),
+            )
+            .env("HUSK_HOST", husk_dir.join("husk.sock"))
+            .stdout(Stdio::null())
+            .stderr(log_file(&dir.join("containerd.log")))
+            .spawn()
+            .expect("containerd");
+        let mut wait = WaitBudget::new(Duration::from_secs(60));
+        while !(dir.join("containerd.sock").exists() && husk_dir.join("husk.sock").exists()) {
+            assert!(
+                !wait.expired(),
+                "containerd or husk serve did not start: see {}",
+                dir.display()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Containerd {
+            dir,
+            _children: vec![daemon, containerd],
+        }
+    }
+
+    pub fn ctr_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(self.dir.join("containerd.sock"))
+            .args(["--namespace", NAMESPACE])
+            .args(args)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        self.ctr_command(args).output().expect("ctr")
+    }
+
+    /// The `husk` CLI against this daemon; fails on failure.
+    pub fn husk(&self, args: &[&str]) -> Output {
+        let out = Command::new(super::husk_binary())
+            .args(args)
+            .env("HUSK_HOST", self.dir.join("husk/husk.sock"))
+            .output()
+            .expect("husk");
+        assert!(
+            out.status.success(),
+            "husk {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
+    }
+
+    /// The names of the daemon's templates.
+    pub fn templates(&self) -> Vec<String> {
+        let list: Vec<serde_json::Value> =
+            serde_json::from_slice(&self.husk(&["template", "ls", "--json"]).stdout)
+                .expect("template list");
+        list.iter()
+            .filter_map(|t| t["name"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// Keeps `n` warm clones of `template`.
+    pub fn pool(&self, template: &str, n: u32) {
+        self.husk(&["pool", "set", template, &n.to_string()]);
+    }
+
+    /// Waits until `template`'s pool has `n` clones ready.
+    pub fn wait_for_pool(&self, template: &str, n: u32) {
+        let mut wait = WaitBudget::new(Duration::from_secs(600));
+        loop {
+            let pools: Vec<serde_json::Value> =
+                serde_json::from_slice(&self.husk(&["pool", "ls", "--json"]).stdout)
+                    .expect("pool list");
+            let ready = pools
+                .iter()
+                .find(|p| p["template_name"] == template)
+                .and_then(|p| p["ready"].as_u64())
+                .unwrap_or(0);
+            if ready >= u64::from(n) {
+                return;
+            }
+            assert!(!wait.expired(), "the pool of {template} did not fill");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+fn log_file(path: &Path) -> std::fs::File {
+    std::fs::File::create(path).expect("log file")
+}
+
+/// A root file system of busybox and its applets (plus `marker`, an empty
+/// file whose name makes the tree, and so its template, distinct).
+pub fn busybox_rootfs(dir: &Path, marker: &str) -> PathBuf {
+    std::fs::create_dir_all(dir.join("bin")).expect("rootfs");
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .expect("busybox (apt-get install busybox-static)");
+    std::fs::copy(busybox, dir.join("bin/busybox")).expect("copy busybox");
+    for applet in ["sh", "echo", "cat", "sleep", "true", "ls", "ps", "hostname"] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet)).expect("applet");
+    }
+    std::fs::write(dir.join(marker), b"").expect("marker");
+    dir.to_owned()
+}
+
+/// The socket containerd-shim 0.11 serves a task on (it removes it when
+/// it exits).
+pub fn shim_socket(dir: &Path, id: &str) -> PathBuf {
+    use sha2::Digest;
+    let address = dir.join("containerd.sock").join(NAMESPACE).join(id);
+    let hash = sha2::Sha256::digest(address.display().to_string().as_bytes());
+    let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+    PathBuf::from("/run/containerd/s").join(hex)
+}
+
+/// Processes whose command line has all of `words` (as whole arguments,
+/// or a path ending in one).
+pub fn processes_with(words: &[&str]) -> Vec<i32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if words
+            .iter()
+            .all(|w| args.iter().any(|a| a == w || a.ends_with(&format!("/{w}"))))
+        {
+            found.push(pid);
+        }
+    }
+    found
+}
