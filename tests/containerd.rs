@@ -350,6 +350,36 @@ fn two_tasks_run_at_once_each_in_its_own_sandbox() {
 }
 
 #[test]
+fn a_task_can_run_on_a_terminal() {
+    let env = env_or_skip!();
+    env.pool(2);
+    // `ctr run -t` needs a terminal of its own: `script` gives it one.
+    let annotation = format!("io.husk.template={}", env.template);
+    let mut args = env.pooled_run(&annotation, "tty");
+    args.insert(1, "--rm");
+    args.insert(1, "-t");
+    args.extend(["/bin/sh", "-c", "tty; echo done"]);
+    let quote = |a: &str| format!("'{}'", a.replace('\'', "'\\''"));
+    let ctr = format!(
+        "ctr --address {} --namespace {NAMESPACE} {}",
+        quote(&env.dir.join("containerd.sock").display().to_string()),
+        args.iter().map(|a| quote(a)).collect::<Vec<_>>().join(" ")
+    );
+    let out = std::process::Command::new("script")
+        .args(["-q", "-e", "-c", &ctr, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("script (util-linux)");
+    let printed = text(&out.stdout);
+    assert!(out.status.success(), "{printed} {}", text(&out.stderr));
+    // The workload's stdio is a terminal in the guest, which turns its
+    // newlines into CRLF (and `script`'s own terminal adds another CR).
+    assert!(printed.contains("/dev/pts/"), "{printed}");
+    assert!(printed.contains("done\r"), "{printed:?}");
+    env.assert_nothing_left("tty", None);
+}
+
+#[test]
 fn bad_bundles_fail_at_create_with_the_reason() {
     let env = env_or_skip!();
     let rootfs = env.rootfs.to_str().expect("utf-8");

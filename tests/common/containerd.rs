@@ -227,7 +227,9 @@ pub fn busybox_rootfs(dir: &Path, marker: &str) -> PathBuf {
         .find(|p| Path::new(p).exists())
         .expect("busybox (apt-get install busybox-static)");
     std::fs::copy(busybox, dir.join("bin/busybox")).expect("copy busybox");
-    for applet in ["sh", "echo", "cat", "sleep", "true", "ls", "ps", "hostname"] {
+    for applet in [
+        "sh", "echo", "cat", "sleep", "true", "ls", "ps", "hostname", "tty",
+    ] {
         std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet)).expect("applet");
     }
     std::fs::write(dir.join(marker), b"").expect("marker");

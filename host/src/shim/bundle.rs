@@ -323,13 +323,20 @@ pub fn template_name(digest: &str, mem_mib: u32, vcpus: u8) -> String {
 }
 
 /// The labels a task's sandbox carries, so that the shim's `delete` (run
-/// after a shim died) finds it: `io.containerd.task=<namespace>/<id>`.
-pub fn task_labels(namespace: &str, id: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([(TASK_LABEL.to_owned(), format!("{namespace}/{id}"))])
+/// after a shim died) finds it: `io.containerd.task=<namespace>/<id>`, and
+/// the containerd it belongs to (`io.containerd.address`: two containerds
+/// may share one husk daemon and a task id).
+pub fn task_labels(namespace: &str, id: &str, containerd: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (TASK_LABEL.to_owned(), format!("{namespace}/{id}")),
+        (CONTAINERD_LABEL.to_owned(), containerd.to_owned()),
+    ])
 }
 
 /// See [`task_labels`].
 pub const TASK_LABEL: &str = "io.containerd.task";
+/// See [`task_labels`].
+pub const CONTAINERD_LABEL: &str = "io.containerd.address";
 
 #[cfg(test)]
 mod tests {

@@ -112,6 +112,8 @@ pub struct HuskShim {
     namespace: String,
     id: String,
     bundle: PathBuf,
+    /// containerd's address.
+    containerd: String,
 }
 
 impl std::fmt::Debug for HuskShim {
@@ -138,6 +140,7 @@ impl shim::Shim for HuskShim {
             namespace: args.namespace.clone(),
             id: args.id.clone(),
             bundle,
+            containerd: args.address.clone(),
         }
     }
 
@@ -154,7 +157,8 @@ impl shim::Shim for HuskShim {
     /// sandboxes and unmounts its root file system.
     fn delete_shim(&mut self) -> Result<api::DeleteResponse, shim::Error> {
         let daemon = crate::api_client::from_env();
-        if let Err(e) = destroy_labelled(&daemon, &self.namespace, &self.id) {
+        let labels = bundle::task_labels(&self.namespace, &self.id, &self.containerd);
+        if let Err(e) = destroy_labelled(&daemon, &labels) {
             tracing::warn!(task = %self.id, "could not destroy the task's sandboxes: {e}");
         }
         unmount_rootfs(&self.bundle);
@@ -177,6 +181,7 @@ impl shim::Shim for HuskShim {
                 exit: self.exit.clone(),
                 publisher,
                 daemon: crate::api_client::from_env(),
+                containerd: self.containerd.clone(),
                 task: Mutex::new(None),
             }),
         }
@@ -184,15 +189,18 @@ impl shim::Shim for HuskShim {
 }
 
 /// Destroys every sandbox labelled as this task's.
-fn destroy_labelled(daemon: &ApiClient, namespace: &str, id: &str) -> Result<(), ShimError> {
-    let label = format!("{}={namespace}/{id}", bundle::TASK_LABEL);
-    let list: Vec<SandboxInfo> = daemon.call(
-        "GET",
-        &format!("/v1/sandboxes?label={}", crate::api_client::encode(&label)),
-        None,
-    )?;
+fn destroy_labelled(
+    daemon: &ApiClient,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> Result<(), ShimError> {
+    let query: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("label={}", crate::api_client::encode(&format!("{k}={v}"))))
+        .collect();
+    let list: Vec<SandboxInfo> =
+        daemon.call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
     for s in list {
-        tracing::info!(task = %id, sandbox = %s.id, "destroying the task's sandbox");
+        tracing::info!(sandbox = %s.id, "destroying the task's sandbox");
         match daemon.send(
             "DELETE",
             &format!("/v1/sandboxes/{}", s.id),
@@ -251,6 +259,8 @@ impl std::fmt::Debug for TaskService {
 
 struct Inner {
     namespace: String,
+    /// containerd's address.
+    containerd: String,
     exit: Arc<ExitSignal>,
     publisher: RemotePublisher,
     daemon: ApiClient,
@@ -441,7 +451,7 @@ impl Inner {
             Some(&json!({
                 "template": template,
                 "ttl_s": CREATE_LEASE_S,
-                "labels": bundle::task_labels(&self.namespace, &req.id),
+                "labels": bundle::task_labels(&self.namespace, &req.id, &self.containerd),
             })),
         )?;
         let sandbox = created.sandbox;
