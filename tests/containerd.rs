@@ -382,46 +382,32 @@ fn a_task_can_run_on_a_terminal() {
 #[test]
 fn bad_bundles_fail_at_create_with_the_reason() {
     let env = env_or_skip!();
-    let rootfs = env.rootfs.to_str().expect("utf-8");
-    let missing = env.ctr(&[
-        "run",
-        "--rm",
-        "--runtime",
-        RUNTIME,
-        "--rootfs",
-        rootfs,
-        "no-program",
-        "/bin/no-such-program",
-    ]);
-    assert!(!missing.status.success());
-    assert!(
-        text(&missing.stderr).contains("has no executable `/bin/no-such-program`"),
-        "{}",
-        text(&missing.stderr)
+    assert_refused(
+        env,
+        &[],
+        ("no-program", "/bin/no-such-program"),
+        "has no executable `/bin/no-such-program`",
     );
-    env.assert_nothing_left("no-program", None);
-    let _ = env.ctr(&["container", "rm", "no-program"]);
+    assert_refused(
+        env,
+        &["--annotation", "io.husk.template=no-such-template"],
+        ("no-template", "/bin/true"),
+        "no template `no-such-template`",
+    );
+}
 
-    let unknown = env.ctr(&[
-        "run",
-        "--rm",
-        "--runtime",
-        RUNTIME,
-        "--annotation",
-        "io.husk.template=no-such-template",
-        "--rootfs",
-        rootfs,
-        "no-template",
-        "/bin/true",
-    ]);
-    assert!(!unknown.status.success());
-    assert!(
-        text(&unknown.stderr).contains("no template `no-such-template`"),
-        "{}",
-        text(&unknown.stderr)
-    );
-    env.assert_nothing_left("no-template", None);
-    let _ = env.ctr(&["container", "rm", "no-template"]);
+/// Asserts that `ctr run` with `flags` of task `(id, program)` fails
+/// saying `reason`, and leaves nothing.
+fn assert_refused(env: &Env, flags: &[&str], (id, program): (&str, &str), reason: &str) {
+    let rootfs = env.rootfs.to_str().expect("utf-8");
+    let mut args = vec!["run", "--rm", "--runtime", RUNTIME];
+    args.extend(flags);
+    args.extend(["--rootfs", rootfs, id, program]);
+    let out = env.ctr(&args);
+    assert!(!out.status.success(), "ctr {args:?} succeeded");
+    assert!(text(&out.stderr).contains(reason), "{}", text(&out.stderr));
+    env.assert_nothing_left(id, None);
+    let _ = env.ctr(&["container", "rm", id]);
 }
 
 #[test]
