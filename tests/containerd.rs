@@ -260,6 +260,13 @@ fn a_running_task_takes_execs_signals_pause_and_resume_and_leaves_nothing() {
     read_until(&mut lines, "ready");
     let vmm = env.task_pid(id).expect("the task's pid");
     assert_eq!(env.task_status(id), "RUNNING");
+    // Its run directory: sockets, console, its drive's copy-on-write overlay.
+    let sandbox = env.sandboxes_of(id).pop().expect("the task's sandbox");
+    let run_dir = PathBuf::from(sandbox["agent_socket"].as_str().expect("agent socket"))
+        .parent()
+        .expect("run dir")
+        .to_owned();
+    assert!(run_dir.is_dir(), "{}", run_dir.display());
 
     // An extra process, with its own output and status.
     let exec = env.ctr(&[
@@ -315,6 +322,7 @@ fn a_running_task_takes_execs_signals_pause_and_resume_and_leaves_nothing() {
     let rm = env.ctr(&["container", "rm", id]);
     assert!(rm.status.success(), "{}", text(&rm.stderr));
     env.assert_nothing_left(id, Some(vmm));
+    assert!(!run_dir.exists(), "{} is left", run_dir.display());
 }
 
 #[test]
