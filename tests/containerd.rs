@@ -157,19 +157,19 @@ impl Env {
             .and_then(|cols| cols.get(column).map(|s| (*s).to_owned()))
     }
 
+    /// `ctr run --runtime husk FLAGS --rootfs ROOTFS ID` (the command to
+    /// follow).
+    fn husk_run<'a>(&'a self, flags: &[&'a str], id: &'a str) -> Vec<&'a str> {
+        let mut args = vec!["run", "--runtime", RUNTIME];
+        args.extend(flags);
+        args.extend(["--rootfs", self.rootfs.to_str().expect("utf-8"), id]);
+        args
+    }
+
     /// `ctr run` arguments for a task of the first task's template, by
     /// annotation (a pooled clone).
     fn pooled_run<'a>(&'a self, annotation: &'a str, id: &'a str) -> Vec<&'a str> {
-        vec![
-            "run",
-            "--runtime",
-            RUNTIME,
-            "--annotation",
-            annotation,
-            "--rootfs",
-            self.rootfs.to_str().expect("utf-8"),
-            id,
-        ]
+        self.husk_run(&["--annotation", annotation], id)
     }
 
     /// Keeps `n` warm clones of the first task's template.
@@ -220,18 +220,9 @@ fn a_task_boots_from_its_rootfs_and_its_output_and_exit_status_come_back() {
     env.assert_nothing_left("first", None);
 
     // The same tree again: its template is restored, not booted anew.
-    let again = env.ctr(&[
-        "run",
-        "--rm",
-        "--runtime",
-        RUNTIME,
-        "--rootfs",
-        env.rootfs.to_str().expect("utf-8"),
-        "again",
-        "/bin/sh",
-        "-c",
-        "echo restored; exit 0",
-    ]);
+    let mut args = env.husk_run(&["--rm"], "again");
+    args.extend(["/bin/sh", "-c", "echo restored; exit 0"]);
+    let again = env.ctr(&args);
     assert_eq!(again.status.code(), Some(0), "{}", text(&again.stderr));
     assert_eq!(text(&again.stdout), "restored\n");
     let templates = text(&env.husk(&["template", "ls"]).stdout);
@@ -407,10 +398,10 @@ fn bad_bundles_fail_at_create_with_the_reason() {
 /// Asserts that `ctr run` with `flags` of task `(id, program)` fails
 /// saying `reason`, and leaves nothing.
 fn assert_refused(env: &Env, flags: &[&str], (id, program): (&str, &str), reason: &str) {
-    let rootfs = env.rootfs.to_str().expect("utf-8");
-    let mut args = vec!["run", "--rm", "--runtime", RUNTIME];
-    args.extend(flags);
-    args.extend(["--rootfs", rootfs, id, program]);
+    let mut flags = flags.to_vec();
+    flags.push("--rm");
+    let mut args = env.husk_run(&flags, id);
+    args.push(program);
     let out = env.ctr(&args);
     assert!(!out.status.success(), "ctr {args:?} succeeded");
     assert!(text(&out.stderr).contains(reason), "{}", text(&out.stderr));
@@ -423,18 +414,10 @@ fn a_shim_killed_during_create_leaves_no_sandbox() {
     let env = env_or_skip!();
     let id = "killed";
     // Not pooled: the restore takes long enough here to be caught.
+    let mut args = env.husk_run(&["--rm"], id);
+    args.extend(["/bin/sleep", "600"]);
     let mut run = env
-        .ctr_command(&[
-            "run",
-            "--rm",
-            "--runtime",
-            RUNTIME,
-            "--rootfs",
-            env.rootfs.to_str().expect("utf-8"),
-            id,
-            "/bin/sleep",
-            "600",
-        ])
+        .ctr_command(&args)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

@@ -301,22 +301,31 @@ impl Inner {
         }
     }
 
+    /// `f` of task `id` (under the lock), or NotFound.
+    fn with_task<R>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Task) -> Result<R, ShimError>,
+    ) -> Result<R, ShimError> {
+        let mut task = self.lock();
+        match task.as_mut().filter(|t| t.id == id) {
+            Some(task) => f(task),
+            None => Err(ShimError::NotFound(format!("no task `{id}`"))),
+        }
+    }
+
     /// The task's process `exec_id` ("" for the task's own) and the agent.
     fn process(&self, id: &str, exec_id: &str) -> Result<(Arc<GuestProcess>, PathBuf), ShimError> {
-        let task = self.lock();
-        let task = task
-            .as_ref()
-            .filter(|t| t.id == id)
-            .ok_or_else(|| ShimError::NotFound(format!("no task `{id}`")))?;
-        let process = if exec_id.is_empty() {
-            task.init.clone()
-        } else {
-            task.execs
-                .get(exec_id)
-                .cloned()
-                .ok_or_else(|| ShimError::NotFound(format!("no process `{exec_id}` in `{id}`")))?
-        };
-        Ok((process, task.agent.clone()))
+        self.with_task(id, |task| {
+            let process = if exec_id.is_empty() {
+                task.init.clone()
+            } else {
+                task.execs.get(exec_id).cloned().ok_or_else(|| {
+                    ShimError::NotFound(format!("no process `{exec_id}` in `{id}`"))
+                })?
+            };
+            Ok((process, task.agent.clone()))
+        })
     }
 
     /// The template for a bundle: the annotation's, or its root file
@@ -602,13 +611,7 @@ impl Inner {
     }
 
     fn pause(&self, id: &str, pause: bool) -> Result<(), ShimError> {
-        let sandbox = {
-            let task = self.lock();
-            task.as_ref()
-                .filter(|t| t.id == id)
-                .map(|t| t.sandbox.id.clone())
-                .ok_or_else(|| ShimError::NotFound(format!("no task `{id}`")))?
-        };
+        let sandbox = self.with_task(id, |t| Ok(t.sandbox.id.clone()))?;
         let action = if pause { "pause" } else { "resume" };
         let _: SandboxInfo =
             self.daemon
@@ -637,14 +640,7 @@ impl Inner {
     }
 
     fn stats(&self, id: &str) -> Result<Any, ShimError> {
-        let (pid, agent) = {
-            let task = self.lock();
-            let task = task
-                .as_ref()
-                .filter(|t| t.id == id)
-                .ok_or_else(|| ShimError::NotFound(format!("no task `{id}`")))?;
-            (task.sandbox.pid, task.agent.clone())
-        };
+        let (pid, agent) = self.with_task(id, |t| Ok((t.sandbox.pid, t.agent.clone())))?;
         let guest = crate::agent_client::AgentClient::connect(&agent, Duration::from_secs(60))
             .and_then(|mut c| c.health())
             .ok();
@@ -822,24 +818,25 @@ impl shim::Task for TaskService {
             .map_err(|e| ShimError::Invalid(format!("the exec's process spec: {e}")))?;
         let request = bundle::workload(&process)?;
         let on_exit = self.inner.on_exit(&req.id, &req.exec_id, None);
-        let mut task = self.inner.lock();
-        let task = task
-            .as_mut()
-            .filter(|t| t.id == req.id)
-            .ok_or_else(|| ShimError::NotFound(format!("no task `{}`", req.id)))?;
-        if task.execs.contains_key(&req.exec_id) {
-            return Err(ShimError::Conflict(format!("exec `{}` exists", req.exec_id)).into());
-        }
         let stdio = Stdio {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        task.execs.insert(
-            req.exec_id.clone(),
-            GuestProcess::new(request, stdio, on_exit),
-        );
+        self.inner.with_task(&req.id, |task| {
+            if task.execs.contains_key(&req.exec_id) {
+                return Err(ShimError::Conflict(format!(
+                    "exec `{}` exists",
+                    req.exec_id
+                )));
+            }
+            task.execs.insert(
+                req.exec_id.clone(),
+                GuestProcess::new(request, stdio, on_exit),
+            );
+            Ok(())
+        })?;
         self.inner.publish(
             shim::protos::topics::TASK_EXEC_ADDED_EVENT_TOPIC,
             Box::new(TaskExecAdded {
@@ -881,18 +878,14 @@ impl shim::Task for TaskService {
     }
 
     fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
-        let task = self.inner.lock();
-        let task = task
-            .as_ref()
-            .filter(|t| t.id == req.id)
-            .ok_or_else(|| ShimError::NotFound(format!("no task `{}`", req.id)))?;
-        let processes = std::iter::once(task.sandbox.pid)
-            .chain(
-                task.execs
-                    .values()
-                    .map(|p| p.pid() as u32)
-                    .filter(|p| *p != 0),
-            )
+        let pids: Vec<u32> = self.inner.with_task(&req.id, |task| {
+            Ok(std::iter::once(task.sandbox.pid)
+                .chain(task.execs.values().map(|p| p.pid() as u32))
+                .filter(|p| *p != 0)
+                .collect())
+        })?;
+        let processes = pids
+            .into_iter()
             .map(|pid| shim::protos::types::task::ProcessInfo {
                 pid,
                 ..Default::default()
