@@ -182,7 +182,7 @@ fn main() {
 
     let husk = collect("husk-vmm", runs, husk_run);
     println!("husk-vmm (ms; host phases from husk-vmm's own clock, from main())");
-    let host_phases = Phase::ALL.iter().take_while(|p| **p != Phase::GuestReady);
+    let host_phases = Phase::ALL.iter().take_while(|p| **p != Phase::InitStarted);
     for phase in host_phases.map(|p| p.name()) {
         let mut v: Vec<f64> = husk
             .iter()

@@ -13,7 +13,7 @@ use std::process::Command;
 use husk_host::bench::report::{Report, Side, Status};
 
 /// Phases of husk's runs, in the order they happen.
-const HUSK_ORDER: [&str; 13] = [
+const HUSK_ORDER: [&str; 15] = [
     "process_start",
     "state_load",
     "vm_create",
@@ -21,6 +21,8 @@ const HUSK_ORDER: [&str; 13] = [
     "kernel_load",
     "vcpus_and_devices",
     "to_first_kvm_run",
+    "kernel_init",
+    "guest_init_ready",
     "vsock_reset_handled",
     "connection_accepted",
     "first_reply",
@@ -192,7 +194,12 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
         pooled.samples
     );
     let cold = &series("husk", "cold_boot").samples[0];
-    assert!(cold.phases.iter().any(|p| p.name == "connection_accepted"));
+    for phase in ["kernel_init", "guest_init_ready", "connection_accepted"] {
+        assert!(
+            cold.phases.iter().any(|p| p.name == phase),
+            "{phase}: {cold:?}"
+        );
+    }
     // QEMU, where it ran, against husk to the same endpoints.
     if which_qemu().is_some() {
         let modes: Vec<&str> = report.ratios.iter().map(|r| r.mode.as_str()).collect();

@@ -28,6 +28,7 @@ fn guest_init_reports_ready_runs_a_command_and_powers_off() {
         .unwrap_or_else(|| panic!("no readiness line\n{}", run.dump()));
     assert!(ready.contains(" hostname=sandbox-1"), "{ready}");
     assert!(ready.contains(" uptime_ms="), "{ready}");
+    assert!(ready.contains(" init_ms="), "{ready}");
     assert!(
         run.serial.contains("\nhello-from-the-guest"),
         "{}",
@@ -48,6 +49,7 @@ fn guest_init_reports_ready_runs_a_command_and_powers_off() {
         "kernel_loaded",
         "vcpus_ready",
         "first_kvm_run",
+        "init_started",
         "guest_ready",
         "guest_exit",
     ] {

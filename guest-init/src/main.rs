@@ -6,7 +6,9 @@
 //! panics if it does, so every error here is reported and survived.
 //!
 //! Readiness line (one write, so it is never interleaved):
-//! `husk-guest-init: ready uptime_ms=<guest CLOCK_BOOTTIME ms> hostname=<name>`
+//! `husk-guest-init: ready uptime_ms=<guest CLOCK_BOOTTIME ms> init_ms=<the same
+//! clock when guest-init began> hostname=<name>` (the VMM splits a cold boot
+//! into the kernel's part and guest-init's with the two).
 //!
 //! Shutdown: SIGUSR2 or SIGUSR1 (busybox `poweroff`/`halt`) and SIGTERM or
 //! SIGINT (busybox `reboot`, Ctrl-Alt-Del) all end the VM the same way: a
@@ -39,6 +41,7 @@ const HOSTNAME_PARAM: &str = "husk.hostname=";
 const DEFAULT_HOSTNAME: &str = "husk";
 
 fn main() -> std::process::ExitCode {
+    let started_ms = sys::uptime_ms();
     let args: Vec<String> = std::env::args().collect();
     let name = args
         .first()
@@ -81,7 +84,7 @@ fn main() -> std::process::ExitCode {
         log(&format!("no egress proxy for programs: {e}"));
     }
     say(&format!(
-        "ready uptime_ms={} hostname={hostname} {agent}",
+        "ready uptime_ms={} init_ms={started_ms} hostname={hostname} {agent}",
         sys::uptime_ms()
     ));
 

@@ -243,30 +243,57 @@ struct Inner {
     reserved: (u64, u32),
 }
 
-/// A counting semaphore for restore slots.
+/// A counting semaphore for restore slots. A create (a client waiting)
+/// goes before a pool refill (nobody waiting): a refill takes a free slot
+/// only when no create waits for one.
 #[derive(Debug)]
 struct Slots {
-    free: Mutex<u32>,
+    state: Mutex<SlotState>,
     freed: Condvar,
+}
+
+#[derive(Debug)]
+struct SlotState {
+    free: u32,
+    creates_waiting: u32,
 }
 
 struct SlotGuard<'a>(&'a Slots);
 
 impl Slots {
-    fn acquire(&self) -> SlotGuard<'_> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        while *free == 0 {
-            free = self.freed.wait(free).unwrap_or_else(|e| e.into_inner());
+    fn new(n: u32) -> Self {
+        Slots {
+            state: Mutex::new(SlotState {
+                free: n.max(1),
+                creates_waiting: 0,
+            }),
+            freed: Condvar::new(),
         }
-        *free -= 1;
+    }
+
+    fn acquire(&self, priority: Priority) -> SlotGuard<'_> {
+        let create = priority != Priority::Background;
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if create {
+            s.creates_waiting += 1;
+        }
+        while s.free == 0 || (!create && s.creates_waiting > 0) {
+            s = self.freed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        s.free -= 1;
+        if create {
+            s.creates_waiting -= 1;
+        }
         SlotGuard(self)
     }
 }
 
 impl Drop for SlotGuard<'_> {
     fn drop(&mut self) {
-        *self.0.free.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.0.freed.notify_one();
+        self.0.state.lock().unwrap_or_else(|e| e.into_inner()).free += 1;
+        // Creates and refills wait on one condition: wake them all, each
+        // checks whether it may go.
+        self.0.freed.notify_all();
     }
 }
 
@@ -399,10 +426,7 @@ impl Daemon {
             Some(tls),
         )?);
         let daemon = Arc::new(Daemon {
-            slots: Slots {
-                free: Mutex::new(cfg.restore_parallel.max(1)),
-                freed: Condvar::new(),
-            },
+            slots: Slots::new(cfg.restore_parallel),
             cfg,
             store,
             inner: Mutex::new(Inner::default()),
@@ -674,7 +698,7 @@ impl Daemon {
             Some(rec) => (rec, true),
             None => {
                 let room = self.make_room(&t)?;
-                let _slot = self.slots.acquire();
+                let _slot = self.slots.acquire(Priority::Normal);
                 let restored = self.restore(&t, Priority::Normal, Some(room))?;
                 (restored.0, false)
             }
@@ -1435,7 +1459,7 @@ impl Daemon {
     /// Restores one clone for `t`'s pool and parks it.
     fn refill(&self, t: TemplateRecord) {
         let result = {
-            let _slot = self.slots.acquire();
+            let _slot = self.slots.acquire(Priority::Background);
             self.restore(&t, Priority::Background, None)
         };
         let parked = result.and_then(|(rec, agent)| {
@@ -1672,6 +1696,31 @@ fn control(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_waiting_create_gets_the_next_slot_before_a_refill() {
+        let slots = Arc::new(Slots::new(1));
+        let held = slots.acquire(Priority::Normal);
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let waiter = |priority, name: &'static str| {
+            let (slots, order) = (slots.clone(), order.clone());
+            std::thread::spawn(move || {
+                let _slot = slots.acquire(priority);
+                order.lock().expect("lock").push(name);
+            })
+        };
+        // The refill asks first; the create comes while it waits.
+        let refill = waiter(Priority::Background, "refill");
+        std::thread::sleep(Duration::from_millis(50));
+        let create = waiter(Priority::Normal, "create");
+        while slots.state.lock().expect("lock").creates_waiting == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        drop(held);
+        create.join().expect("create");
+        refill.join().expect("refill");
+        assert_eq!(*order.lock().expect("lock"), ["create", "refill"]);
+    }
 
     #[test]
     fn labels_are_checked() {

@@ -19,6 +19,10 @@ pub enum Phase {
     VcpusReady,
     /// vCPU 0 is about to enter KVM_RUN for the first time.
     FirstKvmRun,
+    /// guest-init (PID 1) began: the kernel's own boot ended. Not seen by
+    /// the host as it happens: counted back from the readiness line, which
+    /// says how long guest-init took on the guest's clock.
+    InitStarted,
     /// guest-init printed its readiness line.
     GuestReady,
     /// Restore only: the vsock transport reset was put in the guest's event
@@ -38,13 +42,14 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in order.
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 13] = [
         Phase::StateLoaded,
         Phase::VmCreated,
         Phase::MemoryReady,
         Phase::KernelLoaded,
         Phase::VcpusReady,
         Phase::FirstKvmRun,
+        Phase::InitStarted,
         Phase::GuestReady,
         Phase::VsockResetSent,
         Phase::VsockResetHandled,
@@ -62,6 +67,7 @@ impl Phase {
             Phase::KernelLoaded => "kernel_loaded",
             Phase::VcpusReady => "vcpus_ready",
             Phase::FirstKvmRun => "first_kvm_run",
+            Phase::InitStarted => "init_started",
             Phase::GuestReady => "guest_ready",
             Phase::VsockResetSent => "vsock_reset_sent",
             Phase::VsockResetHandled => "vsock_reset_handled",
@@ -115,6 +121,14 @@ impl Timeline {
     /// Records the end of `phase`; later calls for the same phase are ignored.
     pub fn mark(&self, phase: Phase) {
         let _ = self.marks[phase as usize].set(Instant::now());
+    }
+
+    /// Records that `phase` ended at `at` (a moment worked out after the
+    /// fact); ignored if it is already recorded or lies before the start.
+    pub fn mark_at(&self, phase: Phase, at: Instant) {
+        if at >= self.start {
+            let _ = self.marks[phase as usize].set(at);
+        }
     }
 
     /// Microseconds from the start to the end of `phase`, if it happened.

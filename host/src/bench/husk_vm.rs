@@ -238,6 +238,9 @@ pub fn sample(
         ("kernel_load", Side::Host, t("kernel_loaded")),
         ("vcpus_and_devices", Side::Host, t("vcpus_ready")),
         ("to_first_kvm_run", Side::Host, t("first_kvm_run")),
+        // A cold boot only: the kernel's boot, then guest-init's setup.
+        ("kernel_init", Side::Guest, t("init_started")),
+        ("guest_init_ready", Side::Guest, t("guest_ready")),
         ("vsock_reset_handled", Side::Guest, t("vsock_reset_handled")),
         ("connection_accepted", Side::Guest, t("vsock_connected")),
         ("first_reply", Side::Guest, t("vsock_first_reply")),

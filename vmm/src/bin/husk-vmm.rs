@@ -275,6 +275,7 @@ fn timeline_table(report: &serde_json::Value) -> String {
         ("host", "kernel_loaded"),
         ("host", "vcpus_ready"),
         ("host", "first_kvm_run"),
+        ("guest", "init_started"),
         ("guest", "guest_ready"),
         ("guest", "guest_exit"),
     ] {

@@ -5,6 +5,7 @@
 
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
@@ -73,11 +74,25 @@ impl ConsoleWriter {
         let line = String::from_utf8_lossy(&self.line);
         let line = line.trim_end_matches('\r');
         if let Some(fields) = line.strip_prefix(READY_PREFIX) {
+            let now = Instant::now();
             self.timeline.mark(Phase::GuestReady);
-            let uptime = fields
-                .split_whitespace()
-                .find_map(|f| f.strip_prefix("uptime_ms="))
-                .and_then(|v| v.parse().ok());
+            let field = |key: &str| -> Option<u64> {
+                fields
+                    .split_whitespace()
+                    .find_map(|f| f.strip_prefix(key))
+                    .and_then(|v| v.parse().ok())
+            };
+            let uptime = field("uptime_ms=");
+            // guest-init's own time to readiness, on the guest's clock
+            // (which runs at the host's rate), counted back from now.
+            if let Some(took) = uptime
+                .zip(field("init_ms="))
+                .and_then(|(u, i)| u.checked_sub(i))
+            {
+                if let Some(at) = now.checked_sub(Duration::from_millis(took)) {
+                    self.timeline.mark_at(Phase::InitStarted, at);
+                }
+            }
             lock(&self.facts).guest_uptime_ms = uptime;
         } else if let Some(at) = line.find(PANIC_PREFIX) {
             let mut facts = lock(&self.facts);
@@ -283,6 +298,21 @@ mod tests {
 
         assert_eq!(lock(&facts).guest_uptime_ms, Some(1234));
         assert!(timeline.elapsed_us(Phase::GuestReady).is_some());
+        assert_eq!(timeline.elapsed_us(Phase::InitStarted), None);
+    }
+
+    #[test]
+    fn guest_inits_start_is_counted_back_from_its_readiness() {
+        let (mut w, _, timeline) = writer();
+        std::thread::sleep(Duration::from_millis(30));
+
+        w.write_all(b"husk-guest-init: ready uptime_ms=5020 init_ms=5000 hostname=h\n")
+            .expect("write");
+
+        let ready = timeline.elapsed_us(Phase::GuestReady).expect("ready");
+        let started = timeline.elapsed_us(Phase::InitStarted).expect("init");
+        assert!(started < ready);
+        assert!(ready - started >= 20_000, "{started} {ready}");
     }
 
     #[test]
