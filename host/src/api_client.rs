@@ -280,7 +280,13 @@ impl ApiClient {
         if response.status >= 400 {
             let status = response.status;
             let message = match response.json::<serde_json::Value>() {
-                Ok(v) => v["error"].as_str().unwrap_or("(no message)").to_owned(),
+                // The daemon's `error`; Firecracker's `fault_message` (the
+                // bench's Firecracker runs use this client too).
+                Ok(v) => v["error"]
+                    .as_str()
+                    .or(v["fault_message"].as_str())
+                    .unwrap_or("(no message)")
+                    .to_owned(),
                 Err(e) => format!("(unreadable error: {e})"),
             };
             return Err(ApiClientError::Status { status, message });

@@ -1,12 +1,13 @@
 //! `husk bench`: cold boot, snapshot restore and pooled create of one
-//! guest, next to QEMU's `microvm` booting and restoring the same guest,
-//! run by run (each run does every contender and mode once, so a noisy
+//! guest, next to QEMU's `microvm` and Firecracker booting and restoring
+//! the same guest, run by run (each run does every contender and mode once, so a noisy
 //! moment of the host hurts all of them alike), reported per phase.
 //!
 //! - [`husk_vm`]: husk-vmm cold boots and restores, with the VMM's own
 //!   timeline for host phases and its guest marks;
 //! - [`pooled`]: a private daemon's warm pool, through its API;
 //! - [`qemu`]: the same guest under QEMU;
+//! - [`firecracker`]: the same guest under Firecracker, through its API;
 //! - [`report`]: phases, statistics, labels, the JSON and the table;
 //!   [`svg`]: the chart.
 //!
@@ -14,8 +15,10 @@
 //! snapshot is what every husk restore and the concurrent clones restore,
 //! so restores later in the run find an older snapshot (its age and the
 //! guest's clock after the restore are reported with each). QEMU's first
-//! cold boot likewise becomes its migration file.
+//! cold boot likewise becomes its migration file, and Firecracker's its
+//! snapshot.
 
+pub mod firecracker;
 pub mod husk_vm;
 pub mod pooled;
 pub mod qemu;
@@ -48,6 +51,8 @@ pub struct BenchConfig {
     pub husk: Option<PathBuf>,
     /// `qemu-system-x86_64`, or why QEMU is skipped.
     pub qemu: Result<PathBuf, String>,
+    /// A `firecracker` binary, or why Firecracker is skipped.
+    pub firecracker: Result<PathBuf, String>,
     /// Where the runs keep their files (sockets, snapshots, logs).
     pub work_dir: PathBuf,
     /// How long a boot may take before the run counts as failed (stretched
@@ -129,6 +134,28 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
         ),
     };
 
+    let (mut fc_cold, mut fc_restore) = match &config.firecracker {
+        Ok(f) => {
+            let v = firecracker::version(f);
+            (
+                Series::new(
+                    "firecracker",
+                    "cold_boot",
+                    format!("{v}, same kernel, initramfs and command line, configured through its API; spawn to the first output of an exec through the agent on its vsock"),
+                ),
+                Series::new(
+                    "firecracker",
+                    "restore",
+                    format!("{v}, PUT /snapshot/load (resume_vm) of a full snapshot of a booted guest; spawn to the first output of an exec through the agent on its vsock"),
+                ),
+            )
+        }
+        Err(why) => (
+            Series::skipped("firecracker", "cold_boot", why.clone()),
+            Series::skipped("firecracker", "restore", why.clone()),
+        ),
+    };
+
     // The daemon first: its template build is a boot that no run counts.
     let daemon = match &config.husk {
         Some(husk) => {
@@ -147,6 +174,7 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
     let mut snapshot: Option<Instant> = None;
     let qemu_file = config.work_dir.join("qemu.migration");
     let mut qemu_snapshot: Option<Instant> = None;
+    let mut fc_snapshot: Option<Instant> = None;
     let n = config.iterations;
     for i in 0..n {
         let tag = format!("run {}/{n}", i + 1);
@@ -205,6 +233,30 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
                 }
             }
         }
+        if let Ok(binary) = &config.firecracker {
+            progress(&format!("{tag}: firecracker cold boot"));
+            let snapshot = fc_snapshot.is_none();
+            match firecracker::cold_boot(config, binary, i, snapshot) {
+                Ok(sample) => {
+                    report_run(progress, &tag, &fc_cold, &sample);
+                    fc_cold.samples.push(sample);
+                    if snapshot {
+                        fc_snapshot = Some(Instant::now());
+                    }
+                }
+                Err(e) => fail(progress, &mut fc_cold, &tag, e),
+            }
+            if let Some(taken) = fc_snapshot {
+                progress(&format!("{tag}: firecracker restore"));
+                match firecracker::restore(config, binary, i, taken) {
+                    Ok(sample) => {
+                        report_run(progress, &tag, &fc_restore, &sample);
+                        fc_restore.samples.push(sample);
+                    }
+                    Err(e) => fail(progress, &mut fc_restore, &tag, e),
+                }
+            }
+        }
     }
     drop(daemon);
     if snapshot.is_none() {
@@ -225,7 +277,15 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
         }
     }
 
-    let mut series = vec![husk_cold, husk_restore, pooled, qemu_cold, qemu_restore];
+    let mut series = vec![
+        husk_cold,
+        husk_restore,
+        pooled,
+        qemu_cold,
+        qemu_restore,
+        fc_cold,
+        fc_restore,
+    ];
     for s in &mut series {
         s.summarize();
     }

@@ -255,7 +255,10 @@ impl Series {
 pub fn endpoint(mode: &str) -> &'static str {
     match mode {
         "cold_boot" => "spawn to guest-init's readiness line on the console",
-        "restore" => "spawn to the guest running (first KVM_RUN; QEMU: QMP `running`)",
+        "restore" => {
+            "spawn to the guest running (first KVM_RUN; QEMU: QMP `running`; Firecracker: its \
+             snapshot load with resume_vm answered)"
+        }
         _ => "spawn to the first exec output",
     }
 }

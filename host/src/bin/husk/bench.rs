@@ -1,5 +1,6 @@
 //! `husk bench`: cold boot, snapshot restore and pooled create of one
-//! guest, with QEMU's microvm next to it when installed; a live progress
+//! guest, with QEMU's microvm next to it when installed and Firecracker
+//! when given; a live progress
 //! display on stderr, the table on stdout, and on request the JSON report
 //! (schema: `husk bench --schema`) and an SVG chart.
 
@@ -35,6 +36,10 @@ pub struct BenchArgs {
     /// Leave QEMU out.
     #[arg(long, conflicts_with = "qemu")]
     no_qemu: bool,
+    /// A Firecracker binary to run the same guest under (skipped without
+    /// one).
+    #[arg(long, env = "HUSK_FIRECRACKER")]
+    firecracker: Option<PathBuf>,
     /// Leave the pooled path (a private daemon and its template build) out.
     #[arg(long)]
     no_pooled: bool,
@@ -73,6 +78,7 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
         true => Err("left out (--no-qemu)".to_owned()),
         false => bench::qemu::probe(args.qemu.as_deref()),
     };
+    let firecracker = bench::firecracker::probe(args.firecracker.as_deref());
     let work = tempdir()?;
     let config = BenchConfig {
         vmm,
@@ -84,6 +90,7 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
         clones: args.clones,
         husk: (!args.no_pooled).then_some(this),
         qemu,
+        firecracker,
         work_dir: work.0.clone(),
         boot_budget: Duration::from_secs(900),
         restore_budget: Duration::from_secs(120),
