@@ -212,27 +212,24 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
             "{phase}: {cold:?}"
         );
     }
+    // A peer's modes with a ratio to husk's, each positive.
+    let ratio_modes = |contender: &str| -> Vec<String> {
+        let ratios = report.ratios.iter().filter(|r| r.contender == contender);
+        assert!(
+            ratios.clone().all(|r| r.p50_over_husk > 0.0),
+            "{:?}",
+            report.ratios
+        );
+        ratios.map(|r| r.mode.clone()).collect()
+    };
     // QEMU, where it ran, against husk to the same endpoints.
     if which_qemu().is_some() {
-        let modes: Vec<&str> = report
-            .ratios
-            .iter()
-            .filter(|r| r.contender == "qemu")
-            .map(|r| r.mode.as_str())
-            .collect();
-        assert_eq!(modes, ["cold_boot", "restore"], "{:?}", report.ratios);
-        assert!(report.ratios.iter().all(|r| r.p50_over_husk > 0.0));
+        assert_eq!(ratio_modes("qemu"), ["cold_boot", "restore"]);
     }
     // Firecracker, where given: to the same endpoints, and its restored
     // guest's clock read through the same agent.
     if std::env::var_os("HUSK_FIRECRACKER").is_some() {
-        let modes: Vec<&str> = report
-            .ratios
-            .iter()
-            .filter(|r| r.contender == "firecracker")
-            .map(|r| r.mode.as_str())
-            .collect();
-        assert_eq!(modes, ["cold_boot", "restore"], "{:?}", report.ratios);
+        assert_eq!(ratio_modes("firecracker"), ["cold_boot", "restore"]);
         let restores = &series("firecracker", "restore").samples;
         assert!(restores.iter().all(|s| s.guest_clock_offset_ms.is_some()));
     }

@@ -67,21 +67,6 @@ pub fn probe(binary: Option<&Path>) -> Result<PathBuf, String> {
     }
 }
 
-/// Firecracker's version line.
-pub fn version(binary: &Path) -> String {
-    Command::new(binary)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(str::to_owned)
-        })
-        .unwrap_or_default()
-}
-
 /// The request bodies of a cold boot, in order: what Firecracker is told.
 pub fn boot_requests(config: &BenchConfig, uds: &Path) -> [(&'static str, Value); 3] {
     let mut cmdline = husk_vmm_api::cmdline::BASE_CMDLINE.to_owned();
@@ -151,7 +136,7 @@ impl Firecracker {
         let api_sock = config.work_dir.join(format!("{name}.api"));
         let log = config.work_dir.join(format!("{name}.log"));
         // Firecracker binds its sockets and refuses paths that exist.
-        for stale in [&api_sock, &uds.to_owned()] {
+        for stale in [api_sock.as_path(), uds] {
             let _ = std::fs::remove_file(stale);
         }
         let stderr = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
@@ -223,8 +208,10 @@ impl Firecracker {
         }
     }
 
-    /// Waits for the agent behind Firecracker's vsock socket.
-    fn connect(&mut self, uds: &Path, budget: Duration) -> Result<AgentClient, String> {
+    /// Waits for the agent behind Firecracker's vsock socket, before
+    /// `deadline`, and runs the bench's program: the connection, when the
+    /// agent answered and when the program's first output came.
+    fn answer(&mut self, uds: &Path, deadline: Instant) -> Result<(AgentClient, u64, u64), String> {
         let child = &mut self.child;
         let mut alive = || match child.try_wait() {
             Ok(Some(status)) => Err(ClientError::VmmGone(format!(
@@ -232,13 +219,17 @@ impl Firecracker {
             ))),
             _ => Ok(()),
         };
-        AgentClient::connect_patiently(
+        let budget = deadline.saturating_duration_since(Instant::now());
+        let mut client = AgentClient::connect_patiently(
             uds,
             &mut WaitBudget::new(budget),
             &mut alive,
             REQUEST_TIMEOUT,
         )
-        .map_err(|e| format!("the agent did not answer: {e} ({})", self.tail()))
+        .map_err(|e| format!("the agent did not answer: {e} ({})", self.tail()))?;
+        let answered_ns = monotonic_ns();
+        let output_ns = husk_vm::first_output(&mut client)?;
+        Ok((client, answered_ns, output_ns))
     }
 }
 
@@ -288,12 +279,7 @@ pub fn cold_boot(
         .ready
         .recv_timeout(deadline.saturating_duration_since(Instant::now()))
         .map_err(|_| format!("no readiness line on the console: {}", fc.tail()))?;
-    let mut client = fc.connect(
-        &files.uds,
-        deadline.saturating_duration_since(Instant::now()),
-    )?;
-    let answered_ns = monotonic_ns();
-    let output_ns = husk_vm::first_output(&mut client)?;
+    let (mut client, answered_ns, output_ns) = fc.answer(&files.uds, deadline)?;
     let memory = Memory::of(fc.child.id());
     if snapshot {
         client
@@ -351,12 +337,7 @@ pub fn restore(
         }),
     )?;
     let resumed_ns = monotonic_ns();
-    let mut client = fc.connect(
-        &files.uds,
-        deadline.saturating_duration_since(Instant::now()),
-    )?;
-    let answered_ns = monotonic_ns();
-    let output_ns = husk_vm::first_output(&mut client)?;
+    let (mut client, answered_ns, output_ns) = fc.answer(&files.uds, deadline)?;
     let offset = husk_vm::clock_offset_ms(&mut client);
     let memory = Memory::of(fc.child.id());
     let points = [

@@ -112,49 +112,22 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
         ),
         None => Series::skipped("husk", "pooled_create", "no pooled runs asked for"),
     };
-    let (mut qemu_cold, mut qemu_restore) = match &config.qemu {
-        Ok(q) => {
-            let v = qemu::version(q);
-            (
-                Series::new(
-                    "qemu",
-                    "cold_boot",
-                    format!("{v}, -M microvm, same kernel, initramfs and command line; spawn to guest-init's readiness line (no agent: QEMU would need vhost-vsock)"),
-                ),
-                Series::new(
-                    "qemu",
-                    "restore",
-                    format!("{v}, -incoming from a migration file of a booted guest; spawn to QMP `running` (no guest phase: no agent)"),
-                ),
-            )
-        }
-        Err(why) => (
-            Series::skipped("qemu", "cold_boot", why.clone()),
-            Series::skipped("qemu", "restore", why.clone()),
-        ),
-    };
-
-    let (mut fc_cold, mut fc_restore) = match &config.firecracker {
-        Ok(f) => {
-            let v = firecracker::version(f);
-            (
-                Series::new(
-                    "firecracker",
-                    "cold_boot",
-                    format!("{v}, same kernel, initramfs and command line, configured through its API; spawn to the first output of an exec through the agent on its vsock"),
-                ),
-                Series::new(
-                    "firecracker",
-                    "restore",
-                    format!("{v}, PUT /snapshot/load (resume_vm) of a full snapshot of a booted guest; spawn to the first output of an exec through the agent on its vsock"),
-                ),
-            )
-        }
-        Err(why) => (
-            Series::skipped("firecracker", "cold_boot", why.clone()),
-            Series::skipped("firecracker", "restore", why.clone()),
-        ),
-    };
+    let (mut qemu_cold, mut qemu_restore) = peer_series(
+        "qemu",
+        &config.qemu,
+        "-M microvm, same kernel, initramfs and command line; spawn to guest-init's readiness \
+         line (no agent: QEMU would need vhost-vsock)",
+        "-incoming from a migration file of a booted guest; spawn to QMP `running` (no guest \
+         phase: no agent)",
+    );
+    let (mut fc_cold, mut fc_restore) = peer_series(
+        "firecracker",
+        &config.firecracker,
+        "same kernel, initramfs and command line, configured through its API; spawn to the \
+         first output of an exec through the agent on its vsock",
+        "PUT /snapshot/load (resume_vm) of a full snapshot of a booted guest; spawn to the \
+         first output of an exec through the agent on its vsock",
+    );
 
     // The daemon first: its template build is a boot that no run counts.
     let daemon = match &config.husk {
@@ -298,6 +271,44 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
     };
     report.compute_ratios();
     Ok(report)
+}
+
+/// A peer's cold boot and restore series: notes after its version line,
+/// or skipped for the reason its binary is missing.
+fn peer_series(
+    contender: &str,
+    binary: &Result<PathBuf, String>,
+    cold: &str,
+    restore: &str,
+) -> (Series, Series) {
+    match binary {
+        Ok(b) => {
+            let v = version_line(b);
+            (
+                Series::new(contender, "cold_boot", format!("{v}, {cold}")),
+                Series::new(contender, "restore", format!("{v}, {restore}")),
+            )
+        }
+        Err(why) => (
+            Series::skipped(contender, "cold_boot", why.clone()),
+            Series::skipped(contender, "restore", why.clone()),
+        ),
+    }
+}
+
+/// The first line `binary --version` prints (empty if it prints none).
+pub fn version_line(binary: &Path) -> String {
+    std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_owned)
+        })
+        .unwrap_or_default()
 }
 
 fn report_run(progress: &mut dyn FnMut(&str), tag: &str, series: &Series, sample: &Sample) {

@@ -54,21 +54,6 @@ pub fn cpu_model() -> &'static str {
     }
 }
 
-/// QEMU's version line.
-pub fn version(binary: &Path) -> String {
-    Command::new(binary)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(str::to_owned)
-        })
-        .unwrap_or_default()
-}
-
 /// A QMP connection: one JSON object per line, events skipped.
 struct Qmp {
     reader: BufReader<UnixStream>,
