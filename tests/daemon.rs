@@ -478,6 +478,27 @@ fn a_sandbox_runs_commands_and_moves_files_both_ways() {
 }
 
 #[test]
+fn husk_run_rm_gives_the_command_its_streams_and_exit_code_and_removes_the_sandbox() {
+    let (d, _g) = shared();
+
+    let out = Command::new(common::husk_binary())
+        .args(["run", "--rm", "base", "--", "/bin/sh", "-c"])
+        .arg("echo out; echo err >&2; exit 7")
+        .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .output()
+        .expect("husk run");
+
+    let (stdout, stderr) = (common::text(&out.stdout), common::text(&out.stderr));
+    // stdout is the command's alone: no sandbox id after it.
+    assert_eq!(stdout, "out\n", "{stderr}");
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert!(stderr.ends_with("err\n"), "{stderr}");
+    let id = stderr.split(':').next().expect("the created line");
+    assert!(id.starts_with("sb-"), "{stderr}");
+    assert_eq!(status(get(id)).0, 404, "{id} is still there");
+}
+
+#[test]
 fn a_pooled_create_hands_out_a_parked_clone_with_its_own_identity() {
     let (_d, _g) = shared();
     let t = own_template("pooled");

@@ -847,8 +847,11 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                     ..ExecSpec::default()
                 },
             );
+            // Quietly: stdout is the command's alone.
             if rm {
-                sandboxes::rm(std::slice::from_ref(&id))?;
+                if let Err(e) = sandboxes::destroy(&id) {
+                    eprintln!("husk: {id} was not removed: {e}");
+                }
             }
             code
         }

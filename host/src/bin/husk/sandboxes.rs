@@ -158,15 +158,22 @@ pub fn logs(id: &str) -> CliResult {
     Ok(0)
 }
 
-pub fn rm(ids: &[String]) -> CliResult {
-    let mut failed = false;
-    for id in ids {
-        match client().send(
+/// Destroys one sandbox.
+pub fn destroy(id: &str) -> Result<(), ApiClientError> {
+    client()
+        .send(
             "DELETE",
             &format!("/v1/sandboxes/{}", encode(id)),
             Payload::None,
-        ) {
-            Ok(_) => println!("{id}"),
+        )
+        .map(drop)
+}
+
+pub fn rm(ids: &[String]) -> CliResult {
+    let mut failed = false;
+    for id in ids {
+        match destroy(id) {
+            Ok(()) => println!("{id}"),
             Err(e) => {
                 eprintln!("husk: {id}: {e}");
                 failed = true;
