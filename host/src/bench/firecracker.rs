@@ -16,7 +16,6 @@
 //! Firecrackers cannot be told another at load, so every run uses one
 //! socket path and runs one at a time.
 
-use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -26,17 +25,9 @@ use serde_json::{json, Value};
 
 use super::husk_vm;
 use super::report::{Memory, Sample, Side};
-use super::{monotonic_ns, BenchConfig};
-use crate::agent_client::{AgentClient, ClientError};
+use super::{monotonic_ns, watch_console, BenchConfig};
+use crate::agent_client::AgentClient;
 use crate::api_client::{ApiClient, ApiClientError, Endpoint, Payload};
-use crate::readiness::WaitBudget;
-
-/// guest-init's readiness line on the console.
-const READY: &str = "husk-guest-init: ready";
-/// The guest's CID (Firecracker wants 3 or more).
-const CID: u32 = 3;
-/// How long one request to a guest that answered may take.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// The Firecracker binary the user gave, or why it is skipped: it must
 /// answer `--version` with a Firecracker version line.
@@ -69,10 +60,7 @@ pub fn probe(binary: Option<&Path>) -> Result<PathBuf, String> {
 
 /// The request bodies of a cold boot, in order: what Firecracker is told.
 pub fn boot_requests(config: &BenchConfig, uds: &Path) -> [(&'static str, Value); 3] {
-    let mut cmdline = husk_vmm_api::cmdline::BASE_CMDLINE.to_owned();
-    if husk_vmm_api::cmdline::is_pvm_host() {
-        cmdline = format!("{cmdline} {}", husk_vmm_api::cmdline::PVM_CMDLINE);
-    }
+    let cmdline = husk_vmm_api::cmdline::guest_cmdline();
     [
         (
             "/boot-source",
@@ -86,7 +74,11 @@ pub fn boot_requests(config: &BenchConfig, uds: &Path) -> [(&'static str, Value)
             "/machine-config",
             json!({ "vcpu_count": config.vcpus, "mem_size_mib": config.mem_mib }),
         ),
-        ("/vsock", json!({ "guest_cid": CID, "uds_path": uds })),
+        // husk's CID (Firecracker wants 3 or more).
+        (
+            "/vsock",
+            json!({ "guest_cid": husk_vm::CID, "uds_path": uds }),
+        ),
     ]
 }
 
@@ -153,7 +145,7 @@ impl Firecracker {
         let (tx, ready) = mpsc::channel();
         if let Some(console) = child.stdout.take() {
             let console_log = log.with_extension("console");
-            std::thread::spawn(move || watch_console(console, &console_log, &tx));
+            std::thread::spawn(move || watch_console(console, Some(&console_log), &tx));
         }
         Ok(Firecracker {
             child,
@@ -212,41 +204,12 @@ impl Firecracker {
     /// `deadline`, and runs the bench's program: the connection, when the
     /// agent answered and when the program's first output came.
     fn answer(&mut self, uds: &Path, deadline: Instant) -> Result<(AgentClient, u64, u64), String> {
-        let child = &mut self.child;
-        let mut alive = || match child.try_wait() {
-            Ok(Some(status)) => Err(ClientError::VmmGone(format!(
-                "firecracker exited: {status}"
-            ))),
-            _ => Ok(()),
-        };
         let budget = deadline.saturating_duration_since(Instant::now());
-        let mut client = AgentClient::connect_patiently(
-            uds,
-            &mut WaitBudget::new(budget),
-            &mut alive,
-            REQUEST_TIMEOUT,
-        )
-        .map_err(|e| format!("the agent did not answer: {e} ({})", self.tail()))?;
+        let mut client = husk_vm::connect_agent(uds, &mut self.child, "firecracker", budget)
+            .map_err(|e| format!("{e} ({})", self.tail()))?;
         let answered_ns = monotonic_ns();
         let output_ns = husk_vm::first_output(&mut client)?;
         Ok((client, answered_ns, output_ns))
-    }
-}
-
-/// Reads the console: the first readiness line's time goes to `tx`, every
-/// line to `log`.
-fn watch_console(console: impl Read, log: &Path, tx: &mpsc::Sender<u64>) {
-    let mut file = std::fs::File::create(log).ok();
-    let mut seen = false;
-    for line in BufReader::new(console).lines() {
-        let Ok(line) = line else { return };
-        if !seen && line.contains(READY) {
-            seen = true;
-            let _ = tx.send(monotonic_ns());
-        }
-        if let Some(f) = &mut file {
-            let _ = writeln!(f, "{line}");
-        }
     }
 }
 

@@ -26,7 +26,7 @@ use crate::agent_client::{AgentClient, ClientError};
 use crate::readiness::WaitBudget;
 
 /// The guest's CID (any valid one: each VMM has its own socket).
-const CID: u32 = 3;
+pub(super) const CID: u32 = 3;
 /// The program whose first output ends a run.
 pub(super) const PROGRAM: [&str; 3] = ["/bin/busybox", "echo", "husk-bench"];
 /// How long one request to a guest that answered may take.
@@ -111,18 +111,7 @@ impl Vmm {
 
     /// Waits for the agent, within `budget` (stretched by the host's load).
     pub fn connect(&mut self, budget: Duration) -> Result<AgentClient, String> {
-        let child = &mut self.child;
-        let mut alive = || match child.try_wait() {
-            Ok(Some(status)) => Err(ClientError::VmmGone(format!("husk-vmm exited: {status}"))),
-            _ => Ok(()),
-        };
-        AgentClient::connect_patiently(
-            &self.uds,
-            &mut WaitBudget::new(budget),
-            &mut alive,
-            REQUEST_TIMEOUT,
-        )
-        .map_err(|e| format!("the agent did not answer: {e}"))
+        connect_agent(&self.uds, &mut self.child, "husk-vmm", budget)
     }
 
     /// Ends the VMM (SIGTERM: it writes its timeline) and returns the
@@ -165,6 +154,28 @@ impl Timeline {
             .as_u64()
             .map(|us| self.main_ns + us * 1000)
     }
+}
+
+/// Waits for the agent behind the vsock socket `uds` of VMM process
+/// `vmm` (`name` in errors), within `budget` (stretched by the host's
+/// load); a VMM that exits ends the wait.
+pub(super) fn connect_agent(
+    uds: &Path,
+    vmm: &mut Child,
+    name: &str,
+    budget: Duration,
+) -> Result<AgentClient, String> {
+    let mut alive = || match vmm.try_wait() {
+        Ok(Some(status)) => Err(ClientError::VmmGone(format!("{name} exited: {status}"))),
+        _ => Ok(()),
+    };
+    AgentClient::connect_patiently(
+        uds,
+        &mut WaitBudget::new(budget),
+        &mut alive,
+        REQUEST_TIMEOUT,
+    )
+    .map_err(|e| format!("the agent did not answer: {e}"))
 }
 
 /// What the bench saw of the guest once it answered.

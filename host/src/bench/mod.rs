@@ -1,7 +1,8 @@
 //! `husk bench`: cold boot, snapshot restore and pooled create of one
 //! guest, next to QEMU's `microvm` and Firecracker booting and restoring
-//! the same guest, run by run (each run does every contender and mode once, so a noisy
-//! moment of the host hurts all of them alike), reported per phase.
+//! the same guest, run by run (each run does every contender and mode once,
+//! so a noisy moment of the host hurts all of them alike), reported per
+//! phase.
 //!
 //! - [`husk_vm`]: husk-vmm cold boots and restores, with the VMM's own
 //!   timeline for host phases and its guest marks;
@@ -73,6 +74,31 @@ pub enum BenchError {
     Daemon(String),
     #[error("{0} does not exist")]
     Missing(PathBuf),
+}
+
+/// guest-init's readiness line on the console.
+const READY: &str = "husk-guest-init: ready";
+
+/// Reads a peer VMM's console: the first readiness line's time goes to
+/// `tx`, and with `log` every line to that file.
+fn watch_console(
+    console: impl std::io::Read,
+    log: Option<&Path>,
+    tx: &std::sync::mpsc::Sender<u64>,
+) {
+    use std::io::{BufRead, Write};
+    let mut file = log.and_then(|l| std::fs::File::create(l).ok());
+    let mut seen = false;
+    for line in std::io::BufReader::new(console).lines() {
+        let Ok(line) = line else { return };
+        if !seen && line.contains(READY) {
+            seen = true;
+            let _ = tx.send(monotonic_ns());
+        }
+        if let Some(f) = &mut file {
+            let _ = writeln!(f, "{line}");
+        }
+    }
 }
 
 /// CLOCK_MONOTONIC in ns: the clock husk-vmm's timeline reports in, so

@@ -19,10 +19,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use super::report::{Memory, Sample, Side};
-use super::{monotonic_ns, BenchConfig};
-
-/// guest-init's readiness line on the console.
-const READY: &str = "husk-guest-init: ready";
+use super::{monotonic_ns, watch_console, BenchConfig};
 
 /// The QEMU binary to use: `binary`, else `qemu-system-x86_64` on `$PATH`;
 /// why not, when it does not run (the bench then skips QEMU).
@@ -172,10 +169,7 @@ impl Qemu {
         qmp: PathBuf,
         incoming: Option<&Path>,
     ) -> Result<Qemu, String> {
-        let mut cmdline = husk_vmm_api::cmdline::BASE_CMDLINE.to_owned();
-        if husk_vmm_api::cmdline::is_pvm_host() {
-            cmdline = format!("{cmdline} {}", husk_vmm_api::cmdline::PVM_CMDLINE);
-        }
+        let cmdline = husk_vmm_api::cmdline::guest_cmdline();
         let mut cmd = Command::new(binary);
         cmd.args(["-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off"])
             .args(["-enable-kvm", "-cpu", cpu_model()])
@@ -202,17 +196,9 @@ impl Qemu {
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("cannot run {}: {e}", binary.display()))?;
-        let console = child.stdout.take().map(BufReader::new);
         let (tx, rx) = mpsc::channel();
-        if let Some(console) = console {
-            std::thread::spawn(move || {
-                for line in console.lines() {
-                    let Ok(line) = line else { return };
-                    if line.contains(READY) {
-                        let _ = tx.send(monotonic_ns());
-                    }
-                }
-            });
+        if let Some(console) = child.stdout.take() {
+            std::thread::spawn(move || watch_console(console, None, &tx));
         }
         Ok(Qemu {
             child,

@@ -24,6 +24,17 @@ pub const BASE_CMDLINE: &str =
 /// See shared/platform.md and kernel-config/README.md.
 pub const PVM_CMDLINE: &str = "clearcpuid=popcnt,cx16,xsave,avx,avx2,avx512f,bmi1,bmi2,erms,fsrm,smap,smep,ibt,fsgsbase,rdrand,rdseed,movbe,pku,umip mitigations=off nopcid";
 
+/// The command line of a husk guest on this host: [`BASE_CMDLINE`], and
+/// [`PVM_CMDLINE`] on a PVM host. Peer VMMs (`husk bench`) give it to the
+/// same guest.
+pub fn guest_cmdline() -> String {
+    if is_pvm_host() {
+        format!("{BASE_CMDLINE} {PVM_CMDLINE}")
+    } else {
+        BASE_CMDLINE.to_owned()
+    }
+}
+
 /// Where a PVM host shows its KVM module.
 pub const PVM_MODULE: &str = "/sys/module/kvm_pvm";
 
