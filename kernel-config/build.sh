@@ -37,11 +37,23 @@ key="$({
 } | sha256sum | cut -c1-16)"
 out="$cache/kernel/$key"
 
-if [[ -f "$out/vmlinux" ]]; then
+cached() {
+    [[ -f "$out/vmlinux" ]] || return 1
     log "cached: $out/vmlinux"
     echo "$out/vmlinux"
-    exit 0
+}
+cached && exit 0
+
+# One build of a key at a time: a second caller (`make run` beside `make test`)
+# waits for the first and takes its result, instead of both sharing one build
+# directory. The lock is released when this script exits.
+mkdir -p "$cache/kernel"
+exec 9>"$cache/kernel/$key.lock"
+if ! flock -n 9; then
+    log "another build of this kernel is running; waiting for it"
+    flock 9
 fi
+cached && exit 0
 
 work="$cache/kernel/build-$key"
 rm -rf "$work"

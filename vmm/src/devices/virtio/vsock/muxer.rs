@@ -41,7 +41,8 @@ const MAX_CONNECT_LINE: usize = 32;
 /// Event token of the listener; connection tokens start above the queues'.
 pub const TOKEN_LISTENER: u32 = 3;
 const FIRST_STREAM_TOKEN: u32 = 16;
-/// Host-side ports for host-initiated connections, as Firecracker allocates.
+/// Host-side ports for host-initiated connections, as Firecracker allocates:
+/// `LOCAL_PORT_BASE` and up, from a random start (see [`random_port_start`]).
 const LOCAL_PORT_BASE: u32 = 1 << 30;
 /// Connections the guest may have open to host ports at once; more are reset.
 pub const MAX_GUEST_CONNS: usize = 128;
@@ -175,7 +176,7 @@ impl Muxer {
             conns: HashMap::new(),
             tokens: HashMap::new(),
             next_token: FIRST_STREAM_TOKEN,
-            next_local_port: 0,
+            next_local_port: random_port_start(),
             control: VecDeque::new(),
             rx_ready: VecDeque::new(),
             host_conns: 0,
@@ -472,15 +473,17 @@ impl Muxer {
             self.resume_listener(ops);
             return;
         };
-        self.next_local_port = self.next_local_port.wrapping_add(1);
-        let local_port = (self.next_local_port & !LOCAL_PORT_BASE) | LOCAL_PORT_BASE;
-        let key = ConnKey {
-            local_port,
-            peer_port,
+        let key = loop {
+            self.next_local_port = self.next_local_port.wrapping_add(1);
+            let key = ConnKey {
+                local_port: (self.next_local_port & !LOCAL_PORT_BASE) | LOCAL_PORT_BASE,
+                peer_port,
+            };
+            // At most MAX_HOST_CONNS ports are taken: this ends at once.
+            if !self.conns.contains_key(&key) {
+                break key;
+            }
         };
-        if self.conns.contains_key(&key) {
-            return;
-        }
         let no_credit_yet = Header::default();
         // Nothing is read from the stream until the guest accepts, but a
         // host program that gives up waiting is noticed: a guest that never
@@ -540,6 +543,15 @@ impl Muxer {
             (OP_CREDIT_UPDATE, ConnState::Established) => self.resume_rx(key, ops),
             (OP_CREDIT_REQUEST, ConnState::Established) => self.send_control(key, OP_CREDIT_UPDATE),
             (OP_SHUTDOWN, ConnState::Established) => self.peer_shutdown(key, h.flags, ops),
+            (OP_RST, ConnState::LocalInit) => {
+                // Say why, rather than end the stream without a word.
+                let reply = format!(
+                    "ERROR the guest refused the connection to port {}\n",
+                    key.peer_port
+                );
+                let _ = conn.stream.write_all(reply.as_bytes());
+                self.close(key, false, ops);
+            }
             (OP_RST, _) => self.close(key, false, ops),
             (op, state) => {
                 tracing::debug!("vsock: unexpected op {op} in state {state:?}; resetting");
@@ -746,6 +758,28 @@ impl Muxer {
         }
         self.control.clear();
     }
+}
+
+/// Where a VMM starts counting the host-side ports of host-initiated
+/// connections: at random. A restored guest still holds the sockets of the
+/// connections its snapshot's VMM had open (or was closing): the transport
+/// reset marks them closed, but they stay in the guest kernel's table until
+/// their owner lets go of them or their close timer fires, and a REQUEST
+/// for the same port pair meanwhile is answered with a reset. Every clone
+/// of a snapshot counting from the same port would step on them; from a
+/// random point of 2^30 ports, none does.
+fn random_port_start() -> u32 {
+    let mut seed = [0u8; 4];
+    // SAFETY: the kernel writes at most `seed.len()` bytes into `seed`.
+    let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), libc::GRND_NONBLOCK) };
+    if n == seed.len() as isize {
+        return u32::from_ne_bytes(seed);
+    }
+    // No entropy yet (early boot): the clock and pid differ between clones.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    nanos ^ std::process::id().rotate_left(16)
 }
 
 /// Whether a host-side port is one we allocate for host-initiated
@@ -1053,6 +1087,83 @@ mod tests {
         assert_eq!(h.muxer.connection_count(), MAX_HOST_CONNS);
         assert_eq!(reply, "ERROR too many connections\n");
         assert_eq!(h.muxer.refusals().host_conns, 1);
+    }
+
+    /// A host program's connection, as far as the REQUEST sent to the guest.
+    struct HostRequest {
+        host: UnixStream,
+        harness: Arc<Mutex<Harness>>,
+        events: EventManager<Arc<Mutex<Harness>>>,
+        request: Header,
+    }
+
+    fn request_from_host(dir: &Path) -> HostRequest {
+        let harness = harness(dir, Vec::new(), true);
+        let mut events = EventManager::<Arc<Mutex<Harness>>>::new().expect("event loop");
+        events.add_subscriber(harness.clone());
+        let mut host = UnixStream::connect(dir.join("v.sock")).expect("connect");
+        host.write_all(b"CONNECT 1024\n").expect("connect line");
+        for _ in 0..3 {
+            events.run_with_timeout(50).expect("run");
+        }
+        let request = harness
+            .lock()
+            .expect("lock")
+            .output
+            .pop()
+            .expect("a REQUEST");
+        assert_eq!(request.op, OP_REQUEST);
+        HostRequest {
+            host,
+            harness,
+            events,
+            request,
+        }
+    }
+
+    #[test]
+    fn clones_of_one_snapshot_ask_from_different_host_ports() {
+        // A restored guest may still hold (closed) sockets of the port pairs
+        // its snapshot's VMM used; every VMM counting from the same port
+        // would be refused on them.
+        let (a, b) = (
+            vmm_sys_util::tempdir::TempDir::new().expect("tempdir"),
+            vmm_sys_util::tempdir::TempDir::new().expect("tempdir"),
+        );
+        let first = request_from_host(a.as_path()).request;
+        let second = request_from_host(b.as_path()).request;
+
+        assert!(is_host_port(first.src_port) && is_host_port(second.src_port));
+        assert_ne!(first.src_port, second.src_port);
+    }
+
+    #[test]
+    fn a_host_connection_the_guest_refuses_is_told_so() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let HostRequest {
+            mut host,
+            harness,
+            mut events,
+            request,
+        } = request_from_host(dir.as_path());
+
+        harness.lock().expect("lock").input.push(Header {
+            src_port: request.dst_port,
+            dst_port: request.src_port,
+            ..from_guest(OP_RST)
+        });
+        harness.lock().expect("lock").kick.write(1).expect("kick");
+        events.run_with_timeout(100).expect("run");
+        let mut reply = String::new();
+        host.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .expect("timeout");
+        host.read_to_string(&mut reply).expect("read");
+
+        assert_eq!(
+            reply,
+            "ERROR the guest refused the connection to port 1024\n"
+        );
+        assert_eq!(harness.lock().expect("lock").muxer.connection_count(), 0);
     }
 
     #[test]
