@@ -21,7 +21,7 @@ fn pattern(i: u64) -> u8 {
 }
 
 /// Connects to guest port `port` through the VMM's socket, retrying until the
-/// guest listens (a reset closes our stream before the `OK`).
+/// guest listens (until then the guest refuses: an `ERROR` line, not `OK`).
 fn connect_to_guest(uds: &Path, port: u32, deadline: Instant) -> UnixStream {
     loop {
         assert!(
