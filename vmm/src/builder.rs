@@ -533,12 +533,6 @@ fn legacy_devices(
     Ok(pio)
 }
 
-/// Fills `buf` from the host kernel's RNG.
-fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
-    use std::io::Read;
-    std::fs::File::open("/dev/urandom")?.read_exact(buf)
-}
-
 /// Writes the final command line (with every device on it) and the zero page.
 fn write_cmdline_and_zero_page(
     mem: &GuestMemoryMmap,
@@ -562,7 +556,7 @@ fn write_cmdline_and_zero_page(
     let mut seed = [0u8; boot::RNG_SEED_LEN];
     // A VM without a seed still boots; its RNG becomes ready later (or
     // when the host seeds it through the agent).
-    let setup_data = match getrandom(&mut seed) {
+    let setup_data = match crate::getrandom(&mut seed) {
         Ok(()) => Some(boot::write_rng_seed(mem, &seed)?),
         Err(e) => {
             tracing::warn!("no RNG seed for the guest: {e}");

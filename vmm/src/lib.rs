@@ -536,6 +536,12 @@ fn dirty_error(e: vstate::vm::VmError) -> VmmError {
     VmmError::Unsupported(format!("dirty page tracking: {e}"))
 }
 
+/// Fills `buf` from the host kernel's RNG (a jailed VMM has `/dev/urandom`).
+pub(crate) fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
+    use std::io::Read;
+    std::fs::File::open("/dev/urandom")?.read_exact(buf)
+}
+
 fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -770,16 +770,16 @@ impl Muxer {
 /// random point of 2^30 ports, none does.
 fn random_port_start() -> u32 {
     let mut seed = [0u8; 4];
-    // SAFETY: the kernel writes at most `seed.len()` bytes into `seed`.
-    let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), libc::GRND_NONBLOCK) };
-    if n == seed.len() as isize {
-        return u32::from_ne_bytes(seed);
+    match crate::getrandom(&mut seed) {
+        Ok(()) => u32::from_ne_bytes(seed),
+        // Unlikely; the clock and pid still differ between clones.
+        Err(_) => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            nanos ^ std::process::id().rotate_left(16)
+        }
     }
-    // No entropy yet (early boot): the clock and pid differ between clones.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    nanos ^ std::process::id().rotate_left(16)
 }
 
 /// Whether a host-side port is one we allocate for host-initiated
