@@ -242,17 +242,27 @@ fn every_corpus_belongs_to_a_target() {
     assert_eq!(found, names);
 }
 
-/// Writes the seed inputs of each corpus (run once by hand, then commit:
-/// `cargo test -p husk-vmm --test fuzz -- --ignored write_seed_corpus`).
-/// Each seed is a valid input of its kind, which mutations start from.
+/// The seed inputs of each corpus are the ones made here: each is a valid
+/// input of its kind, which mutations start from. After changing one,
+/// write them again and commit them:
+/// `HUSK_WRITE_SEEDS=1 cargo test -p husk-vmm --test fuzz seed_corpus`.
 #[test]
-#[ignore]
-fn write_seed_corpus() {
+fn the_seed_corpus_is_the_one_made_here() {
     use husk_protocol::{Body, ExecRequest, Frame};
+    let write = std::env::var_os("HUSK_WRITE_SEEDS").is_some();
     let put = |target: &str, name: &str, bytes: &[u8]| {
         let dir = repo().join("vmm/fuzz/corpus").join(target);
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::write(dir.join(name), bytes).expect("seed");
+        if write {
+            std::fs::create_dir_all(&dir).expect("dir");
+            std::fs::write(dir.join(name), bytes).expect("seed");
+        } else {
+            let committed = std::fs::read(dir.join(name))
+                .unwrap_or_else(|e| panic!("seed {target}/{name}: {e}"));
+            assert!(
+                committed == bytes,
+                "seed {target}/{name} differs from the one made here (see this test's doc)"
+            );
+        }
     };
     // A chain for `husk_vmm::fuzz::guest`: descriptors, then memory.
     let chain = |descs: &[(u64, u32, u16)], memory: &[(u64, &[u8])]| {
