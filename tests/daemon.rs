@@ -80,6 +80,8 @@ impl TestDaemon {
             .arg("--vmm")
             .arg(common::vmm_binary())
             .args(["--tcp", &self.tcp])
+            .arg("--template-source")
+            .arg(template_sources(self))
             .args(["--mcp-max-sandboxes", "1", "--mcp-max-command-s", "60"])
             .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
             .arg(self.state_dir.with_extension("e2bkeys"))
@@ -227,7 +229,7 @@ fn daemon() -> &'static TestDaemon {
         }));
         let state_dir =
             std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
-        std::fs::create_dir_all(&state_dir).expect("state dir");
+        std::fs::create_dir_all(state_dir.join("sources")).expect("state dir");
         // SAFETY: registers a plain function to run at exit.
         unsafe { libc::atexit(cleanup) };
         let token = "test-token-0123456789abcdef".to_owned();
@@ -1014,15 +1016,19 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
         ),
         (raw("POST", "/v1/nowhere", b""), 404, "no such route"),
     ];
-    let hostile_tar = d.state_dir.join("hostile.tar");
-    std::fs::write(&hostile_tar, hostile_tar_bytes()).expect("tar");
+    let hostile = api()
+        .upload(&mut &hostile_tar_bytes()[..])
+        .expect("upload the hostile tar");
     let tar_build = build_template(
         "hostile",
-        json!({ "name": "hostile", "rootfs": { "kind": "tar", "path": hostile_tar } }),
+        json!({ "name": "hostile", "rootfs": { "kind": "upload", "upload": hostile } }),
     );
+    let not_a_kernel = api()
+        .upload(&mut &b"not a kernel"[..])
+        .expect("upload a kernel");
     let boot_failure = build_template(
         "noboot",
-        json!({ "name": "noboot", "kernel": "/nonexistent/vmlinux" }),
+        json!({ "name": "noboot", "kernel": { "upload": not_a_kernel } }),
     );
 
     for ((code, message), want, says) in cases {
@@ -1033,7 +1039,7 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
     assert_eq!(code, 400, "{message}");
     assert!(message.contains("absolute"), "{message}");
     let (_, message) = boot_failure.expect_err("boot failure");
-    assert!(message.contains("nonexistent"), "{message}");
+    assert!(message.contains("build failed"), "{message}");
     let templates_after = std::fs::read_dir(d.state_dir.join("templates"))
         .expect("templates dir")
         .count();
@@ -1044,7 +1050,94 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
     // The daemon and the sandbox are unharmed.
     assert_eq!(sh(&s.id, "echo ok").stdout, "ok\n");
     destroy(&s.id);
-    let _ = std::fs::remove_file(hostile_tar);
+}
+
+/// The daemon (root) reads no host path an API client names for a
+/// template, unless it lies in a `--template-source` directory; symbolic
+/// links do not lead out of one. No case here boots a guest: each is
+/// refused, or reaches the unpacking of a hostile archive, before that.
+#[test]
+fn template_sources_are_the_operators_and_everything_else_comes_as_an_upload() {
+    let (d, _g) = shared();
+    let sources = template_sources(d);
+    let outside = d.state_dir.join("outside.tar");
+    std::fs::write(&outside, hostile_tar_bytes()).expect("tar outside");
+    std::fs::write(sources.join("hostile.tar"), hostile_tar_bytes()).expect("tar inside");
+    let link = sources.join("link-out");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(&outside, &link).expect("symlink");
+    let templates_before = std::fs::read_dir(d.state_dir.join("templates"))
+        .expect("templates dir")
+        .count();
+    let spec = |name: &str, rootfs: Value| json!({ "name": name, "rootfs": rootfs });
+
+    let refused = [
+        build_template("etc", spec("etc", json!({ "kind": "dir", "path": "/etc" }))),
+        build_template(
+            "out",
+            spec("out", json!({ "kind": "tar", "path": outside })),
+        ),
+        build_template("link", spec("link", json!({ "kind": "tar", "path": link }))),
+        build_template(
+            "dots",
+            spec(
+                "dots",
+                json!({ "kind": "tar", "path": sources.join("../outside.tar") }),
+            ),
+        ),
+        build_template("knl", json!({ "name": "knl", "kernel": "/etc/passwd" })),
+    ];
+    let inside = build_template(
+        "inside",
+        spec(
+            "inside",
+            json!({ "kind": "tar", "path": sources.join("hostile.tar") }),
+        ),
+    );
+    let upload = api().upload(&mut &b"x"[..]).expect("upload");
+    let used_up = (
+        build_template(
+            "used1",
+            json!({ "name": "used1", "kernel": { "upload": upload } }),
+        ),
+        build_template(
+            "used2",
+            json!({ "name": "used2", "kernel": { "upload": upload } }),
+        ),
+    );
+    let no_upload = build_template(
+        "noup",
+        spec("noup", json!({ "kind": "upload", "upload": "../../etc" })),
+    );
+
+    for result in refused {
+        let (code, message) = result.expect_err("a path outside the sources");
+        assert_eq!(code, 403, "{message}");
+        assert!(message.contains("--template-source"), "{message}");
+        assert!(message.contains("upload"), "{message}");
+    }
+    let (code, message) = inside.expect_err("the hostile tar");
+    assert_eq!(code, 400, "{message}");
+    assert!(message.contains("absolute"), "{message}");
+    used_up.0.expect_err("not a kernel");
+    let (code, message) = used_up.1.expect_err("an upload used twice");
+    assert_eq!(code, 404, "{message}");
+    assert!(message.contains("used by one build"), "{message}");
+    let (code, message) = no_upload.expect_err("no such upload");
+    assert_eq!(code, 404, "{message}");
+    let templates_after = std::fs::read_dir(d.state_dir.join("templates"))
+        .expect("templates dir")
+        .count();
+    assert_eq!(
+        templates_before, templates_after,
+        "a refused build left files"
+    );
+    let _ = std::fs::remove_file(outside);
+}
+
+/// The directory the test daemon lets API clients build templates from.
+fn template_sources(d: &TestDaemon) -> PathBuf {
+    d.state_dir.join("sources")
 }
 
 /// A tar whose one entry has an absolute path.
@@ -1324,9 +1417,9 @@ fn an_upload_broken_off_leaves_no_file() {
     destroy(&s.id);
 }
 
-/// A root file system from a tar archive: busybox and the applets the
-/// tests run, and a file of its own.
-fn rootfs_archive(d: &TestDaemon) -> PathBuf {
+/// A root file system tree: busybox and the applets the tests run, and a
+/// file of its own.
+fn rootfs_tree(d: &TestDaemon) -> PathBuf {
     let tree = d.state_dir.join("ctr");
     let _ = std::fs::remove_dir_all(&tree);
     std::fs::create_dir_all(tree.join("bin")).expect("bin");
@@ -1336,26 +1429,16 @@ fn rootfs_archive(d: &TestDaemon) -> PathBuf {
         std::os::unix::fs::symlink("busybox", tree.join("bin").join(applet)).expect("applet");
     }
     std::fs::write(tree.join("etc/motd"), "from the archive\n").expect("motd");
-    let archive = d.state_dir.join("ctr.tar");
-    let tarred = Command::new("tar")
-        .arg("-C")
-        .arg(&tree)
-        .arg("-cf")
-        .arg(&archive)
-        .arg(".")
-        .status()
-        .expect("tar");
-    assert!(tarred.success());
-    let _ = std::fs::remove_dir_all(tree);
-    archive
+    tree
 }
 
 /// One template (one boot) for two features: its root file system comes
-/// from a tar archive, and it has a network device (where the host allows
+/// from a local directory (which the CLI uploads as a tar archive), and it has a network device (where the host allows
 /// one: root and nftables), which gives each sandbox its own TAP, MAC,
 /// network namespace and firewall.
 #[test]
-fn a_template_from_a_tar_archive_boots_with_its_files_and_gives_each_sandbox_its_own_tap_and_mac() {
+fn a_template_from_a_local_directory_boots_with_its_files_and_gives_each_sandbox_its_own_tap_and_mac(
+) {
     let (d, _g) = shared();
     // SAFETY: getuid cannot fail.
     let network = if unsafe { libc::getuid() } != 0 {
@@ -1369,16 +1452,22 @@ fn a_template_from_a_tar_archive_boots_with_its_files_and_gives_each_sandbox_its
     } else {
         true
     };
-    let archive = rootfs_archive(d);
-    let t = build_template(
-        "fromtar",
-        json!({ "name": "fromtar", "rootfs": { "kind": "tar", "path": archive }, "network": network }),
-    )
-    .expect("build from tar");
+    let tree = rootfs_tree(d);
+    let built = Command::new(common::husk_binary())
+        .args(["template", "build", "fromtar", "--dir"])
+        .arg(&tree)
+        .args(if network { &["--network"][..] } else { &[][..] })
+        .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .output()
+        .expect("husk template build");
+    assert!(built.status.success(), "{}", common::text(&built.stderr));
+    let t = get_template("fromtar");
     let a = create("fromtar").sandbox;
     let files = sh(&a.id, "cat /etc/motd; cat /proc/mounts | grep ' / '");
 
-    assert_eq!(t.source, format!("tar:{}", archive.display()));
+    // The CLI sent the directory as a tar archive: the daemon read no
+    // host path of the client's.
+    assert!(t.source.starts_with("upload:up-"), "{}", t.source);
     assert_eq!(t.network, network);
     assert!(files.stdout.starts_with("from the archive\n"), "{files:?}");
     assert!(files.stdout.contains(" / ext4 rw"), "{files:?}");
@@ -1392,7 +1481,7 @@ fn a_template_from_a_tar_archive_boots_with_its_files_and_gives_each_sandbox_its
     api()
         .send("DELETE", "/v1/templates/fromtar", Payload::None)
         .expect("remove");
-    let _ = std::fs::remove_file(archive);
+    let _ = std::fs::remove_dir_all(tree);
 }
 
 /// Two sandboxes of a network template: each TAP in its own sandbox's

@@ -30,6 +30,7 @@ use crate::agent_client::{ClientError, Event};
 use crate::daemon::{CreateRequest, Daemon, DaemonError, SandboxUpdate};
 use crate::store::SandboxState;
 use crate::template::{TemplateError, TemplateSpec};
+use crate::upload::UploadError;
 
 /// Largest JSON request body.
 pub const MAX_JSON: usize = 1 << 20;
@@ -88,6 +89,11 @@ pub(crate) fn daemon_status(e: &DaemonError) -> StatusCode {
         DaemonError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         DaemonError::Template(TemplateError::Invalid(_)) => StatusCode::BAD_REQUEST,
         DaemonError::Template(TemplateError::Corrupt(_)) => StatusCode::CONFLICT,
+        DaemonError::Template(TemplateError::Forbidden(_)) => StatusCode::FORBIDDEN,
+        DaemonError::Template(TemplateError::Upload(UploadError::NotFound(_)))
+        | DaemonError::Upload(UploadError::NotFound(_)) => StatusCode::NOT_FOUND,
+        DaemonError::Upload(UploadError::TooLarge(_)) => StatusCode::PAYLOAD_TOO_LARGE,
+        DaemonError::Upload(UploadError::Body(_)) => StatusCode::BAD_REQUEST,
         DaemonError::Agent(c) => agent_status(c),
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
@@ -170,6 +176,7 @@ routes! {
     get "/v1/templates/{id}" => get_template,
     delete "/v1/templates/{id}" => remove_template,
     post "/v1/templates/{id}/verify" => verify_template,
+    post "/v1/uploads" => receive_upload,
     get "/v1/pools" => list_pools,
     put "/v1/pools/{template}" => set_pool,
     get "/v1/sandboxes" => list_sandboxes,
@@ -340,8 +347,9 @@ async fn build_template(
     ConnectInfo(who): ConnectInfo<Peer>,
     body: Bytes,
 ) -> ApiResult<Response> {
-    let spec: TemplateSpec = json(&body)?;
+    let mut spec: TemplateSpec = json(&body)?;
     crate::template::check_name(&spec.name).map_err(DaemonError::from)?;
+    d.check_template_sources(&mut spec)?;
     let name = spec.name.clone();
     let d2 = d.clone();
     if blocking(move || Ok(d2.store().template(&name)?))
@@ -973,6 +981,51 @@ impl std::io::Read for ChannelReader {
     }
 }
 
+/// Runs `work` on a blocking thread, reading `body` as it arrives; the
+/// body stops being read when `work` ends (its answer says why).
+async fn with_body<T: Send + 'static>(
+    body: Body,
+    work: impl FnOnce(ChannelReader) -> Result<T, DaemonError> + Send + 'static,
+) -> ApiResult<T> {
+    let (chunks_tx, chunks_rx) = std::sync::mpsc::sync_channel::<Result<Bytes, String>>(8);
+    let worker = tokio::task::spawn_blocking(move || {
+        work(ChannelReader {
+            rx: chunks_rx,
+            chunk: Bytes::new(),
+        })
+    });
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = tokio_stream::StreamExt::next(&mut stream).await {
+        let item = chunk.map_err(|e| format!("the upload broke off: {e}"));
+        let failed = item.is_err();
+        // The worker may have ended (an error): its answer says why.
+        let tx = chunks_tx.clone();
+        let sent = tokio::task::spawn_blocking(move || tx.send(item).is_ok())
+            .await
+            .unwrap_or(false);
+        if !sent || failed {
+            break;
+        }
+    }
+    drop(chunks_tx);
+    match worker.await {
+        Ok(r) => Ok(r?),
+        Err(e) => Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
+    }
+}
+
+/// Receives a file for a later template build (a root file system tar, a
+/// kernel): the client's way to give the daemon a file without naming a
+/// path on its host.
+async fn receive_upload(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    body: Body,
+) -> ApiResult<Response> {
+    let up = with_body(body, move |mut reader| d.upload(&mut reader, &who.0)).await?;
+    Ok(ok(StatusCode::CREATED, up))
+}
+
 async fn upload(
     State(d): State<Shared>,
     ConnectInfo(who): ConnectInfo<Peer>,
@@ -988,39 +1041,14 @@ async fn upload(
             .ok_or_else(|| bad(format!("mode `{m}` is not octal permission bits")))?,
         None => 0o644,
     };
-    let (chunks_tx, chunks_rx) = std::sync::mpsc::sync_channel::<Result<Bytes, String>>(8);
     let path = q.path.clone();
-    let writer = tokio::task::spawn_blocking(move || {
+    let size = with_body(body, move |reader| {
         let mut client = d.agent(&id)?;
-        let size = client.write_file(
-            &path,
-            mode,
-            ChannelReader {
-                rx: chunks_rx,
-                chunk: Bytes::new(),
-            },
-        )?;
+        let size = client.write_file(&path, mode, reader)?;
         d.store().audit(&who.0, "upload", Some(&id), None, &path)?;
-        Ok::<u64, DaemonError>(size)
-    });
-    let mut stream = body.into_data_stream();
-    while let Some(chunk) = tokio_stream::StreamExt::next(&mut stream).await {
-        let item = chunk.map_err(|e| format!("the upload broke off: {e}"));
-        let failed = item.is_err();
-        // The writer may have ended (an error): its answer says why.
-        let tx = chunks_tx.clone();
-        let sent = tokio::task::spawn_blocking(move || tx.send(item).is_ok())
-            .await
-            .unwrap_or(false);
-        if !sent || failed {
-            break;
-        }
-    }
-    drop(chunks_tx);
-    let size = match writer.await {
-        Ok(r) => r?,
-        Err(e) => return Err(ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())),
-    };
+        Ok(size)
+    })
+    .await?;
     Ok(ok(
         StatusCode::CREATED,
         serde_json::json!({ "path": q.path, "size": size }),

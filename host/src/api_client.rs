@@ -307,6 +307,52 @@ impl ApiClient {
         };
         self.send(method, path, payload)?.json()
     }
+
+    /// Uploads a file for a template build (`POST /v1/uploads`); returns
+    /// the upload's id, which a template spec names.
+    pub fn upload(&self, body: &mut dyn Read) -> Result<String, ApiClientError> {
+        let answer: serde_json::Value = self
+            .send("POST", "/v1/uploads", Payload::Stream(body))?
+            .json()?;
+        answer["id"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| ApiClientError::Malformed(format!("an upload without an id: {answer}")))
+    }
+
+    /// Uploads directory `dir` as a tar archive made as it is sent
+    /// (owners, modes and symbolic links kept; links not followed).
+    pub fn upload_dir(&self, dir: &std::path::Path) -> Result<String, ApiClientError> {
+        if !dir.is_dir() {
+            return Err(ApiClientError::Io(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("{} is not a directory", dir.display()),
+            )));
+        }
+        let (mut rx, tx) = UnixStream::pair()?;
+        let dir = dir.to_owned();
+        let tarring = std::thread::spawn(move || {
+            let mut tar = tar::Builder::new(tx);
+            tar.follow_symlinks(false);
+            tar.mode(tar::HeaderMode::Complete);
+            tar.append_dir_all(".", &dir)
+                .and_then(|()| tar.into_inner().map(drop))
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", dir.display())))
+        });
+        let sent = self.upload(&mut rx);
+        drop(rx);
+        let tarred = tarring
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the tar thread panicked")));
+        match (sent, tarred) {
+            // The daemon refused it (too large): its word is the reason.
+            (Err(e @ ApiClientError::Status { .. }), _) => Err(e),
+            // The archive could not be made: that is the reason, whatever
+            // the daemon made of the cut-off upload.
+            (_, Err(e)) => Err(ApiClientError::Io(e)),
+            (sent, Ok(())) => sent,
+        }
+    }
 }
 
 /// Why a request could not be written.

@@ -67,6 +67,12 @@ pub struct DaemonConfig {
     /// Certificates (PEM) the egress proxy trusts, besides the public
     /// roots, when it opens TLS to hosts with credentials.
     pub egress_upstream_ca: Option<PathBuf>,
+    /// The only host directories a template build may read a root file
+    /// system or kernel from (real paths); every other file comes as an
+    /// upload.
+    pub template_sources: Vec<PathBuf>,
+    /// Largest upload (`POST /v1/uploads`), in bytes.
+    pub max_upload_bytes: u64,
 }
 
 /// Why a daemon request failed; `api` maps each kind to an HTTP status.
@@ -92,6 +98,8 @@ pub enum DaemonError {
     Store(#[from] StoreError),
     #[error("the sandbox's agent: {0}")]
     Agent(#[from] ClientError),
+    #[error(transparent)]
+    Upload(#[from] crate::upload::UploadError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -588,12 +596,37 @@ impl Daemon {
 
     /// Builds a template: boots it, runs its warm-up commands, snapshots
     /// it. `progress` gets one line per phase.
+    /// Refuses a spec that names host paths outside the template sources,
+    /// and puts the real paths in it (see [`template::check_sources`]).
+    pub fn check_template_sources(&self, spec: &mut TemplateSpec) -> Result<(), DaemonError> {
+        Ok(template::check_sources(&self.cfg.template_sources, spec)?)
+    }
+
+    /// Receives an upload for a later template build.
+    pub fn upload(
+        &self,
+        body: &mut dyn std::io::Read,
+        who: &str,
+    ) -> Result<crate::upload::UploadInfo, DaemonError> {
+        let dir = self.cfg.state_dir.join(template::UPLOADS);
+        let up = crate::upload::receive(&dir, body, self.cfg.max_upload_bytes)?;
+        self.store.audit(
+            who,
+            "template-upload",
+            None,
+            None,
+            &format!("{} ({} bytes, sha256 {})", up.id, up.bytes, up.sha256),
+        )?;
+        Ok(up)
+    }
+
     pub fn build_template(
         &self,
-        spec: TemplateSpec,
+        mut spec: TemplateSpec,
         who: &str,
         progress: &mut dyn FnMut(&str),
     ) -> Result<TemplateRecord, DaemonError> {
+        self.check_template_sources(&mut spec)?;
         let name = spec.name.clone();
         self.reserve_name(&name)?;
         let result = template::build(&self.cfg, &new_id("tpl"), spec, progress);

@@ -8,7 +8,8 @@
 //!   small blocking client of it (the CLI's);
 //! - [`store`]: the daemon's state in SQLite, with the audit log;
 //! - [`template`], [`rootfs`]: template builds, checksums, root file
-//!   system images from a directory or a tar archive;
+//!   system images from a directory or a tar archive; [`upload`]: files
+//!   a client streams in for a build (no client names a host path);
 //! - [`vmm_process`]: one husk-vmm process (start, find again, stop);
 //!   [`cgroup`]: its memory, CPU and pid limits (cgroup v2 or v1);
 //!   [`jail`]: the namespaces, root, ids and rlimits it runs in
@@ -47,4 +48,5 @@ pub mod rootfs;
 pub mod shim;
 pub mod store;
 pub mod template;
+pub mod upload;
 pub mod vmm_process;

@@ -50,7 +50,11 @@ fn stage_and_make(
     stage: &Path,
 ) -> Result<String, TemplateError> {
     let recorded = match source {
-        RootfsSource::Default => unreachable!("the default root is an initramfs"),
+        RootfsSource::Default | RootfsSource::Upload { .. } => {
+            return Err(TemplateError::Invalid(
+                "the default root file system and uploads are not images to stage".into(),
+            ))
+        }
         RootfsSource::Dir { path } => {
             if !path.is_dir() {
                 return Err(TemplateError::Invalid(format!(

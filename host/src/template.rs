@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::time::Instant;
 
@@ -24,6 +25,9 @@ use crate::readiness::WaitBudget;
 use crate::store::{now_unix_ms, SandboxRecord, TemplateRecord};
 use crate::vmm_process::{self, Launch};
 
+/// Where uploads wait for a build, under the state dir.
+pub const UPLOADS: &str = "uploads";
+
 /// Errors building or checking a template.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
@@ -33,6 +37,11 @@ pub enum TemplateError {
     Build(String),
     #[error("{0}")]
     Corrupt(String),
+    /// A host path the daemon may not read for a template.
+    #[error("{0}")]
+    Forbidden(String),
+    #[error(transparent)]
+    Upload(#[from] crate::upload::UploadError),
     #[error("I/O error on {0}: {1}")]
     Io(PathBuf, #[source] std::io::Error),
 }
@@ -49,6 +58,19 @@ pub enum RootfsSource {
     /// A tar archive on the daemon's host (an exported container file
     /// system), unpacked into an ext4 image.
     Tar { path: PathBuf },
+    /// A tar archive the client uploaded (`POST /v1/uploads`), unpacked
+    /// into an ext4 image; the build uses the upload up.
+    Upload { upload: String },
+}
+
+/// Where a template's guest kernel comes from, when not the daemon's: a
+/// path on the daemon's host (under a `--template-source` directory) or
+/// an upload (`{"upload": ID}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum KernelSource {
+    Path(PathBuf),
+    Upload { upload: String },
 }
 
 /// What to build.
@@ -68,7 +90,7 @@ pub struct TemplateSpec {
     pub warmup: Vec<Vec<String>>,
     /// A guest kernel other than the daemon's.
     #[serde(default)]
-    pub kernel: Option<PathBuf>,
+    pub kernel: Option<KernelSource>,
     /// Give its VMs a virtio-net device (each sandbox its own TAP, created
     /// by its VMM and gone with it, and its own MAC). The TAP is left
     /// unconfigured: where it leads is the host's (or an egress policy's)
@@ -158,13 +180,20 @@ fn build_in(
     progress: &mut dyn FnMut(&str),
 ) -> Result<TemplateRecord, TemplateError> {
     let mut phases = BTreeMap::new();
-    let kernel = spec
-        .kernel
-        .clone()
-        .or_else(|| cfg.kernel.clone())
-        .ok_or_else(|| {
+    let kernel = match &spec.kernel {
+        Some(KernelSource::Path(path)) => path.clone(),
+        Some(KernelSource::Upload { upload }) => {
+            let kernel = dir.join("vmlinux");
+            crate::upload::take(&cfg.state_dir.join(UPLOADS), upload, &kernel)?;
+            // A jailed VMM reads it as its own uid.
+            std::fs::set_permissions(&kernel, std::fs::Permissions::from_mode(0o644))
+                .map_err(io(&kernel))?;
+            kernel
+        }
+        None => cfg.kernel.clone().ok_or_else(|| {
             TemplateError::Invalid("no guest kernel: start the daemon with --kernel".into())
-        })?;
+        })?,
+    };
     let phase = Instant::now();
     let (initramfs, drives, cmdline, source) = match &spec.rootfs {
         RootfsSource::Default => {
@@ -175,10 +204,22 @@ fn build_in(
             })?;
             (Some(initramfs), vec![], None, "default".to_owned())
         }
-        RootfsSource::Dir { .. } | RootfsSource::Tar { .. } => {
+        RootfsSource::Dir { .. } | RootfsSource::Tar { .. } | RootfsSource::Upload { .. } => {
             progress("making the root file system image");
             let image = dir.join("rootfs.ext4");
-            let source = crate::rootfs::make_image(cfg, &spec.rootfs, &image, &dir.join("stage"))?;
+            let source = match &spec.rootfs {
+                RootfsSource::Upload { upload } => {
+                    let archive = dir.join("rootfs.tar");
+                    crate::upload::take(&cfg.state_dir.join(UPLOADS), upload, &archive)?;
+                    let from = RootfsSource::Tar {
+                        path: archive.clone(),
+                    };
+                    crate::rootfs::make_image(cfg, &from, &image, &dir.join("stage"))?;
+                    std::fs::remove_file(&archive).map_err(io(&archive))?;
+                    format!("upload:{upload}")
+                }
+                from => crate::rootfs::make_image(cfg, from, &image, &dir.join("stage"))?,
+            };
             phases.insert("rootfs".to_owned(), ms(phase));
             (
                 None,
@@ -551,6 +592,59 @@ pub fn verify(t: &TemplateRecord) -> Result<Vec<String>, TemplateError> {
     }
 }
 
+/// Checks the host paths `spec` names against the operator's template
+/// sources, and puts each one's real path (symbolic links resolved) in its
+/// place, so that the build reads what was checked. Uploads and the
+/// daemon's defaults need no check.
+pub fn check_sources(sources: &[PathBuf], spec: &mut TemplateSpec) -> Result<(), TemplateError> {
+    match &mut spec.rootfs {
+        RootfsSource::Dir { path } => *path = allowed_source(sources, path, "root file system")?,
+        RootfsSource::Tar { path } => *path = allowed_source(sources, path, "root file system")?,
+        RootfsSource::Default | RootfsSource::Upload { .. } => {}
+    }
+    if let Some(KernelSource::Path(path)) = &mut spec.kernel {
+        *path = allowed_source(sources, path, "kernel")?;
+    }
+    Ok(())
+}
+
+/// `path`'s real path, if it lies in one of `sources` (real paths too).
+/// A path outside them is refused whether or not it exists, so the answer
+/// tells a client nothing about the rest of the host.
+fn allowed_source(sources: &[PathBuf], path: &Path, what: &str) -> Result<PathBuf, TemplateError> {
+    let refused = || {
+        TemplateError::Forbidden(format!(
+            "{what} {}: the daemon reads no host path for a template outside the directories \
+             its operator allowed (husk serve --template-source DIR{}); upload the file instead \
+             (POST /v1/uploads, then {{\"upload\": ID}}; the CLI uploads by default)",
+            path.display(),
+            if sources.is_empty() {
+                ", none now".to_owned()
+            } else {
+                format!(
+                    ": now {}",
+                    sources
+                        .iter()
+                        .map(|s| s.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        ))
+    };
+    let inside = |p: &Path| sources.iter().any(|s| p.starts_with(s));
+    if !path.is_absolute() || !inside(path) {
+        return Err(refused());
+    }
+    let real = std::fs::canonicalize(path)
+        .map_err(|e| TemplateError::Invalid(format!("{what} {}: {e}", path.display())))?;
+    if inside(&real) {
+        Ok(real)
+    } else {
+        Err(refused())
+    }
+}
+
 /// A path inside an archive that stays inside the directory it is
 /// unpacked in: relative, without `..`.
 pub fn is_contained(path: &Path) -> bool {
@@ -568,6 +662,49 @@ mod tests {
         for bad in ["", "-x", "A", "a/b", "a b", &"x".repeat(64)] {
             assert!(check_name(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn only_paths_in_the_template_sources_are_read_and_links_do_not_lead_out() {
+        let root = std::env::temp_dir().join(format!("husk-sources-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let src = root.join("src");
+        std::fs::create_dir_all(src.join("tree")).expect("dirs");
+        std::fs::write(root.join("secret"), b"x").expect("secret");
+        std::os::unix::fs::symlink(root.join("secret"), src.join("out")).expect("link");
+        std::os::unix::fs::symlink("tree", src.join("in")).expect("link");
+        let sources = [std::fs::canonicalize(&src).expect("real")];
+        let check = |rootfs: RootfsSource, kernel: Option<KernelSource>| {
+            let mut spec: TemplateSpec =
+                serde_json::from_value(serde_json::json!({ "name": "t" })).expect("spec");
+            spec.rootfs = rootfs;
+            spec.kernel = kernel;
+            check_sources(&sources, &mut spec).map(|()| spec)
+        };
+        let dir = |p: PathBuf| RootfsSource::Dir { path: p };
+
+        let allowed = check(dir(src.join("in")), None).expect("a link inside");
+        let refused = [
+            check(dir(root.join("secret")), None),
+            check(dir(src.join("out")), None),
+            check(dir(src.join("../secret")), None),
+            check(dir(PathBuf::from("src/tree")), None),
+            check(
+                RootfsSource::Default,
+                Some(KernelSource::Path(root.join("secret"))),
+            ),
+        ];
+        let missing = check(dir(src.join("nope")), None);
+
+        assert_eq!(allowed.rootfs, dir(sources[0].join("tree")));
+        for r in refused {
+            assert!(matches!(r, Err(TemplateError::Forbidden(_))), "{r:?}");
+        }
+        assert!(
+            matches!(missing, Err(TemplateError::Invalid(_))),
+            "{missing:?}"
+        );
+        std::fs::remove_dir_all(&root).expect("cleanup");
     }
 
     #[test]

@@ -356,7 +356,11 @@ impl Inner {
                 name: name.clone(),
                 vcpus,
                 mem_mib,
-                rootfs: crate::template::RootfsSource::Dir { path: dir.clone() },
+                // The daemon reads no host path a client names: the
+                // bundle's root file system travels as an upload.
+                rootfs: crate::template::RootfsSource::Upload {
+                    upload: self.daemon.upload_dir(dir)?,
+                },
                 warmup: Vec::new(),
                 kernel: None,
                 network: false,

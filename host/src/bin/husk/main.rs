@@ -302,6 +302,15 @@ enum TemplateCommand {
         /// Root file system from this tar archive (an exported container).
         #[arg(long)]
         tar: Option<PathBuf>,
+        /// Boot this guest kernel (an uncompressed vmlinux) instead of the
+        /// daemon's.
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// --dir, --tar and --kernel name files on the daemon's host, in a
+        /// directory it was started with (--template-source), instead of
+        /// local files to upload.
+        #[arg(long)]
+        on_host: bool,
         /// A shell command to run before the snapshot (repeatable).
         #[arg(long)]
         warmup: Vec<String>,
@@ -863,6 +872,8 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             name,
             dir,
             tar,
+            kernel,
+            on_host,
             warmup,
             vcpus,
             mem_mib,
@@ -878,6 +889,8 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             mem_mib,
             dir,
             tar,
+            kernel,
+            on_host,
             warmup,
         }),
         Command::Template(TemplateCommand::Ls { json }) => sandboxes::template_ls(json),

@@ -12,7 +12,7 @@ use husk_host::api::{BuildEvent, ExecEvent, ExecSpec};
 use husk_host::api_client::{encode, ApiClient, ApiClientError, Payload};
 use husk_host::daemon::{Created, PoolInfo, SandboxInfo};
 use husk_host::store::{AuditEntry, TemplateRecord};
-use husk_host::template::{RootfsSource, TemplateSpec};
+use husk_host::template::{KernelSource, RootfsSource, TemplateSpec};
 use serde_json::json;
 
 /// Exit status for husk's own failures (as docker uses 125).
@@ -278,6 +278,10 @@ pub struct BuildArgs {
     pub mem_mib: u32,
     pub dir: Option<PathBuf>,
     pub tar: Option<PathBuf>,
+    pub kernel: Option<PathBuf>,
+    /// The paths are the daemon host's, in its --template-source
+    /// directories: sent as they are, not uploaded.
+    pub on_host: bool,
     pub warmup: Vec<String>,
     pub network: bool,
     pub block_limit: Option<String>,
@@ -287,10 +291,36 @@ pub struct BuildArgs {
 /// Builds a template, showing its progress.
 pub fn template_build(a: BuildArgs) -> CliResult {
     let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
-    let rootfs = match (a.dir, a.tar) {
-        (Some(path), _) => RootfsSource::Dir { path: abs(path) },
-        (None, Some(path)) => RootfsSource::Tar { path: abs(path) },
-        (None, None) => RootfsSource::Default,
+    let upload_file = |path: &std::path::Path| -> Result<String, ApiClientError> {
+        let mut file = std::fs::File::open(path).map_err(|e| {
+            ApiClientError::Io(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", path.display()),
+            ))
+        })?;
+        eprintln!("uploading {}", path.display());
+        client().upload(&mut file)
+    };
+    let rootfs = match (a.dir, a.tar, a.on_host) {
+        (Some(path), _, true) => RootfsSource::Dir { path: abs(path) },
+        (None, Some(path), true) => RootfsSource::Tar { path: abs(path) },
+        (Some(path), _, false) => {
+            eprintln!("uploading {} as a tar archive", path.display());
+            RootfsSource::Upload {
+                upload: client().upload_dir(&path)?,
+            }
+        }
+        (None, Some(path), false) => RootfsSource::Upload {
+            upload: upload_file(&path)?,
+        },
+        (None, None, _) => RootfsSource::Default,
+    };
+    let kernel = match (a.kernel, a.on_host) {
+        (Some(path), true) => Some(KernelSource::Path(abs(path))),
+        (Some(path), false) => Some(KernelSource::Upload {
+            upload: upload_file(&path)?,
+        }),
+        (None, _) => None,
     };
     let spec = TemplateSpec {
         name: a.name,
@@ -302,7 +332,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
             .into_iter()
             .map(|c| vec!["/bin/sh".to_owned(), "-c".to_owned(), c])
             .collect(),
-        kernel: None,
+        kernel,
         network: a.network,
         block_limit: a.block_limit,
         net_limit: a.net_limit,

@@ -89,6 +89,15 @@ pub struct ServeArgs {
     /// Longest a command an MCP client runs may take, in seconds.
     #[arg(long, default_value_t = 300)]
     pub mcp_max_command_s: u64,
+    /// A host directory API clients may build templates from by path (a
+    /// root file system directory or tar, a kernel) (repeatable). Without
+    /// one, every such file comes as an upload (the CLI's default): the
+    /// daemon runs as root and reads no other host path for a client.
+    #[arg(long = "template-source")]
+    pub template_sources: Vec<PathBuf>,
+    /// Largest upload for a template build, in MiB.
+    #[arg(long, default_value_t = 8192)]
+    pub max_upload_mib: u64,
 }
 
 /// The state directory when none is given.
@@ -159,6 +168,18 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             uids: Default::default(),
         })
     };
+    let template_sources = args
+        .template_sources
+        .iter()
+        .map(|dir| match std::fs::canonicalize(dir) {
+            Ok(real) if real.is_dir() => Ok(real),
+            Ok(_) => Err(format!(
+                "--template-source {}: not a directory",
+                dir.display()
+            )),
+            Err(e) => Err(format!("--template-source {}: {e}", dir.display())),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let cfg = DaemonConfig {
         state_dir: state_dir.clone(),
@@ -186,6 +207,8 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         jail,
         egress_netns: args.egress_netns,
         egress_upstream_ca: args.egress_upstream_ca,
+        template_sources,
+        max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
     };
     let token = match &args.token_file {
         Some(f) => Some(
