@@ -12,7 +12,7 @@ mod common;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard};
+use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -257,6 +257,13 @@ fn daemon() -> &'static TestDaemon {
 fn shared() -> (&'static TestDaemon, RwLockReadGuard<'static, ()>) {
     let d = daemon();
     (d, DAEMON_LOCK.read().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// The shared daemon, held by one test alone (for a restart, or a count
+/// that concurrent tests would change).
+fn exclusive() -> (&'static TestDaemon, RwLockWriteGuard<'static, ()>) {
+    let d = daemon();
+    (d, DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner()))
 }
 
 fn api() -> ApiClient {
@@ -923,7 +930,9 @@ fn creates_succeed_with_both_cores_busy() {
 
 #[test]
 fn bad_requests_get_clear_errors_and_change_nothing() {
-    let (d, _g) = shared();
+    // Alone: it counts the template directories, which a concurrent build
+    // would change.
+    let (d, _g) = exclusive();
     let templates_before = std::fs::read_dir(d.state_dir.join("templates"))
         .expect("templates dir")
         .count();
@@ -1058,7 +1067,8 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
 /// refused, or reaches the unpacking of a hostile archive, before that.
 #[test]
 fn template_sources_are_the_operators_and_everything_else_comes_as_an_upload() {
-    let (d, _g) = shared();
+    // Alone: it counts the template directories.
+    let (d, _g) = exclusive();
     let sources = template_sources(d);
     let outside = d.state_dir.join("outside.tar");
     std::fs::write(&outside, hostile_tar_bytes()).expect("tar outside");
