@@ -4,16 +4,16 @@
 //! client sends can end PID 1: every error is answered or ends only that
 //! connection, and a panic ends only the thread it happened on.
 
-use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::BufReader;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use husk_protocol::{
     read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
 };
 
+use crate::conn::{lock, Cancel, Conn};
 use crate::vsock::Listener;
 
 /// Most connections served at once; more are closed on accept.
@@ -75,75 +75,12 @@ pub fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
     }
 }
 
-/// One client connection, shared by the threads serving its requests.
-#[derive(Debug)]
-pub struct Conn {
-    out: Mutex<File>,
-    closed: AtomicBool,
-    in_flight: AtomicUsize,
-    /// Foreground programs started here: they end when the client leaves.
-    foreground: Mutex<HashSet<i32>>,
-    /// Watches in progress, by request id.
-    watches: Mutex<HashMap<u64, Arc<crate::watch::Cancel>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Conn {
-    /// Sends one frame; frames of concurrent requests never interleave.
-    pub fn send(&self, frame: &Frame) -> Result<(), ProtocolError> {
-        if self.is_closed() {
-            return Err(ProtocolError::Closed);
-        }
-        let result = write_frame(&mut *lock(&self.out), frame);
-        if result.is_err() {
-            self.close();
-        }
-        result
-    }
-
-    pub fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::SeqCst)
-    }
-
-    pub fn adopt(&self, pid: i32) {
-        lock(&self.foreground).insert(pid);
-    }
-
-    pub fn disown(&self, pid: i32) {
-        lock(&self.foreground).remove(&pid);
-    }
-
-    /// The client is gone: stop its watches, wake its foreground streams.
-    fn close(&self) {
-        self.closed.store(true, Ordering::SeqCst);
-        for cancel in lock(&self.watches).drain().map(|(_, c)| c) {
-            cancel.cancel();
-        }
-        let pids: Vec<i32> = lock(&self.foreground).iter().copied().collect();
-        for pid in pids {
-            if let Some(p) = crate::process::find(pid) {
-                let _out = p.output();
-                p.changed.notify_all();
-            }
-        }
-    }
-}
-
 /// Serves one connection until the client leaves or breaks the framing.
 fn serve(stream: File) {
     let Ok(out) = stream.try_clone() else {
         return;
     };
-    let conn = Arc::new(Conn {
-        out: Mutex::new(out),
-        closed: AtomicBool::new(false),
-        in_flight: AtomicUsize::new(0),
-        foreground: Mutex::new(HashSet::new()),
-        watches: Mutex::new(HashMap::new()),
-    });
+    let conn = Arc::new(Conn::new(out));
     let mut input = BufReader::new(stream);
     let mut greeted = false;
     let mut writing: Option<crate::files::PendingWrite> = None;
@@ -358,7 +295,7 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         return Some(error(id, ErrorKind::Limit, msg));
     }
     let cancel = match &body {
-        Body::Watch { .. } => match crate::watch::Cancel::new() {
+        Body::Watch { .. } => match Cancel::new() {
             Ok(c) => {
                 let c = Arc::new(c);
                 lock(&conn.watches).insert(id, c.clone());

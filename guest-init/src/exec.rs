@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use husk_protocol::{Body, ErrorKind, ExecRequest, Frame, WindowSize};
 
-use crate::agent::Conn;
+use crate::conn::Conn;
 use crate::process::{self, Ended, Process, StartError};
 
 fn error(id: u64, kind: ErrorKind, message: String) -> Frame {

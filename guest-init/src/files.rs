@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::agent::Conn;
+use crate::conn::Conn;
 use husk_protocol::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, FILE_CHUNK, LIST_BATCH};
 
 pub(crate) fn kind_of(e: &std::io::Error) -> ErrorKind {

@@ -23,6 +23,7 @@
 
 mod agent;
 mod cgroup;
+mod conn;
 mod egress;
 mod exec;
 mod files;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use husk_protocol::{Body, ErrorKind, Frame, FsEvent, FsEventKind};
 
-use crate::agent::Conn;
+use crate::conn::{Cancel, Conn};
 
 /// Most directories one recursive watch follows.
 const MAX_DIRS: usize = 4096;
@@ -24,28 +24,6 @@ const MASK: u32 = libc::IN_CREATE
     | libc::IN_MOVED_TO
     | libc::IN_DELETE_SELF
     | libc::IN_ONLYDIR;
-
-/// Wakes a watch thread to end it (an eventfd).
-#[derive(Debug)]
-pub struct Cancel(OwnedFd);
-
-impl Cancel {
-    pub fn new() -> std::io::Result<Self> {
-        // SAFETY: eventfd returns a new descriptor or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a new descriptor nothing else owns.
-        Ok(Cancel(unsafe { OwnedFd::from_raw_fd(fd) }))
-    }
-
-    pub fn cancel(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a valid buffer to our eventfd.
-        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), 8) };
-    }
-}
 
 fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
     Frame {
@@ -211,7 +189,7 @@ pub fn run(id: u64, path: &str, recursive: bool, conn: &Conn, cancel: &Cancel) -
                 revents: 0,
             },
             libc::pollfd {
-                fd: cancel.0.as_raw_fd(),
+                fd: cancel.fd(),
                 events: libc::POLLIN,
                 revents: 0,
             },
