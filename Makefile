@@ -15,7 +15,7 @@ CMD ?= /bin/busybox uname -a
 
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
-	cargo build --quiet --release --locked -p husk-vmm -p husk-host; \
+	cargo build --quiet --release --locked -p husk-vmm -p husk-cli -p husk-jailer; \
 	husk=$$PWD/target/release/husk; dir=$$(mktemp -d /tmp/husk-run.XXXXXX); daemon=; \
 	export HUSK_HOST=$$dir/husk.sock; \
 	trap '{ [ -z "$$daemon" ] || kill $$daemon; wait; pkill -9 -f "$$dir"; } 2>/dev/null || true; rm -rf "$$dir"' EXIT; \
@@ -55,5 +55,5 @@ lint:
 
 bench:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
-	cargo build --release --locked -p husk-host; \
+	cargo build --release --locked -p husk-cli -p husk-jailer -p husk-shim; \
 	cargo bench --locked --bench micro --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon --bench containerd

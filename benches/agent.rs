@@ -16,7 +16,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use husk_host::agent_client::AgentClient;
+use husk_agent_client::AgentClient;
 use husk_protocol::ExecRequest;
 
 fn percentile(samples: &mut [Duration], p: f64) -> Duration {

@@ -131,7 +131,7 @@ fn qemu_run() -> Result<Sample, String> {
         "microvm,acpi=off",
         "-enable-kvm",
         "-cpu",
-        husk_host::bench::qemu::cpu_model(),
+        husk_bench::qemu::cpu_model(),
         "-m",
         "128",
         "-smp",

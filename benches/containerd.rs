@@ -11,7 +11,7 @@
 //!
 //! Run:
 //!
-//!     make bench   (or: cargo build --release -p husk-host && cargo bench --bench containerd)
+//!     make bench   (or: cargo build --release -p husk-cli -p husk-jailer -p husk-shim && cargo bench --bench containerd)
 //!     HUSK_BENCH_RUNS=5   runs per path (the boot path runs once)
 //!
 //! Needs root, containerd and runc (the benchmark says so and stops

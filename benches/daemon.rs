@@ -1,6 +1,6 @@
 //! The daemon (`husk serve`) end to end, as a client sees it:
 //!
-//!     make bench   (or: cargo build --release -p husk-host && cargo bench --bench daemon)
+//!     make bench   (or: cargo build --release -p husk-cli -p husk-jailer -p husk-shim && cargo bench --bench daemon)
 //!     HUSK_BENCH_CREATES=20 HUSK_BENCH_RESTORES=20 HUSK_BENCH_IDLE=10
 //!     HUSK_BENCH_NO_JAIL=1   (the daemon with --no-jail, to see what the
 //!                             jail costs; the jail needs root)
@@ -30,9 +30,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{kill_everything_under, percentile, Load};
-use husk_host::api::ExecEvent;
-use husk_host::api_client::{ApiClient, Endpoint, Payload};
-use husk_host::daemon::{Created, PoolInfo};
+use husk_client::{ApiClient, Endpoint, Payload};
+use husk_types::ExecEvent;
+use husk_types::{Created, PoolInfo};
 use serde_json::{json, Value};
 
 fn env_count(var: &str, default: usize) -> usize {

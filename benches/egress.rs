@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::percentile;
-use husk_host::egress::{Allowlist, Egress, Secret, Tls};
+use husk_core::egress::{Allowlist, Egress, Secret, Tls};
 
 const SERVER_IP: &str = "198.51.100.1";
 const BODY: &str = "hello from the bench server\n";
@@ -230,8 +230,9 @@ fn main() {
 
     // The proxy, as the daemon runs it for a sandbox.
     let tls = Tls {
-        ca: husk_host::intercept::Ca::load_or_create(&dir.join("egress-ca")).expect("CA"),
-        upstream: husk_host::intercept::upstream_config(Some(&server_ca_file)).expect("roots"),
+        ca: husk_core::egress::intercept::Ca::load_or_create(&dir.join("egress-ca")).expect("CA"),
+        upstream: husk_core::egress::intercept::upstream_config(Some(&server_ca_file))
+            .expect("roots"),
     };
     let proxy_ca = tls.ca.pem().to_owned();
     let (decisions, decided) = std::sync::mpsc::sync_channel(1024);

@@ -111,7 +111,7 @@ fn spawn(dir: &Path, name: &str, mem_mib: u32, extra: &[&str]) -> Qemu {
     }
     let child = Command::new(BINARY)
         .args(["-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off"])
-        .args(["-enable-kvm", "-cpu", husk_host::bench::qemu::cpu_model()])
+        .args(["-enable-kvm", "-cpu", husk_bench::qemu::cpu_model()])
         .args(["-smp", "1"])
         .args(["-m", &mem_mib.to_string()])
         .arg("-kernel")

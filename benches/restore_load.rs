@@ -23,7 +23,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{percentile, Load};
-use husk_host::agent_client::AgentClient;
+use husk_agent_client::AgentClient;
 
 fn summary(label: &str, samples: &[f64]) {
     if samples.is_empty() {

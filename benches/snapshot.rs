@@ -31,7 +31,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::percentile;
-use husk_host::agent_client::AgentClient;
+use husk_agent_client::AgentClient;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 

@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use common::*;
-use husk_host::agent_client::{ClientError, Event, ExecOutput};
-use husk_host::readiness::WaitBudget;
+use husk_agent_client::readiness::WaitBudget;
+use husk_agent_client::{ClientError, Event, ExecOutput};
 use husk_protocol::{
     write_frame, Body, ErrorKind, ExecRequest, FileKind, Frame, FsEventKind, Stream, Termination,
     User, WindowSize, MAX_FRAME,
@@ -611,12 +611,12 @@ fn requests_run_concurrently_and_bad_frames_are_survived() {
 /// A guest file read by the agent itself: no guest program runs for it
 /// (a fork+exec costs seconds of emulated guest kernel here, and polling
 /// with programs would take the vCPU from what the test waits for).
-fn guest_file(client: &mut husk_host::agent_client::AgentClient, path: &str) -> String {
+fn guest_file(client: &mut husk_agent_client::AgentClient, path: &str) -> String {
     try_guest_file(client, path).unwrap_or_else(|e| panic!("read {path}: {e:?}"))
 }
 
 fn try_guest_file(
-    client: &mut husk_host::agent_client::AgentClient,
+    client: &mut husk_agent_client::AgentClient,
     path: &str,
 ) -> Result<String, ClientError> {
     let mut out = Vec::new();
@@ -629,7 +629,7 @@ const SANDBOX_CGROUP: &str = "/sys/fs/cgroup/sandbox";
 
 /// Forks the pids controller refused in the programs' cgroups so far
 /// (`pids.events` counts them in the cgroup of the process that forked).
-fn refused_forks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
+fn refused_forks(client: &mut husk_agent_client::AgentClient) -> u64 {
     let programs = client
         .list(SANDBOX_CGROUP)
         .expect("list the sandbox cgroup");
@@ -647,7 +647,7 @@ fn refused_forks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
 }
 
 /// Tasks in the sandbox cgroup: everything the agent's programs started.
-fn sandbox_tasks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
+fn sandbox_tasks(client: &mut husk_agent_client::AgentClient) -> u64 {
     guest_file(client, &format!("{SANDBOX_CGROUP}/pids.current"))
         .trim()
         .parse()
@@ -659,7 +659,7 @@ fn sandbox_tasks(client: &mut husk_host::agent_client::AgentClient) -> u64 {
 /// the agent's work, at full CPU weight, takes the CPU from the sandbox's
 /// programs, which have the lowest.
 fn watch_sandbox_tasks(
-    client: &mut husk_host::agent_client::AgentClient,
+    client: &mut husk_agent_client::AgentClient,
     budget: Duration,
     every: Duration,
     done: impl Fn(u64) -> bool,
@@ -680,7 +680,7 @@ fn watch_sandbox_tasks(
 /// full sandbox refuses the bomb's next fork, but on a loaded emulating
 /// host that fork may come many seconds after the sandbox filled.
 fn watch_refused_forks(
-    client: &mut husk_host::agent_client::AgentClient,
+    client: &mut husk_agent_client::AgentClient,
     before: u64,
     budget: Duration,
     stop: impl Fn() -> bool,
@@ -810,7 +810,7 @@ fn a_detached_fork_bomb_and_memory_hog_leave_the_agent_answering_until_kill_all(
     // emulated guest kernel (about 200 KiB/s), so the test does not wait for
     // the OOM killer (minutes); it waits until the hog has taken 4 MiB,
     // which is kernel work that competes with the agent's.
-    let available = |client: &mut husk_host::agent_client::AgentClient| -> u64 {
+    let available = |client: &mut husk_agent_client::AgentClient| -> u64 {
         guest_file(client, "/proc/meminfo")
             .lines()
             .find_map(|l| l.strip_prefix("MemAvailable:"))
@@ -960,7 +960,7 @@ impl Watch {
     /// neighbour's. Returns each attacker's report.
     fn attack(
         &mut self,
-        client: &mut husk_host::agent_client::AgentClient,
+        client: &mut husk_agent_client::AgentClient,
         bystander: &common::Sandbox,
         attacks: &[&[&str]],
         budget: Duration,

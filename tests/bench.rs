@@ -11,7 +11,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use husk_host::bench::report::{Report, Side, Status};
+use husk_bench::report::{Report, Side, Status};
 
 /// Phases of husk's runs, in the order they happen.
 const HUSK_ORDER: [&str; 14] = [

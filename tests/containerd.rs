@@ -17,7 +17,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use common::containerd::{processes_with, shim_socket, Containerd, NAMESPACE, RUNTIME};
-use husk_host::readiness::WaitBudget;
+use husk_agent_client::readiness::WaitBudget;
 
 /// The private containerd and husk daemon, and what the first task built.
 struct Env {

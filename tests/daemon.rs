@@ -16,10 +16,10 @@ use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use husk_host::api::ExecEvent;
-use husk_host::api_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
-use husk_host::daemon::{Created, PoolInfo, SandboxInfo};
-use husk_host::store::{AuditEntry, SandboxState, TemplateRecord};
+use husk_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
+use husk_types::ExecEvent;
+use husk_types::{AuditEntry, SandboxState, TemplateRecord};
+use husk_types::{Created, PoolInfo, SandboxInfo};
 use serde_json::{json, Value};
 
 /// How long a guest-side step may take here before a test gives up.
@@ -108,7 +108,7 @@ impl TestDaemon {
             } else {
                 &["--no-jail"][..]
             })
-            .env("RUST_LOG", "husk_host=debug,info")
+            .env("RUST_LOG", "husk_core=debug,husk_server=debug,info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -1218,8 +1218,7 @@ fn a_client_that_leaves_mid_stream_gets_its_program_killed() {
     // The guest's agent, asked directly: nothing of the flood is left.
     let vsock = d.state_dir.join("sandboxes").join(&s.id).join("vsock");
     wait_until("the flood to be killed", || {
-        let mut agent =
-            husk_host::agent_client::AgentClient::connect(&vsock, PATIENCE).expect("agent");
+        let mut agent = husk_agent_client::AgentClient::connect(&vsock, PATIENCE).expect("agent");
         agent
             .processes()
             .expect("processes")
@@ -1905,13 +1904,13 @@ fn tls_server(
 /// forwarder, vsock, the daemon's proxy); the guest has no TLS client of
 /// its own, so the test speaks TLS over this pipe.
 struct GuestPipe<'a> {
-    running: husk_host::agent_client::Running<'a>,
-    input: husk_host::agent_client::ProgramInput,
+    running: husk_agent_client::Running<'a>,
+    input: husk_agent_client::ProgramInput,
     pending: Vec<u8>,
 }
 
 impl<'a> GuestPipe<'a> {
-    fn open(agent: &'a mut husk_host::agent_client::AgentClient) -> Self {
+    fn open(agent: &'a mut husk_agent_client::AgentClient) -> Self {
         let running = agent
             .start(husk_protocol::ExecRequest {
                 argv: vec!["nc".into(), "127.0.0.1".into(), "3128".into()],
@@ -1944,7 +1943,7 @@ impl<'a> GuestPipe<'a> {
 
 impl Read for GuestPipe<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        use husk_host::agent_client::Event;
+        use husk_agent_client::Event;
         while self.pending.is_empty() {
             match self.running.next_event().map_err(std::io::Error::other)? {
                 Event::Output(husk_protocol::Stream::Stdout, data) => self.pending = data,
@@ -1981,7 +1980,7 @@ fn https_from_guest(
 ) -> (String, Result<String, String>) {
     use rustls::pki_types::pem::PemObject;
     use std::io::Write;
-    let mut agent = husk_host::agent_client::AgentClient::connect(vsock, PATIENCE).expect("agent");
+    let mut agent = husk_agent_client::AgentClient::connect(vsock, PATIENCE).expect("agent");
     let mut pipe = GuestPipe::open(&mut agent);
     pipe.write_all(format!("CONNECT {to} HTTP/1.1\r\nHost: {to}\r\n\r\n").as_bytes())
         .expect("CONNECT");

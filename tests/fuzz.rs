@@ -1,5 +1,5 @@
 //! Fuzzing as a routine: every fuzz target (`husk_vmm::fuzz`,
-//! `husk_host::fuzz`: what a guest or an API client controls) runs over its
+//! `husk_server::fuzz`: what a guest or an API client controls) runs over its
 //! corpus in `vmm/fuzz/corpus/<target>/` and then over random mutations of
 //! it for a bounded time, on every test run. This is blind mutation on the
 //! stable toolchain, so it finds what is near the corpus; `cargo fuzz` on
@@ -20,9 +20,9 @@ const TARGETS: &[(&str, Target)] = &[
     ("net_frame", husk_vmm::fuzz::net_frame),
     ("mmio_registers", husk_vmm::fuzz::mmio_registers),
     ("snapshot_state", husk_vmm::fuzz::snapshot_state),
-    ("agent_frames", husk_host::fuzz::agent_frames),
-    ("api_requests", husk_host::fuzz::api_requests),
-    ("egress_requests", husk_host::fuzz::egress_requests),
+    ("agent_frames", husk_server::fuzz::agent_frames),
+    ("api_requests", husk_server::fuzz::api_requests),
+    ("egress_requests", husk_server::fuzz::egress_requests),
 ];
 
 /// Largest input a mutation makes.

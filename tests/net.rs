@@ -159,7 +159,7 @@ fn echo_one_line() -> String {
 
 #[test]
 fn a_clone_gets_its_own_tap_and_mac_and_keeps_its_network_setup() {
-    use husk_host::agent_client::AgentClient;
+    use husk_agent_client::AgentClient;
     let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
     let (uds, api) = (dir.as_path().join("b.vsock"), dir.as_path().join("b.api"));
     let boot_ns = Netns::new("snap");

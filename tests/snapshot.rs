@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use common::*;
-use husk_host::agent_client::AgentClient;
+use husk_agent_client::AgentClient;
 use husk_protocol::Termination;
 use vmm_sys_util::tempdir::TempDir;
 

@@ -25,7 +25,7 @@ use crate::reaper;
 
 const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
 /// Where templates put the egress proxy's CA certificate
-/// (`husk_host::template::GUEST_CA`).
+/// (`husk_core::template::GUEST_CA`).
 const EGRESS_CA: &str = "/etc/husk/egress-ca.pem";
 /// After the program exits, how long its output may stay open (a child it
 /// left behind holding the pipe) before the output is declared finished.

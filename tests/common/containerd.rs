@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
-use husk_host::readiness::WaitBudget;
+use husk_agent_client::readiness::WaitBudget;
 
 pub const RUNTIME: &str = "io.containerd.husk.v2";
 pub const NAMESPACE: &str = "default";
@@ -115,7 +115,7 @@ impl Containerd {
         let shim = bin_dir.join("containerd-shim-husk-v2");
         assert!(
             shim.exists(),
-            "{} is missing: build with `cargo test --workspace` or `cargo build -p husk-host`",
+            "{} is missing: build with `cargo test --workspace` or `cargo build -p husk-shim`",
             shim.display()
         );
         let containerd = Command::new("containerd")

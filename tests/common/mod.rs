@@ -85,8 +85,8 @@ pub fn vmm_binary() -> &'static str {
     env!("CARGO_BIN_EXE_husk-vmm")
 }
 
-/// The `husk` CLI (package husk-host), built next to husk-vmm by
-/// `cargo test --workspace` (husk-host's own tests need it).
+/// The `husk` CLI (package husk-cli), built next to husk-vmm by
+/// `cargo test --workspace`.
 pub fn husk_binary() -> PathBuf {
     let husk = Path::new(vmm_binary()).with_file_name("husk");
     assert!(
@@ -303,7 +303,7 @@ fn base_snapshot() -> &'static Path {
         let mut base = cmd.spawn().expect("spawn husk-vmm");
         let timeout = Duration::from_secs(120);
         let mut client =
-            husk_host::agent_client::AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, timeout)
+            husk_agent_client::AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, timeout)
                 .expect("base agent");
         client.ping().expect("ping");
         drop(client);
@@ -330,9 +330,8 @@ pub struct Sandbox {
 
 impl Sandbox {
     /// A new connection to the clone's agent.
-    pub fn client(&self) -> husk_host::agent_client::AgentClient {
-        husk_host::agent_client::AgentClient::connect(&self.uds, Duration::from_secs(120))
-            .expect("agent")
+    pub fn client(&self) -> husk_agent_client::AgentClient {
+        husk_agent_client::AgentClient::connect(&self.uds, Duration::from_secs(120)).expect("agent")
     }
 
     /// The guest's console so far.
@@ -381,7 +380,7 @@ pub fn sandbox(name: &str) -> Sandbox {
         child,
     };
     let timeout = Duration::from_secs(120);
-    let mut client = husk_host::agent_client::AgentClient::connect_when_ready(
+    let mut client = husk_agent_client::AgentClient::connect_when_ready(
         &sandbox.uds,
         Duration::from_secs(300),
         timeout,

@@ -1,6 +1,6 @@
 #![no_main]
-//! The daemon's request bodies and query strings. (`husk_host::fuzz::api_requests`)
+//! The daemon's request bodies and query strings. (`husk_server::fuzz::api_requests`)
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| husk_host::fuzz::api_requests(data));
+fuzz_target!(|data: &[u8]| husk_server::fuzz::api_requests(data));

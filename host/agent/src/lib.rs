@@ -1,0 +1,707 @@
+//! husk-agent-client: a typed client of guest-init's agent, reached through the VMM's vsock
+//! Unix socket (`CONNECT <port>` protocol). One `AgentClient` is one
+//! connection; requests on it are made one at a time (open more
+//! connections for more at once), except that a running program's input
+//! can be fed from another thread through [`ProgramInput`].
+
+pub mod readiness;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use crate::readiness::WaitBudget;
+use husk_protocol::{
+    read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
+    FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
+};
+
+/// Longest wait for the guest to accept a connection and shake hands.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Whether `stream` has data (or an end) to read within `within`.
+fn readable(stream: &UnixStream, within: Duration) -> std::io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = libc::c_int::try_from(within.as_millis()).unwrap_or(libc::c_int::MAX);
+    // SAFETY: one valid pollfd for the duration of the call.
+    match unsafe { libc::poll(&mut fd, 1, ms) } {
+        -1 => {
+            let e = std::io::Error::last_os_error();
+            match e.kind() {
+                std::io::ErrorKind::Interrupted => Ok(false),
+                _ => Err(e),
+            }
+        }
+        n => Ok(n > 0),
+    }
+}
+
+/// Errors talking to the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach the VMM's vsock socket {0}: {1}")]
+    Connect(String, #[source] std::io::Error),
+    #[error("the guest did not accept the connection (is guest-init's agent running?): {0}")]
+    Refused(String),
+    #[error("{0}")]
+    VmmGone(String),
+    #[error("the agent refused the request ({kind:?}): {message}")]
+    Agent { kind: ErrorKind, message: String },
+    #[error("unexpected reply: {0:?}")]
+    Unexpected(Box<Body>),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl ClientError {
+    /// The agent's error kind, if the agent refused the request.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            ClientError::Agent { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+}
+
+/// What a foreground `exec` produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    pub pid: i32,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    /// Output the guest dropped (only after a reattach, see `attach`).
+    pub lost: u64,
+    pub report: ExitReport,
+}
+
+/// One step of a program's output stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Output(Stream, Vec<u8>),
+    /// This many bytes were dropped in the guest while nobody was attached.
+    Lost(u64),
+    Exited(ExitReport),
+}
+
+/// The sending half, shared with [`ProgramInput`] handles.
+#[derive(Debug)]
+struct Sender {
+    stream: Mutex<UnixStream>,
+    next_id: AtomicU64,
+}
+
+impl Sender {
+    fn send(&self, body: Body) -> Result<u64, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        self.send_as(id, body)?;
+        Ok(id)
+    }
+
+    fn send_as(&self, id: u64, body: Body) -> Result<(), ClientError> {
+        let mut stream = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+        write_frame(&mut *stream, &Frame { id, body })?;
+        Ok(())
+    }
+}
+
+/// Feeds a running program's stdin (or terminal), from any thread. The
+/// agent answers these only when they fail; the failure then comes back
+/// through the stream of the program's `Running`.
+#[derive(Debug, Clone)]
+pub struct ProgramInput {
+    sender: Arc<Sender>,
+    pid: i32,
+}
+
+impl ProgramInput {
+    /// Sends input (in chunks of at most 64 KiB).
+    pub fn write(&self, data: &[u8]) -> Result<(), ClientError> {
+        for chunk in data.chunks(64 << 10) {
+            self.sender.send(Body::Stdin {
+                pid: self.pid,
+                data: chunk.to_vec(),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Ends the input (EOF on a pipe; ^D on a terminal).
+    pub fn close(&self) -> Result<(), ClientError> {
+        self.sender.send(Body::StdinClose { pid: self.pid })?;
+        Ok(())
+    }
+
+    /// Resizes the program's terminal.
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<(), ClientError> {
+        self.sender.send(Body::Resize {
+            pid: self.pid,
+            rows,
+            cols,
+        })?;
+        Ok(())
+    }
+}
+
+/// A foreground program started by [`AgentClient::start`].
+#[derive(Debug)]
+pub struct Running<'a> {
+    client: &'a mut AgentClient,
+    id: u64,
+    pub pid: i32,
+}
+
+impl Running<'_> {
+    /// A handle for the program's input.
+    pub fn input(&self) -> ProgramInput {
+        ProgramInput {
+            sender: self.client.sender.clone(),
+            pid: self.pid,
+        }
+    }
+
+    /// The next output chunk, or how the program ended. A timeout comes
+    /// back as `ClientError::Agent { kind: Timeout, .. }`.
+    pub fn next_event(&mut self) -> Result<Event, ClientError> {
+        self.client.event(self.id)
+    }
+
+    /// Bounds each wait for the next event (`None`: for a program that may
+    /// be silent for as long as it likes).
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.client.set_read_timeout(timeout)
+    }
+}
+
+/// A directory watch started by [`AgentClient::watch`].
+#[derive(Debug)]
+pub struct Watch<'a> {
+    client: &'a mut AgentClient,
+    id: u64,
+}
+
+impl Watch<'_> {
+    /// The next batch of changes (waits for one).
+    pub fn next_events(&mut self) -> Result<Vec<FsEvent>, ClientError> {
+        match self.client.reply(self.id)? {
+            Body::FsEvents(events) => Ok(events),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Ends the watch; changes reported meanwhile are returned.
+    pub fn cancel(self) -> Result<Vec<FsEvent>, ClientError> {
+        self.client.sender.send_as(self.id, Body::Cancel)?;
+        let mut rest = Vec::new();
+        loop {
+            match self.client.reply(self.id)? {
+                Body::FsEvents(events) => rest.extend(events),
+                Body::Done => return Ok(rest),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
+            }
+        }
+    }
+}
+
+/// A connection to the agent of one VM.
+#[derive(Debug)]
+pub struct AgentClient {
+    reader: BufReader<UnixStream>,
+    sender: Arc<Sender>,
+}
+
+impl AgentClient {
+    /// Connects through the VMM's vsock socket `uds` and shakes hands.
+    /// `timeout` bounds each read (see `set_read_timeout`).
+    pub fn connect(uds: &Path, timeout: Duration) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(uds)
+            .map_err(|e| ClientError::Connect(uds.display().to_string(), e))?;
+        // A guest that does not answer the connection at all (no agent, a
+        // stopped guest) fails fast; requests then get `timeout`.
+        let handshake = timeout.min(HANDSHAKE_TIMEOUT);
+        Self::handshake(stream, timeout, |stream| {
+            stream.set_read_timeout(Some(handshake))?;
+            Ok(true)
+        })
+    }
+
+    /// Sends `CONNECT`, reads the VMM's `OK`, then exchanges `Hello`;
+    /// `ready(stream)` is asked before each read whether to go on waiting
+    /// (it sets the read timeout, or returns false to give up).
+    fn handshake(
+        mut stream: UnixStream,
+        timeout: Duration,
+        mut ready: impl FnMut(&UnixStream) -> Result<bool, ClientError>,
+    ) -> Result<Self, ClientError> {
+        let unanswered = || ClientError::Io(std::io::ErrorKind::TimedOut.into());
+        stream.write_all(format!("CONNECT {AGENT_PORT}\n").as_bytes())?;
+        let mut reader = BufReader::new(stream.try_clone()?);
+        let mut line = String::new();
+        if !ready(&stream)? {
+            return Err(unanswered());
+        }
+        reader.read_line(&mut line)?;
+        if !line.starts_with("OK ") {
+            return Err(ClientError::Refused(line.trim().to_owned()));
+        }
+        let mut client = AgentClient {
+            reader,
+            sender: Arc::new(Sender {
+                stream: Mutex::new(stream),
+                next_id: AtomicU64::new(1),
+            }),
+        };
+        let id = client.send(Body::Hello { version: VERSION })?;
+        if !ready(client.reader.get_ref())? {
+            return Err(unanswered());
+        }
+        match client.reply(id)? {
+            Body::Hello { version: VERSION } => {
+                client.set_read_timeout(Some(timeout))?;
+                Ok(client)
+            }
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Connects once the agent answers, waiting up to `budget` (seconds on
+    /// a quiet host, stretched by the host's load: see [`WaitBudget`]).
+    /// See [`AgentClient::connect_patiently`].
+    pub fn connect_when_ready(
+        uds: &Path,
+        budget: Duration,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        Self::connect_patiently(uds, &mut WaitBudget::new(budget), &mut || Ok(()), timeout)
+    }
+
+    /// Connects once the agent answers, for a guest that is booting (no
+    /// socket yet, then no listener: the guest resets the connection) or
+    /// restoring (the VMM holds the connection until the guest has handled
+    /// its transport reset). A connection the guest has not refused is not
+    /// abandoned while it is young: each one is given twice the patience
+    /// of the one before (from 2 s), so a slow guest finishes a handshake
+    /// it has started instead of being handed a new one. Refusals are
+    /// retried with a backoff that grows from 1 ms (a restore's socket
+    /// appears within milliseconds) to half a second. `alive` is
+    /// asked at every wake-up (e.g. whether the VMM still runs); its error
+    /// ends the wait. Gives up when `wait` expires.
+    pub fn connect_patiently(
+        uds: &Path,
+        wait: &mut WaitBudget,
+        alive: &mut dyn FnMut() -> Result<(), ClientError>,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        /// How often a waiting handshake wakes to check `alive` and `wait`.
+        const TICK: Duration = Duration::from_millis(250);
+        let mut patience = Duration::from_secs(2);
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            alive()?;
+            let failure = match UnixStream::connect(uds) {
+                Err(e) => ClientError::Connect(uds.display().to_string(), e),
+                Ok(stream) => {
+                    let started = std::time::Instant::now();
+                    let attempt = Self::handshake(stream, timeout, |stream| {
+                        while !readable(stream, TICK)? {
+                            alive()?;
+                            if wait.expired() || started.elapsed() >= patience {
+                                return Ok(false);
+                            }
+                        }
+                        // The answer has begun: read it whole.
+                        stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+                        Ok(true)
+                    });
+                    match attempt {
+                        Ok(client) => return Ok(client),
+                        // A version mismatch will not go away, nor a VMM
+                        // that has exited.
+                        Err(e @ (ClientError::Unexpected(_) | ClientError::VmmGone(_))) => {
+                            return Err(e)
+                        }
+                        Err(e) => {
+                            if started.elapsed() >= patience {
+                                tracing::debug!(
+                                    "no answer in {patience:?} from the agent at {}; \
+                                     trying a new connection",
+                                    uds.display()
+                                );
+                                patience *= 2;
+                            }
+                            e
+                        }
+                    }
+                }
+            };
+            if wait.expired() {
+                return Err(failure);
+            }
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// Bounds each read from the agent (`None`: wait for ever, e.g. for a
+    /// silent program that has its own timeout).
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> Result<(), ClientError> {
+        self.reader.get_ref().set_read_timeout(timeout)?;
+        Ok(())
+    }
+
+    fn send(&mut self, body: Body) -> Result<u64, ClientError> {
+        self.sender.send(body)
+    }
+
+    /// Reads the next frame of request `id`; an agent error ends the request.
+    fn reply(&mut self, id: u64) -> Result<Body, ClientError> {
+        let frame = read_frame(&mut self.reader)?;
+        match frame.body {
+            Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
+            body if frame.id == id => Ok(body),
+            body => Err(ClientError::Unexpected(Box::new(body))),
+        }
+    }
+
+    /// Sends one request and waits for its single reply.
+    fn call(&mut self, body: Body) -> Result<Body, ClientError> {
+        let id = self.send(body)?;
+        self.reply(id)
+    }
+
+    fn expect_done(&mut self, body: Body) -> Result<(), ClientError> {
+        match self.call(body)? {
+            Body::Done => Ok(()),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    fn event(&mut self, id: u64) -> Result<Event, ClientError> {
+        match self.reply(id)? {
+            Body::Output { stream, data } => Ok(Event::Output(stream, data)),
+            Body::Lost { bytes } => Ok(Event::Lost(bytes)),
+            Body::Exited(report) => Ok(Event::Exited(report)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Checks the agent is alive; returns the guest's uptime in ms.
+    pub fn ping(&mut self) -> Result<u64, ClientError> {
+        match self.call(Body::Ping)? {
+            Body::Pong { uptime_ms } => Ok(uptime_ms),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// The guest's clocks, memory, load and process count.
+    pub fn health(&mut self) -> Result<Health, ClientError> {
+        match self.call(Body::Health)? {
+            Body::HealthInfo(health) => Ok(health),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Sets the guest's wall clock.
+    pub fn set_clock(&mut self, time: SystemTime) -> Result<(), ClientError> {
+        let since = time
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let unix_ns = i64::try_from(since.as_nanos())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        self.expect_done(Body::SetClock { unix_ns })
+    }
+
+    /// A clone's post-restore step: sets its wall clock to now, gives it
+    /// `hostname`, and fresh randomness from the host, so clones of one
+    /// snapshot share neither time, name nor random state.
+    pub fn restored(&mut self, hostname: &str, mac: Option<[u8; 6]>) -> Result<(), ClientError> {
+        let mut entropy = vec![0u8; 64];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut entropy)?;
+        let unix_ns = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as i64);
+        self.expect_done(Body::Restored {
+            unix_ns,
+            hostname: hostname.to_owned(),
+            entropy,
+            mac,
+        })
+    }
+
+    /// Starts a foreground program; read its output with `next_event`.
+    /// The program is killed if this connection closes before it ends.
+    pub fn start(&mut self, req: ExecRequest) -> Result<Running<'_>, ClientError> {
+        let req = ExecRequest {
+            background: false,
+            ..req
+        };
+        let id = self.send(Body::Exec(req))?;
+        match self.reply(id)? {
+            Body::Started { pid } => Ok(Running {
+                client: self,
+                id,
+                pid,
+            }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Runs a program, calling `on_output` for each chunk as it comes.
+    pub fn exec_streaming(
+        &mut self,
+        req: ExecRequest,
+        mut on_output: impl FnMut(Stream, &[u8]),
+    ) -> Result<ExitReport, ClientError> {
+        let mut running = self.start(req)?;
+        loop {
+            match running.next_event()? {
+                Event::Output(stream, data) => on_output(stream, &data),
+                Event::Lost(_) => {}
+                Event::Exited(report) => return Ok(report),
+            }
+        }
+    }
+
+    /// Runs a program in the guest and collects its output. Output is kept
+    /// in memory here: bound it with `timeout_ms`, or use `exec_streaming`.
+    pub fn exec(&mut self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
+        let mut running = self.start(req)?;
+        let pid = running.pid;
+        Self::collect(pid, || running.next_event())
+    }
+
+    fn collect(
+        pid: i32,
+        mut next: impl FnMut() -> Result<Event, ClientError>,
+    ) -> Result<ExecOutput, ClientError> {
+        let (mut stdout, mut stderr, mut lost) = (Vec::new(), Vec::new(), 0);
+        loop {
+            match next()? {
+                Event::Output(Stream::Stdout, data) => stdout.extend(data),
+                Event::Output(Stream::Stderr, data) => stderr.extend(data),
+                Event::Lost(bytes) => lost += bytes,
+                Event::Exited(report) => {
+                    return Ok(ExecOutput {
+                        pid,
+                        stdout,
+                        stderr,
+                        lost,
+                        report,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Starts a background program; returns its pid. It keeps running when
+    /// this connection closes; its output waits in the guest for `attach`.
+    pub fn spawn(&mut self, req: ExecRequest) -> Result<i32, ClientError> {
+        let req = ExecRequest {
+            background: true,
+            ..req
+        };
+        match self.call(Body::Exec(req))? {
+            Body::Started { pid } => Ok(pid),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Attaches to a background program: its buffered output, then live
+    /// output until it ends (the program is then collected).
+    pub fn attach(&mut self, pid: i32) -> Result<ExecOutput, ClientError> {
+        let id = self.send(Body::Attach { pid })?;
+        Self::collect(pid, || self.event(id))
+    }
+
+    /// Like `attach`, calling `on_event` for each chunk as it comes.
+    pub fn attach_streaming(
+        &mut self,
+        pid: i32,
+        mut on_event: impl FnMut(&Event),
+    ) -> Result<ExitReport, ClientError> {
+        let id = self.send(Body::Attach { pid })?;
+        loop {
+            let event = self.event(id)?;
+            on_event(&event);
+            if let Event::Exited(report) = event {
+                return Ok(report);
+            }
+        }
+    }
+
+    /// Waits for a background program to end and collects it (its
+    /// remaining output is discarded).
+    pub fn wait(&mut self, pid: i32) -> Result<ExitReport, ClientError> {
+        match self.call(Body::Wait { pid })? {
+            Body::Exited(report) => Ok(report),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Sends `signal` to a program's process group (SIGKILL: to everything
+    /// it started).
+    pub fn signal(&mut self, pid: i32, signal: i32) -> Result<(), ClientError> {
+        self.expect_done(Body::Signal { pid, signal })
+    }
+
+    /// SIGKILLs everything the sandbox's user started (every program and
+    /// what it left behind, detached or not) and returns once it is gone,
+    /// with how many tasks there were. The agent keeps running. The reply
+    /// is awaited for as long as the agent lets the tasks take to exit
+    /// ([`husk_protocol::KILL_ALL_DRAIN`]) and a minute more.
+    pub fn kill_all(&mut self) -> Result<u64, ClientError> {
+        let previous = self.reader.get_ref().read_timeout()?;
+        let patience = husk_protocol::KILL_ALL_DRAIN + Duration::from_secs(60);
+        self.set_read_timeout(previous.map(|p| p.max(patience)))?;
+        let reply = self.call(Body::KillAll);
+        self.set_read_timeout(previous)?;
+        match reply? {
+            Body::KilledAll { tasks } => Ok(tasks),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Programs the agent started that were not collected yet.
+    pub fn processes(&mut self) -> Result<Vec<ProcessInfo>, ClientError> {
+        match self.call(Body::Processes)? {
+            Body::ProcessList(list) => Ok(list),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Input for any program started with `stdin_open` (or a PTY), by pid.
+    pub fn input(&self, pid: i32) -> ProgramInput {
+        ProgramInput {
+            sender: self.sender.clone(),
+            pid,
+        }
+    }
+
+    /// Watches a guest directory (and, if `recursive`, all below it).
+    /// Changes made after this returns are reported.
+    pub fn watch(&mut self, path: &str, recursive: bool) -> Result<Watch<'_>, ClientError> {
+        let id = self.send(Body::Watch {
+            path: path.to_owned(),
+            recursive,
+        })?;
+        match self.reply(id)? {
+            Body::Watching => Ok(Watch { client: self, id }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Writes `content` to `path` in the guest with permission bits `mode`.
+    /// The file appears whole or not at all (temporary file + rename).
+    pub fn write_file(
+        &mut self,
+        path: &str,
+        mode: u32,
+        mut content: impl Read,
+    ) -> Result<u64, ClientError> {
+        let id = self.send(Body::WriteFile {
+            path: path.to_owned(),
+            mode,
+        })?;
+        let mut buf = vec![0u8; FILE_CHUNK];
+        loop {
+            let n = content.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            let data = buf[..n].to_vec();
+            self.sender.send_as(id, Body::FileChunk { data })?;
+        }
+        self.sender.send_as(id, Body::FileCommit)?;
+        match self.reply(id)? {
+            Body::Written { size } => Ok(size),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Streams the guest file `path` into `sink`; returns its size.
+    pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
+        let id = self.send(Body::ReadFile {
+            path: path.to_owned(),
+        })?;
+        loop {
+            match self.reply(id)? {
+                Body::FileChunk { data } => sink.write_all(&data)?,
+                Body::FileEnd { size } => return Ok(size),
+                other => return Err(ClientError::Unexpected(Box::new(other))),
+            }
+        }
+    }
+
+    /// Metadata of a guest path (a final symlink is not followed).
+    pub fn stat(&mut self, path: &str) -> Result<FileStat, ClientError> {
+        match self.call(Body::Stat {
+            path: path.to_owned(),
+        })? {
+            Body::StatInfo(stat) => Ok(stat),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// The entries of a guest directory.
+    pub fn list(&mut self, path: &str) -> Result<Vec<DirEntry>, ClientError> {
+        let id = self.send(Body::List {
+            path: path.to_owned(),
+        })?;
+        let mut all = Vec::new();
+        loop {
+            match self.reply(id)? {
+                Body::Entries { entries, more } => {
+                    all.extend(entries);
+                    if !more {
+                        return Ok(all);
+                    }
+                }
+                other => return Err(ClientError::Unexpected(Box::new(other))),
+            }
+        }
+    }
+
+    /// `mkdir -p` in the guest.
+    pub fn mkdir(&mut self, path: &str) -> Result<(), ClientError> {
+        self.expect_done(Body::Mkdir {
+            path: path.to_owned(),
+        })
+    }
+
+    /// Removes a file, an empty directory, or (with `recursive`) a tree.
+    pub fn remove(&mut self, path: &str, recursive: bool) -> Result<(), ClientError> {
+        self.expect_done(Body::Remove {
+            path: path.to_owned(),
+            recursive,
+        })
+    }
+
+    /// Renames within the guest.
+    pub fn rename(&mut self, from: &str, to: &str) -> Result<(), ClientError> {
+        self.expect_done(Body::Rename {
+            from: from.to_owned(),
+            to: to.to_owned(),
+        })
+    }
+
+    /// Sends raw bytes, for tests that must misbehave on purpose.
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<(), ClientError> {
+        let mut stream = self.sender.stream.lock().unwrap_or_else(|e| e.into_inner());
+        stream.write_all(bytes)?;
+        Ok(())
+    }
+
+    /// Reads the next frame whatever it is, for tests.
+    pub fn read_raw(&mut self) -> Result<Frame, ClientError> {
+        Ok(read_frame(&mut self.reader)?)
+    }
+}

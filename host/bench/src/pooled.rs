@@ -1,0 +1,226 @@
+//! The pooled path, through the daemon as a user meets it: a private
+//! `husk serve` builds a template of the same guest and keeps a warm pool
+//! of one clone; each run is `POST /v1/sandboxes` (a claim: the clone is
+//! resumed and given its identity) and an exec through the API to the
+//! program's first output. The sandbox is then destroyed and the pool
+//! refilled before the next run, so every run is a pool hit.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::report::{Memory, Sample, Side};
+use super::{monotonic_ns, BenchConfig, BenchError};
+use husk_client::{encode, ApiClient, Endpoint, Payload};
+use husk_types::{BuildEvent, ExecEvent};
+use husk_types::{Created, PoolInfo};
+use husk_types::{RootfsSource, TemplateSpec};
+
+/// The template's name in the private daemon.
+const TEMPLATE: &str = "bench";
+
+/// A private daemon, stopped (with its sandboxes) when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Child,
+    api: ApiClient,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.api.send("PUT", &pool_path(), pool_size(0));
+        // SAFETY: signalling our own child, not yet reaped.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn pool_path() -> String {
+    format!("/v1/pools/{}", encode(TEMPLATE))
+}
+
+fn pool_size(size: u32) -> Payload<'static> {
+    Payload::Json(json!({ "size": size }).to_string().into_bytes())
+}
+
+/// `husk serve` in `state_dir`, answering on its socket.
+pub fn start(
+    config: &BenchConfig,
+    husk: &Path,
+    state_dir: &Path,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Daemon, BenchError> {
+    let socket = state_dir.join("husk.sock");
+    let log = std::fs::File::create(state_dir.with_extension("log")).map_err(BenchError::Io)?;
+    let child = Command::new(husk)
+        .arg("serve")
+        .arg("--state-dir")
+        .arg(state_dir)
+        .arg("--kernel")
+        .arg(&config.kernel)
+        .arg("--initramfs")
+        .arg(&config.initramfs)
+        .arg("--vmm")
+        .arg(&config.vmm)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| BenchError::Spawn(husk.to_owned(), e))?;
+    let daemon = Daemon {
+        child,
+        api: ApiClient::new(Endpoint::Unix(socket)),
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut backoff = Duration::from_millis(5);
+    while daemon
+        .api
+        .call::<serde_json::Value>("GET", "/v1/templates", None)
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            return Err(BenchError::Daemon(
+                "husk serve did not answer within 60 s".into(),
+            ));
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+    progress("pooled: building the daemon's template (one cold boot and a snapshot)");
+    let spec = TemplateSpec {
+        name: TEMPLATE.to_owned(),
+        vcpus: config.vcpus,
+        mem_mib: config.mem_mib,
+        rootfs: RootfsSource::Default,
+        warmup: Vec::new(),
+        kernel: None,
+        network: false,
+        block_limit: None,
+        net_limit: None,
+    };
+    let body = serde_json::to_vec(&spec).map_err(|e| BenchError::Daemon(e.to_string()))?;
+    let failed = |e: husk_client::ApiClientError| BenchError::Daemon(e.to_string());
+    let mut resp = daemon
+        .api
+        .send("POST", "/v1/templates", Payload::Json(body))
+        .map_err(failed)?;
+    loop {
+        match resp.next_line::<BuildEvent>().map_err(failed)? {
+            Some(BuildEvent::Progress { message }) => progress(&format!("pooled: {message}")),
+            Some(BuildEvent::Done { .. }) => break,
+            Some(BuildEvent::Error { error, .. }) => return Err(BenchError::Daemon(error)),
+            None => return Err(BenchError::Daemon("the template build ended early".into())),
+        }
+    }
+    daemon
+        .api
+        .send("PUT", &pool_path(), pool_size(1))
+        .map_err(failed)?;
+    Ok(daemon)
+}
+
+impl Daemon {
+    /// Waits until the pool holds a parked clone.
+    fn wait_pool(&self, budget: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + budget;
+        loop {
+            let pools: Vec<PoolInfo> = self
+                .api
+                .call("GET", "/v1/pools", None)
+                .map_err(|e| e.to_string())?;
+            if pools
+                .iter()
+                .any(|p| p.template_name == TEMPLATE && p.ready > 0)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("the pool had no clone ready after {budget:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// One pooled create and exec; the sandbox is destroyed after.
+    pub fn run(&self, iteration: usize, budget: Duration) -> Result<Sample, String> {
+        self.wait_pool(budget)?;
+        let started_ns = monotonic_ns();
+        let created: Created = self
+            .api
+            .call(
+                "POST",
+                "/v1/sandboxes",
+                Some(&json!({ "template": TEMPLATE })),
+            )
+            .map_err(|e| format!("create: {e}"))?;
+        let created_ns = monotonic_ns();
+        let id = created.sandbox.id.clone();
+        let result = self.first_output(&id).map(|output_ns| {
+            let vmm = vmm_process(created.sandbox.pid);
+            (output_ns, vmm.and_then(Memory::of))
+        });
+        let _ = self.api.send(
+            "DELETE",
+            &format!("/v1/sandboxes/{}", encode(&id)),
+            Payload::None,
+        );
+        let (output_ns, memory) = result?;
+        if !created.pooled {
+            return Err("a pool miss: the daemon restored a clone instead of claiming one".into());
+        }
+        let points = [
+            ("claim_resume_and_identity", Side::Guest, Some(created_ns)),
+            ("first_exec_output", Side::Guest, Some(output_ns)),
+        ];
+        Ok(Sample::from_points(iteration, started_ns, &points, memory))
+    }
+
+    /// Runs the program through the API; when its first output came.
+    fn first_output(&self, id: &str) -> Result<u64, String> {
+        let body = json!({ "argv": super::husk_vm::PROGRAM }).to_string();
+        let mut resp = self
+            .api
+            .send(
+                "POST",
+                &format!("/v1/sandboxes/{}/exec", encode(id)),
+                Payload::Json(body.into_bytes()),
+            )
+            .map_err(|e| format!("exec: {e}"))?;
+        let mut first = None;
+        while let Some(event) = resp.next_line::<ExecEvent>().map_err(|e| e.to_string())? {
+            match event {
+                ExecEvent::Stdout { .. } if first.is_none() => first = Some(monotonic_ns()),
+                ExecEvent::Exit { .. } => break,
+                ExecEvent::Error { error, .. } => return Err(format!("exec: {error}")),
+                _ => {}
+            }
+        }
+        first.ok_or_else(|| "the program wrote nothing".to_owned())
+    }
+}
+
+/// The husk-vmm process at or below `pid` (a jailed sandbox's pid is its
+/// jailer's, and the VMM runs as its child).
+fn vmm_process(pid: u32) -> Option<u32> {
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if comm.trim() == "husk-vmm" {
+        return Some(pid);
+    }
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
+    children
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .find_map(vmm_process)
+}
+
+/// The daemon's state directory under the bench's work directory.
+pub fn state_dir(work_dir: &Path) -> PathBuf {
+    work_dir.join("daemon")
+}

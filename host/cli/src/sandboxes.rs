@@ -1,0 +1,478 @@
+//! The CLI as a client of the daemon (`husk serve`): sandboxes by id,
+//! templates and pools by name. Like docker's: `run`, `ps`, `exec`, `cp`,
+//! `logs`, `pause`, `resume`, `snapshot`, `fork`, `rm`, `template ...`,
+//! `pool ...`; `--json` on list and inspect commands.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use base64::Engine;
+use husk_client::{encode, ApiClient, ApiClientError, Payload};
+use husk_types::{AuditEntry, TemplateRecord};
+use husk_types::{BuildEvent, ExecEvent, ExecSpec};
+use husk_types::{Created, PoolInfo, SandboxInfo};
+use husk_types::{KernelSource, RootfsSource, TemplateSpec};
+use serde_json::json;
+
+/// Exit status for husk's own failures (as docker uses 125).
+const HUSK_FAILED: u8 = 125;
+
+/// The daemon: `$HUSK_HOST` (a socket path, or `tcp://HOST:PORT` with the
+/// token in `$HUSK_TOKEN`), else the default state directory's socket.
+pub fn client() -> ApiClient {
+    husk_client::from_env()
+}
+
+/// A sandbox id (as the daemon makes them) rather than a VM socket path.
+pub fn is_sandbox_id(target: &str) -> bool {
+    !target.contains('/') && !target.is_empty()
+}
+
+pub type CliResult = Result<u8, ApiClientError>;
+
+/// `--json` output: the daemon's answer, pretty-printed.
+fn print_json<T: serde::Serialize>(value: &T) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).unwrap_or_default()
+    );
+}
+
+/// Runs a program in a sandbox, streaming its output; returns its exit
+/// status (128 + N when killed by signal N).
+pub fn exec(id: &str, spec: &ExecSpec) -> CliResult {
+    let body = serde_json::to_vec(spec).unwrap_or_default();
+    let mut resp = client().send(
+        "POST",
+        &format!("/v1/sandboxes/{}/exec", encode(id)),
+        Payload::Json(body),
+    )?;
+    let decode = |d: &str| {
+        base64::engine::general_purpose::STANDARD
+            .decode(d)
+            .unwrap_or_default()
+    };
+    while let Some(event) = resp.next_line::<ExecEvent>()? {
+        match event {
+            ExecEvent::Started { .. } => {}
+            ExecEvent::Stdout { data } => {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(&decode(&data)).and_then(|()| out.flush());
+            }
+            ExecEvent::Stderr { data } => {
+                let _ = std::io::stderr().write_all(&decode(&data));
+            }
+            ExecEvent::Lost { bytes } => eprintln!("husk: {bytes} bytes of output were lost"),
+            ExecEvent::Exit { code, signal, .. } => {
+                return Ok(match (code, signal) {
+                    (Some(c), _) => c as u8,
+                    (None, Some(s)) => 128u8.wrapping_add(s as u8),
+                    _ => 0,
+                })
+            }
+            ExecEvent::Error { kind, error } => {
+                eprintln!("husk: {error}");
+                return Ok(match kind {
+                    Some(husk_protocol::ErrorKind::Timeout) => 124,
+                    _ => HUSK_FAILED,
+                });
+            }
+        }
+    }
+    eprintln!("husk: the daemon ended the output before the program's exit");
+    Ok(HUSK_FAILED)
+}
+
+pub fn create(
+    template: &str,
+    ttl_s: Option<u64>,
+    labels: &[(String, String)],
+    pause_on_expiry: bool,
+    allow: &[String],
+) -> Result<Created, ApiClientError> {
+    let labels: BTreeMap<_, _> = labels.iter().cloned().collect();
+    client().call(
+        "POST",
+        "/v1/sandboxes",
+        Some(&json!({
+            "template": template,
+            "ttl_s": ttl_s,
+            "labels": labels,
+            "on_expiry": if pause_on_expiry { "pause" } else { "destroy" },
+            "egress": { "allow": allow },
+        })),
+    )
+}
+
+pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> CliResult {
+    let mut query: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("label={}", encode(&format!("{k}={v}"))))
+        .collect();
+    if let Some(s) = state {
+        query.push(format!("state={}", encode(s)));
+    }
+    let list: Vec<SandboxInfo> =
+        client().call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
+    if as_json {
+        print_json(&list);
+        return Ok(0);
+    }
+    println!(
+        "{:<16}  {:<16}  {:<8}  {:>8}  {:>7}  LABELS",
+        "SANDBOX", "TEMPLATE", "STATE", "PID", "TTL_S"
+    );
+    let now = husk_core::store::now_unix_ms();
+    for s in list {
+        let ttl = s.expires_unix_ms.map_or("-".to_owned(), |e| {
+            (e.saturating_sub(now) / 1000).to_string()
+        });
+        let labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!(
+            "{:<16}  {:<16}  {:<8}  {:>8}  {:>7}  {}",
+            s.id,
+            s.template,
+            s.state.name(),
+            s.pid,
+            ttl,
+            labels.join(",")
+        );
+    }
+    Ok(0)
+}
+
+pub fn inspect(id: &str) -> CliResult {
+    let s: SandboxInfo = client().call("GET", &format!("/v1/sandboxes/{}", encode(id)), None)?;
+    print_json(&s);
+    Ok(0)
+}
+
+pub fn logs(id: &str) -> CliResult {
+    let mut resp = client().send(
+        "GET",
+        &format!("/v1/sandboxes/{}/logs", encode(id)),
+        Payload::None,
+    )?;
+    std::io::copy(&mut resp, &mut std::io::stdout().lock())?;
+    Ok(0)
+}
+
+/// Destroys one sandbox.
+pub fn destroy(id: &str) -> Result<(), ApiClientError> {
+    client()
+        .send(
+            "DELETE",
+            &format!("/v1/sandboxes/{}", encode(id)),
+            Payload::None,
+        )
+        .map(drop)
+}
+
+pub fn rm(ids: &[String]) -> CliResult {
+    let mut failed = false;
+    for id in ids {
+        match destroy(id) {
+            Ok(()) => println!("{id}"),
+            Err(e) => {
+                eprintln!("husk: {id}: {e}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed { HUSK_FAILED } else { 0 })
+}
+
+pub fn lifecycle(id: &str, action: &str) -> CliResult {
+    let s: SandboxInfo = client().call(
+        "POST",
+        &format!("/v1/sandboxes/{}/{action}", encode(id)),
+        None,
+    )?;
+    println!("{} {}", s.id, s.state.name());
+    Ok(0)
+}
+
+pub fn kill_all(id: &str) -> CliResult {
+    #[derive(serde::Deserialize)]
+    struct Killed {
+        killed_tasks: u64,
+    }
+    let k: Killed = client().call(
+        "POST",
+        &format!("/v1/sandboxes/{}/kill-all", encode(id)),
+        None,
+    )?;
+    println!("{id} killed {} tasks", k.killed_tasks);
+    Ok(0)
+}
+
+pub fn snapshot(id: &str, name: &str) -> CliResult {
+    let t: TemplateRecord = client().call(
+        "POST",
+        &format!("/v1/sandboxes/{}/snapshot", encode(id)),
+        Some(&json!({ "name": name })),
+    )?;
+    println!("{} {}", t.name, t.id);
+    Ok(0)
+}
+
+pub fn fork(id: &str, count: u32, name: Option<&str>) -> CliResult {
+    #[derive(serde::Deserialize)]
+    struct Forked {
+        template: TemplateRecord,
+        sandboxes: Vec<Created>,
+    }
+    let f: Forked = client().call(
+        "POST",
+        &format!("/v1/sandboxes/{}/fork", encode(id)),
+        Some(&json!({ "count": count, "name": name })),
+    )?;
+    eprintln!("template {} ({})", f.template.name, f.template.id);
+    for c in f.sandboxes {
+        println!("{}", c.sandbox.id);
+    }
+    Ok(0)
+}
+
+/// `husk cp`: one side is `<sandbox>:<absolute guest path>`.
+pub fn cp_from(id: &str, guest: &str, host: &str) -> CliResult {
+    let mut resp = client().send(
+        "GET",
+        &format!("/v1/sandboxes/{}/files?path={}", encode(id), encode(guest)),
+        Payload::None,
+    )?;
+    // Written beside, then renamed: a broken download leaves no half file.
+    let tmp = format!("{host}.husk-partial");
+    let mut file = std::fs::File::create(&tmp)?;
+    let copied = std::io::copy(&mut resp, &mut file).and_then(|_| file.sync_all());
+    if let Err(e) = copied {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.into());
+    }
+    std::fs::rename(&tmp, host)?;
+    Ok(0)
+}
+
+pub fn cp_to(host: &str, id: &str, guest: &str) -> CliResult {
+    let mut file = std::fs::File::open(host)?;
+    let mode = {
+        use std::os::unix::fs::PermissionsExt;
+        file.metadata()?.permissions().mode() & 0o7777
+    };
+    client().send(
+        "PUT",
+        &format!(
+            "/v1/sandboxes/{}/files?path={}&mode={mode:o}",
+            encode(id),
+            encode(guest)
+        ),
+        Payload::Stream(&mut file as &mut dyn Read),
+    )?;
+    Ok(0)
+}
+
+pub struct BuildArgs {
+    pub name: String,
+    pub vcpus: u8,
+    pub mem_mib: u32,
+    pub dir: Option<PathBuf>,
+    pub tar: Option<PathBuf>,
+    pub kernel: Option<PathBuf>,
+    /// The paths are the daemon host's, in its --template-source
+    /// directories: sent as they are, not uploaded.
+    pub on_host: bool,
+    pub warmup: Vec<String>,
+    pub network: bool,
+    pub block_limit: Option<String>,
+    pub net_limit: Option<String>,
+}
+
+/// Builds a template, showing its progress.
+pub fn template_build(a: BuildArgs) -> CliResult {
+    let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+    let upload_file = |path: &std::path::Path| -> Result<String, ApiClientError> {
+        let mut file = std::fs::File::open(path).map_err(|e| {
+            ApiClientError::Io(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", path.display()),
+            ))
+        })?;
+        eprintln!("uploading {}", path.display());
+        client().upload(&mut file)
+    };
+    let rootfs = match (a.dir, a.tar, a.on_host) {
+        (Some(path), _, true) => RootfsSource::Dir { path: abs(path) },
+        (None, Some(path), true) => RootfsSource::Tar { path: abs(path) },
+        (Some(path), _, false) => {
+            eprintln!("uploading {} as a tar archive", path.display());
+            RootfsSource::Upload {
+                upload: client().upload_dir(&path)?,
+            }
+        }
+        (None, Some(path), false) => RootfsSource::Upload {
+            upload: upload_file(&path)?,
+        },
+        (None, None, _) => RootfsSource::Default,
+    };
+    let kernel = match (a.kernel, a.on_host) {
+        (Some(path), true) => Some(KernelSource::Path(abs(path))),
+        (Some(path), false) => Some(KernelSource::Upload {
+            upload: upload_file(&path)?,
+        }),
+        (None, _) => None,
+    };
+    let spec = TemplateSpec {
+        name: a.name,
+        vcpus: a.vcpus,
+        mem_mib: a.mem_mib,
+        rootfs,
+        warmup: a
+            .warmup
+            .into_iter()
+            .map(|c| vec!["/bin/sh".to_owned(), "-c".to_owned(), c])
+            .collect(),
+        kernel,
+        network: a.network,
+        block_limit: a.block_limit,
+        net_limit: a.net_limit,
+    };
+    let started = std::time::Instant::now();
+    let mut resp = client().send(
+        "POST",
+        "/v1/templates",
+        Payload::Json(serde_json::to_vec(&spec).unwrap_or_default()),
+    )?;
+    while let Some(event) = resp.next_line::<BuildEvent>()? {
+        match event {
+            BuildEvent::Progress { message } => {
+                eprintln!("[{:>6.1} s] {message}", started.elapsed().as_secs_f64())
+            }
+            BuildEvent::Done { template } => {
+                eprintln!(
+                    "[{:>6.1} s] built: {}",
+                    started.elapsed().as_secs_f64(),
+                    template
+                        .build_ms
+                        .iter()
+                        .map(|(k, v)| format!("{k} {v:.0} ms"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+                println!("{} {}", template.name, template.id);
+                return Ok(0);
+            }
+            BuildEvent::Error { status, error } => {
+                return Err(ApiClientError::Status {
+                    status,
+                    message: error,
+                })
+            }
+        }
+    }
+    Err(ApiClientError::Malformed(
+        "the build's stream ended without a result".into(),
+    ))
+}
+
+pub fn template_ls(as_json: bool) -> CliResult {
+    let list: Vec<TemplateRecord> = client().call("GET", "/v1/templates", None)?;
+    if as_json {
+        print_json(&list);
+        return Ok(0);
+    }
+    println!(
+        "{:<24}  {:<17}  {:>5}  {:>8}  SOURCE",
+        "NAME", "ID", "VCPUS", "MEM_MIB"
+    );
+    for t in list {
+        println!(
+            "{:<24}  {:<17}  {:>5}  {:>8}  {}",
+            t.name, t.id, t.vcpus, t.mem_mib, t.source
+        );
+    }
+    Ok(0)
+}
+
+pub fn template_inspect(name: &str) -> CliResult {
+    let t: TemplateRecord =
+        client().call("GET", &format!("/v1/templates/{}", encode(name)), None)?;
+    print_json(&t);
+    Ok(0)
+}
+
+pub fn template_rm(name: &str) -> CliResult {
+    client().send(
+        "DELETE",
+        &format!("/v1/templates/{}", encode(name)),
+        Payload::None,
+    )?;
+    println!("{name}");
+    Ok(0)
+}
+
+pub fn template_verify(name: &str) -> CliResult {
+    let v: serde_json::Value = client().call(
+        "POST",
+        &format!("/v1/templates/{}/verify", encode(name)),
+        None,
+    )?;
+    println!(
+        "{name}: ok ({} files)",
+        v["files"].as_array().map_or(0, Vec::len)
+    );
+    Ok(0)
+}
+
+pub fn pool_set(template: &str, size: u32) -> CliResult {
+    let p: PoolInfo = client().call(
+        "PUT",
+        &format!("/v1/pools/{}", encode(template)),
+        Some(&json!({ "size": size })),
+    )?;
+    println!("{} target={} ready={}", p.template_name, p.target, p.ready);
+    Ok(0)
+}
+
+pub fn pool_ls(as_json: bool) -> CliResult {
+    let list: Vec<PoolInfo> = client().call("GET", "/v1/pools", None)?;
+    if as_json {
+        print_json(&list);
+        return Ok(0);
+    }
+    println!(
+        "{:<24}  {:>6}  {:>5}  {:>9}  {:>6}  {:>6}",
+        "TEMPLATE", "TARGET", "READY", "RESTORING", "HITS", "MISSES"
+    );
+    for p in list {
+        println!(
+            "{:<24}  {:>6}  {:>5}  {:>9}  {:>6}  {:>6}",
+            p.template_name, p.target, p.ready, p.restoring, p.hits, p.misses
+        );
+    }
+    Ok(0)
+}
+
+pub fn audit(sandbox: Option<&str>, as_json: bool) -> CliResult {
+    let path = match sandbox {
+        Some(s) => format!("/v1/audit?sandbox={}", encode(s)),
+        None => "/v1/audit".to_owned(),
+    };
+    let log: Vec<AuditEntry> = client().call("GET", &path, None)?;
+    if as_json {
+        print_json(&log);
+        return Ok(0);
+    }
+    for e in log {
+        println!(
+            "{} {:<16} {:<16} {} {} {}",
+            e.unix_ms,
+            e.who,
+            e.action,
+            e.sandbox.unwrap_or_else(|| "-".into()),
+            e.template.unwrap_or_else(|| "-".into()),
+            e.detail
+        );
+    }
+    Ok(0)
+}

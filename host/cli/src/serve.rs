@@ -1,0 +1,367 @@
+//! `husk serve`: the daemon.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use husk_core::daemon::{Daemon, DaemonConfig};
+use husk_server::api::{self, Peer};
+
+/// The daemon's options.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// State directory: database, templates, sandboxes' files (default
+    /// $HUSK_STATE_DIR, else /var/lib/husk for root, else
+    /// ~/.local/share/husk).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// The API's Unix socket (default <state dir>/husk.sock, mode 0660:
+    /// who may open it may use the API).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Also listen on this TCP address (HOST:PORT); requests there need
+    /// the bearer token in --token-file.
+    #[arg(long, requires = "token_file")]
+    pub tcp: Option<String>,
+    /// File holding the TCP API's bearer token.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Default guest kernel of template builds.
+    #[arg(long, env = "HUSK_KERNEL")]
+    pub kernel: Option<PathBuf>,
+    /// Default root file system (initramfs) of template builds.
+    #[arg(long, env = "HUSK_INITRAMFS")]
+    pub initramfs: Option<PathBuf>,
+    /// Static guest-init, put into root file systems built from a
+    /// directory or tar archive.
+    #[arg(long, env = "HUSK_GUEST_INIT")]
+    pub guest_init: Option<PathBuf>,
+    /// The husk-vmm binary (default: next to this one).
+    #[arg(long, env = "HUSK_VMM")]
+    pub vmm: Option<PathBuf>,
+    /// Most sandboxes on this host, pooled clones included.
+    #[arg(long, default_value_t = 64)]
+    pub max_sandboxes: u32,
+    /// Guest memory all sandboxes together may have, in MiB (default:
+    /// three quarters of the host's memory).
+    #[arg(long)]
+    pub memory_mib: Option<u64>,
+    /// Most restores at once (default: the CPU count).
+    #[arg(long)]
+    pub restore_parallel: Option<u32>,
+    /// Seconds a restored clone may take to answer on a quiet host
+    /// (stretched by load).
+    #[arg(long, default_value_t = 120)]
+    pub restore_wait_s: u64,
+    /// Seconds a template's boot may take on a quiet host.
+    #[arg(long, default_value_t = 900)]
+    pub boot_wait_s: u64,
+    /// Run VMMs without cgroup limits (by default each gets memory, CPU
+    /// and pid limits when this host's cgroups can be managed).
+    #[arg(long)]
+    pub no_cgroups: bool,
+    /// Run VMMs without their jail (own namespaces, root, uid): for
+    /// debugging only; each VMM then has the daemon's privileges and sees
+    /// the host's files. The jail needs root.
+    #[arg(long)]
+    pub no_jail: bool,
+    /// Network namespace (a file such as /run/netns/NAME) in which the
+    /// egress proxy resolves names and opens its connections; default: the
+    /// daemon's own. The proxy's allowlists and address checks apply
+    /// either way.
+    #[arg(long)]
+    pub egress_netns: Option<PathBuf>,
+    /// Certificates (PEM) the egress proxy trusts besides the public roots
+    /// when it opens TLS to a host a sandbox holds credentials for (a
+    /// private API's CA, a test server's).
+    #[arg(long)]
+    pub egress_upstream_ca: Option<PathBuf>,
+    /// Serve the E2B API (control plane and envd) on this TCP address, so
+    /// E2B's SDKs drive husk sandboxes (E2B_API_URL=E2B_SANDBOX_URL=http://ADDR).
+    #[arg(long, requires = "e2b_api_key_file")]
+    pub e2b: Option<String>,
+    /// The API keys E2B clients must send (X-API-KEY), one per line.
+    #[arg(long)]
+    pub e2b_api_key_file: Option<PathBuf>,
+    /// Sandboxes one MCP client (a session on `/mcp`) may hold at once.
+    #[arg(long, default_value_t = 4)]
+    pub mcp_max_sandboxes: usize,
+    /// Longest a command an MCP client runs may take, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub mcp_max_command_s: u64,
+    /// A host directory API clients may build templates from by path (a
+    /// root file system directory or tar, a kernel) (repeatable). Without
+    /// one, every such file comes as an upload (the CLI's default): the
+    /// daemon runs as root and reads no other host path for a client.
+    #[arg(long = "template-source")]
+    pub template_sources: Vec<PathBuf>,
+    /// Largest upload for a template build, in MiB.
+    #[arg(long, default_value_t = 8192)]
+    pub max_upload_mib: u64,
+}
+
+/// The state directory when none is given.
+pub use husk_client::default_state_dir;
+
+fn host_memory_mib() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(4096, |kib| kib / 1024)
+}
+
+pub fn serve(args: ServeArgs) -> Result<u8, String> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
+    std::fs::create_dir_all(&state_dir).map_err(|e| {
+        format!(
+            "cannot create the state directory {}: {e}",
+            state_dir.display()
+        )
+    })?;
+    let state_dir = std::fs::canonicalize(&state_dir).map_err(|e| e.to_string())?;
+    let vmm = match args.vmm {
+        Some(v) => v,
+        None => std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("husk-vmm"),
+    };
+    let vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
+    if !vmm.is_file() {
+        return Err(format!(
+            "the VMM binary {} does not exist: build it (cargo build --release -p husk-vmm) or \
+             pass --vmm",
+            vmm.display()
+        ));
+    }
+    let jail = if args.no_jail {
+        tracing::warn!(
+            "THE JAIL IS OFF (--no-jail): every VMM runs with this daemon's privileges and sees the host's files"
+        );
+        None
+    } else {
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(
+                "each VMM runs in a jail, which needs root: run husk serve as root (or, to debug \
+                 without the jail, pass --no-jail)"
+                    .into(),
+            );
+        }
+        let jailer = vmm.with_file_name("husk-jailer");
+        if !jailer.is_file() {
+            return Err(format!(
+                "the jailer {} does not exist: build it (cargo build --release -p husk-jailer)",
+                jailer.display()
+            ));
+        }
+        Some(husk_jailer::JailConfig {
+            jailer,
+            uids: Default::default(),
+        })
+    };
+    let template_sources = args
+        .template_sources
+        .iter()
+        .map(|dir| match std::fs::canonicalize(dir) {
+            Ok(real) if real.is_dir() => Ok(real),
+            Ok(_) => Err(format!(
+                "--template-source {}: not a directory",
+                dir.display()
+            )),
+            Err(e) => Err(format!("--template-source {}: {e}", dir.display())),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let cfg = DaemonConfig {
+        state_dir: state_dir.clone(),
+        vmm,
+        kernel: args.kernel,
+        initramfs: args.initramfs,
+        guest_init: args.guest_init,
+        max_sandboxes: args.max_sandboxes,
+        memory_mib: args.memory_mib.unwrap_or_else(|| host_memory_mib() * 3 / 4),
+        restore_parallel: args.restore_parallel.unwrap_or(cpus),
+        restore_wait: Duration::from_secs(args.restore_wait_s),
+        boot_wait: Duration::from_secs(args.boot_wait_s),
+        cgroups: if args.no_cgroups {
+            None
+        } else {
+            let h = husk_core::cgroup::Hierarchy::detect();
+            match &h {
+                Some(h) => tracing::info!("VMMs get cgroup {} limits", h.name()),
+                None => tracing::warn!(
+                    "no writable cgroup hierarchy with memory, cpu and pids: VMMs run without limits"
+                ),
+            }
+            h
+        },
+        jail,
+        egress_netns: args.egress_netns,
+        egress_upstream_ca: args.egress_upstream_ca,
+        template_sources,
+        max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
+    };
+    let token = match &args.token_file {
+        Some(f) => Some(
+            std::fs::read_to_string(f)
+                .map_err(|e| format!("cannot read the token file {}: {e}", f.display()))?
+                .trim()
+                .to_owned(),
+        )
+        .filter(|t| t.len() >= 16)
+        .ok_or("the bearer token must be at least 16 characters")?
+        .into(),
+        None => None,
+    };
+    let socket = args.socket.unwrap_or_else(|| state_dir.join("husk.sock"));
+    let daemon = Daemon::start(cfg).map_err(|e| e.to_string())?;
+    // MCP sessions on `/mcp` drive the daemon through its own socket, as
+    // `husk mcp` does.
+    let mcp = Arc::new(husk_server::mcp::HttpSessions::default());
+    mcp.configure(
+        husk_client::ApiClient::new(husk_client::Endpoint::Unix(socket.clone())),
+        husk_server::mcp::Limits {
+            sandboxes: args.mcp_max_sandboxes,
+            command_s: args.mcp_max_command_s,
+            ..Default::default()
+        },
+    );
+    let e2b = match (&args.e2b, &args.e2b_api_key_file) {
+        (Some(addr), Some(file)) => {
+            let keys: Vec<String> = std::fs::read_to_string(file)
+                .map_err(|e| format!("cannot read the E2B key file {}: {e}", file.display()))?
+                .lines()
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(str::to_owned)
+                .collect();
+            if keys.iter().any(|k| k.len() < 16) || keys.is_empty() {
+                return Err(format!(
+                    "{}: give one or more API keys of at least 16 characters",
+                    file.display()
+                ));
+            }
+            let gateway = husk_server::e2b::E2b::new(daemon.clone(), keys)
+                .map_err(|e| format!("the E2B API: {e}"))?;
+            Some((addr.clone(), gateway))
+        }
+        _ => None,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let result = runtime.block_on(listen(daemon.clone(), mcp, &socket, args.tcp, token, e2b));
+    daemon.stop();
+    let _ = std::fs::remove_file(&socket);
+    result.map(|()| 0)
+}
+
+async fn listen(
+    daemon: Arc<Daemon>,
+    mcp: Arc<husk_server::mcp::HttpSessions>,
+    socket: &std::path::Path,
+    tcp: Option<String>,
+    token: Option<String>,
+    e2b: Option<(String, Arc<husk_server::e2b::E2b>)>,
+) -> Result<(), String> {
+    // A socket left by a daemon that died is replaced; one that answers
+    // belongs to a running daemon.
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        return Err(format!(
+            "another husk daemon is listening on {}",
+            socket.display()
+        ));
+    }
+    let _ = std::fs::remove_file(socket);
+    let unix = tokio::net::UnixListener::bind(socket)
+        .map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o660))
+            .map_err(|e| e.to_string())?;
+    }
+    tracing::info!("listening on {}", socket.display());
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    let unix_app = api::router(daemon.clone(), mcp.clone(), None)
+        .into_make_service_with_connect_info::<Peer>();
+    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut stop_unix = stop_tx.subscribe();
+    let unix_server = tokio::spawn(async move {
+        axum::serve(unix, unix_app)
+            .with_graceful_shutdown(async move {
+                let _ = stop_unix.recv().await;
+            })
+            .await
+    });
+    let tcp_server = match tcp {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            tracing::info!("listening on tcp {addr} (bearer token required)");
+            let app = api::router(daemon, mcp, token).into_make_service_with_connect_info::<Peer>();
+            let mut stop_tcp = stop_tx.subscribe();
+            Some(tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop_tcp.recv().await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
+    let e2b_server = match e2b {
+        Some((addr, gateway)) => {
+            let listener = tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+            tracing::info!("E2B API on tcp {addr}");
+            let app = husk_server::e2b::router(gateway);
+            let mut stop_e2b = stop_tx.subscribe();
+            Some(tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop_e2b.recv().await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
+    stop.await;
+    tracing::info!("stopping; sandboxes keep running for the next daemon");
+    let _ = stop_tx.send(());
+    // Streams in flight (a long exec) are not waited for past a moment.
+    let _ = tokio::time::timeout(Duration::from_secs(5), unix_server).await;
+    for t in [tcp_server, e2b_server].into_iter().flatten() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

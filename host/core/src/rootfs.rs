@@ -1,0 +1,292 @@
+//! Root file system images for templates built from a directory or a tar
+//! archive (an exported container file system): the tree is staged, given
+//! guest-init as `/init` and the mount points it needs, and turned into an
+//! ext4 image with `mkfs.ext4 -d` (no root privileges, no loop device).
+//!
+//! A tar archive is hostile input: an entry with an absolute path, a `..`
+//! component, a hard link out of the tree, or a device node or FIFO is
+//! refused with the entry's name (the daemon runs as root; a device node
+//! in a guest image is a hole in the sandbox).
+
+use std::path::{Component, Path, PathBuf};
+use std::process::Command;
+
+use crate::config::DaemonConfig;
+use husk_types::RootfsSource;
+
+/// Errors making a root file system image.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    Build(String),
+    #[error("I/O error on {0}: {1}")]
+    Io(PathBuf, #[source] std::io::Error),
+}
+
+/// Directories guest-init mounts on or expects.
+const MOUNT_POINTS: &[&str] = &["dev", "proc", "sys", "tmp", "run", "root", "etc"];
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError + '_ {
+    move |e| RootfsError::Io(path.to_owned(), e)
+}
+
+/// Makes `image` from `source`, staging the tree in `stage` (removed
+/// after). Returns how the source is recorded (`dir:PATH`, `tar:PATH`).
+pub fn make_image(
+    cfg: &DaemonConfig,
+    source: &RootfsSource,
+    image: &Path,
+    stage: &Path,
+) -> Result<String, RootfsError> {
+    let guest_init = cfg.guest_init.as_ref().ok_or_else(|| {
+        RootfsError::Invalid(
+            "no guest-init binary to put in the root file system: start the daemon with \
+             --guest-init"
+                .into(),
+        )
+    })?;
+    let _ = std::fs::remove_dir_all(stage);
+    std::fs::create_dir_all(stage).map_err(io(stage))?;
+    let result = stage_and_make(guest_init, source, image, stage);
+    let _ = std::fs::remove_dir_all(stage);
+    result
+}
+
+fn stage_and_make(
+    guest_init: &Path,
+    source: &RootfsSource,
+    image: &Path,
+    stage: &Path,
+) -> Result<String, RootfsError> {
+    let recorded = match source {
+        RootfsSource::Default | RootfsSource::Upload { .. } => {
+            return Err(RootfsError::Invalid(
+                "the default root file system and uploads are not images to stage".into(),
+            ))
+        }
+        RootfsSource::Dir { path } => {
+            if !path.is_dir() {
+                return Err(RootfsError::Invalid(format!(
+                    "root file system directory {} does not exist",
+                    path.display()
+                )));
+            }
+            let mut from = path.clone().into_os_string();
+            from.push("/.");
+            run(Command::new("cp").arg("-a").arg(from).arg(stage))?;
+            format!("dir:{}", path.display())
+        }
+        RootfsSource::Tar { path } => {
+            unpack(path, stage)?;
+            format!("tar:{}", path.display())
+        }
+    };
+    for dir in MOUNT_POINTS {
+        let p = stage.join(dir);
+        if p.symlink_metadata().is_err() {
+            std::fs::create_dir_all(&p).map_err(io(&p))?;
+        }
+    }
+    let init = stage.join("init");
+    let _ = std::fs::remove_file(&init);
+    std::fs::copy(guest_init, &init).map_err(io(guest_init))?;
+    let size_mib = tree_bytes(stage) / (1 << 20) * 3 / 2 + 64;
+    let tmp = image.with_extension("tmp");
+    run(Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-L", "husk-root", "-E", "root_owner=0:0", "-d"])
+        .arg(stage)
+        .arg(&tmp)
+        .arg(format!("{size_mib}M")))?;
+    // The console and null device nodes the kernel opens before init runs
+    // (devtmpfs is mounted over /dev later), made inside the image.
+    let script = "cd /dev\nmknod console c 5 1\nsif console mode 020600\n\
+                  mknod null c 1 3\nsif null mode 020666\n";
+    let mut debugfs = Command::new("debugfs")
+        .args(["-w", "-f", "-"])
+        .arg(&tmp)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| RootfsError::Build(format!("debugfs (from e2fsprogs): {e}")))?;
+    if let Some(mut stdin) = debugfs.stdin.take() {
+        use std::io::Write;
+        stdin.write_all(script.as_bytes()).map_err(io(&tmp))?;
+    }
+    debugfs.wait().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, image).map_err(io(image))?;
+    Ok(recorded)
+}
+
+fn run(cmd: &mut Command) -> Result<(), RootfsError> {
+    let out = cmd
+        .output()
+        .map_err(|e| RootfsError::Build(format!("{cmd:?}: {e} (is e2fsprogs installed?)")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(RootfsError::Build(format!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )))
+    }
+}
+
+/// Bytes in regular files under `dir`.
+fn tree_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(entry.path()),
+                Ok(t) if t.is_file() => total += entry.metadata().map_or(0, |m| m.len()),
+                _ => {}
+            }
+        }
+    }
+    total
+}
+
+/// Unpacks a tar archive into `stage`, refusing entries that would leave
+/// it or make device nodes.
+pub fn unpack(archive: &Path, stage: &Path) -> Result<(), RootfsError> {
+    let file = std::fs::File::open(archive).map_err(io(archive))?;
+    let mut tar = tar::Archive::new(file);
+    tar.set_preserve_permissions(true);
+    tar.set_preserve_ownerships(true);
+    tar.set_overwrite(true);
+    let bad =
+        |what: String| RootfsError::Invalid(format!("tar archive {}: {what}", archive.display()));
+    let entries = tar.entries().map_err(|e| bad(e.to_string()))?;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| bad(format!("unreadable entry: {e}")))?;
+        let path: PathBuf = entry
+            .path()
+            .map_err(|e| bad(format!("entry with a bad name: {e}")))?
+            .into_owned();
+        if !is_contained(&path) {
+            return Err(bad(format!(
+                "entry `{}` is absolute or has a `..` component",
+                path.display()
+            )));
+        }
+        use tar::EntryType as T;
+        match entry.header().entry_type() {
+            T::Regular | T::Continuous | T::Directory | T::Symlink => {}
+            T::Link => {
+                let target = entry
+                    .link_name()
+                    .map_err(|e| bad(e.to_string()))?
+                    .map(|t| t.into_owned());
+                if !target.as_deref().is_some_and(is_contained) {
+                    return Err(bad(format!(
+                        "hard link `{}` points out of the archive",
+                        path.display()
+                    )));
+                }
+            }
+            T::XGlobalHeader | T::XHeader | T::GNULongName | T::GNULongLink => continue,
+            other => {
+                return Err(bad(format!(
+                    "entry `{}` is a {other:?} (device nodes and FIFOs are refused)",
+                    path.display()
+                )))
+            }
+        }
+        // unpack_in also refuses to write through a symlink that leads out
+        // of `stage`.
+        let inside = entry
+            .unpack_in(stage)
+            .map_err(|e| bad(format!("entry `{}`: {e}", path.display())))?;
+        if !inside {
+            return Err(bad(format!(
+                "entry `{}` leaves the archive",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A path inside an archive that stays inside the directory it is
+/// unpacked in: relative, without `..`.
+pub fn is_contained(path: &Path) -> bool {
+    path.components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn archive_paths_must_stay_inside() {
+        assert!(is_contained(Path::new("usr/bin/x")));
+        assert!(is_contained(Path::new("./etc")));
+        assert!(!is_contained(Path::new("/etc/passwd")));
+        assert!(!is_contained(Path::new("a/../../x")));
+    }
+
+    fn temp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("husk-rootfs-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("temp dir");
+        d
+    }
+
+    /// A tar with one entry, its header written by hand (the tar crate's
+    /// builder refuses bad paths, as it should).
+    fn tar_with(name: &str, kind: u8, link: &str) -> Vec<u8> {
+        let mut h = [0u8; 512];
+        h[..name.len()].copy_from_slice(name.as_bytes());
+        h[100..108].copy_from_slice(b"0000644\0");
+        h[108..116].copy_from_slice(b"0000000\0");
+        h[116..124].copy_from_slice(b"0000000\0");
+        h[124..136].copy_from_slice(b"00000000000\0");
+        h[136..148].copy_from_slice(b"00000000000\0");
+        h[156] = kind;
+        h[157..157 + link.len()].copy_from_slice(link.as_bytes());
+        h[257..263].copy_from_slice(b"ustar\0");
+        h[263..265].copy_from_slice(b"00");
+        h[148..156].copy_from_slice(b"        ");
+        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+        h[148..156].copy_from_slice(format!("{sum:06o}\0 ").as_bytes());
+        let mut out = h.to_vec();
+        out.extend_from_slice(&[0u8; 1024]);
+        out
+    }
+
+    fn unpack_one(name: &str, kind: u8, link: &str) -> Result<(), RootfsError> {
+        let dir = temp(&format!("{}-{kind}", name.replace('/', "_")));
+        let archive = dir.join("a.tar");
+        std::fs::write(&archive, tar_with(name, kind, link)).expect("write tar");
+        let stage = dir.join("stage");
+        std::fs::create_dir_all(&stage).expect("stage");
+        let result = unpack(&archive, &stage);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+        result
+    }
+
+    #[test]
+    fn a_plain_file_unpacks() {
+        assert!(unpack_one("etc/hello", b'0', "").is_ok());
+    }
+
+    #[test]
+    fn hostile_entries_are_refused_by_name() {
+        for (name, kind, link, says) in [
+            ("/etc/passwd", b'0', "", "absolute"),
+            ("a/../../x", b'0', "", "`..`"),
+            ("dev/sda", b'4', "", "device nodes"),
+            ("dev/mem", b'3', "", "device nodes"),
+            ("fifo", b'6', "", "FIFOs"),
+            ("escape", b'1', "../../etc/shadow", "out of the archive"),
+        ] {
+            let err = unpack_one(name, kind, link).expect_err(name).to_string();
+            assert!(err.contains(says), "{name}: {err}");
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! The daemon's state in an embedded SQLite database
+//! (`<state dir>/husk.db`): templates, sandboxes (pooled ones included),
+//! pool targets and the append-only audit log. Every change is one
+//! transaction, so a daemon killed at any point restarts from a state that
+//! was true at some moment; what it cannot know (did a VMM survive?) it
+//! checks against the host when it starts (see `daemon`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use husk_types::{AuditEntry, ExpiryPolicy, SandboxState, TemplateRecord};
+use rusqlite::{params, Connection, OptionalExtension};
+use serde::{Deserialize, Serialize};
+
+/// Errors reading or writing the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the state database {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    #[error("the state database: {0}")]
+    Sql(#[from] rusqlite::Error),
+    #[error("a record in the state database does not decode: {0}")]
+    Decode(#[from] serde_json::Error),
+}
+
+/// The schema; `user_version` says which one a database has.
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS templates (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    template TEXT NOT NULL,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pools (
+    template TEXT PRIMARY KEY,
+    target INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    unix_ms INTEGER NOT NULL,
+    who TEXT NOT NULL,
+    action TEXT NOT NULL,
+    sandbox TEXT,
+    template TEXT,
+    detail TEXT NOT NULL
+);
+-- The audit log is append-only: the database itself refuses edits.
+CREATE TRIGGER IF NOT EXISTS audit_no_update BEFORE UPDATE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+CREATE TRIGGER IF NOT EXISTS audit_no_delete BEFORE DELETE ON audit
+    BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+PRAGMA user_version = 1;
+";
+
+/// A sandbox as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub template: String,
+    pub state: SandboxState,
+    /// Its husk-vmm, and that process's start time (field 22 of
+    /// /proc/PID/stat), so that a reused pid is not taken for it.
+    pub pid: u32,
+    pub pid_start: u64,
+    /// Its sockets, console, log and overlays.
+    pub run_dir: PathBuf,
+    pub mem_mib: u32,
+    pub created_unix_ms: u64,
+    /// When it expires (ms since the epoch), if it has a time to live.
+    pub expires_unix_ms: Option<u64>,
+    pub on_expiry: ExpiryPolicy,
+    pub labels: BTreeMap<String, String>,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Its TAP device and the guest's MAC, for a template with a network.
+    #[serde(default)]
+    pub tap: Option<String>,
+    #[serde(default)]
+    pub mac: Option<String>,
+    /// The uid its VMM's jail runs as (0: not jailed).
+    #[serde(default)]
+    pub uid: u32,
+    /// Where its egress proxy lets it connect (`egress::Allowlist` entries).
+    #[serde(default)]
+    pub egress_allow: Vec<String>,
+    /// Credentials its egress proxy adds (kept on the host only).
+    #[serde(default)]
+    pub egress_secrets: Vec<husk_types::SecretSpec>,
+}
+
+/// The store: one connection, used under a lock (every use is short).
+#[derive(Debug)]
+pub struct Store {
+    conn: Mutex<Connection>,
+}
+
+/// Milliseconds since the epoch.
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let open = |source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open)?;
+        // WAL: readers never wait for the writer; NORMAL sync is durable
+        // across a daemon crash (not a power cut, which the VMMs do not
+        // survive either).
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(open)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .map_err(open)?;
+        conn.busy_timeout(std::time::Duration::from_secs(10))
+            .map_err(open)?;
+        conn.execute_batch(SCHEMA).map_err(open)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+        })
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn put_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO templates (id, name, record) VALUES (?1, ?2, ?3)",
+            params![t.id, t.name, serde_json::to_string(t)?],
+        )?;
+        Ok(())
+    }
+
+    pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT record FROM templates ORDER BY name")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(serde_json::from_str(&row?)?);
+        }
+        Ok(out)
+    }
+
+    /// The template with this id or name.
+    pub fn template(&self, id_or_name: &str) -> Result<Option<TemplateRecord>, StoreError> {
+        let record: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT record FROM templates WHERE id = ?1 OR name = ?1",
+                params![id_or_name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(record.map(|r| serde_json::from_str(&r)).transpose()?)
+    }
+
+    pub fn remove_template(&self, id: &str) -> Result<(), StoreError> {
+        let conn = self.conn();
+        conn.execute("DELETE FROM pools WHERE template = ?1", params![id])?;
+        conn.execute("DELETE FROM templates WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn put_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT OR REPLACE INTO sandboxes (id, template, record) VALUES (?1, ?2, ?3)",
+            params![s.id, s.template, serde_json::to_string(s)?],
+        )?;
+        Ok(())
+    }
+
+    pub fn remove_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        self.conn()
+            .execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
+    pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT record FROM sandboxes ORDER BY id")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(serde_json::from_str(&row?)?);
+        }
+        Ok(out)
+    }
+
+    pub fn set_pool(&self, template: &str, target: u32) -> Result<(), StoreError> {
+        let conn = self.conn();
+        if target == 0 {
+            conn.execute("DELETE FROM pools WHERE template = ?1", params![template])?;
+        } else {
+            conn.execute(
+                "INSERT OR REPLACE INTO pools (template, target) VALUES (?1, ?2)",
+                params![template, target],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub fn pools(&self) -> Result<BTreeMap<String, u32>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT template, target FROM pools")?;
+        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, u32>(1)?)))?;
+        let mut out = BTreeMap::new();
+        for row in rows {
+            let (t, n) = row?;
+            out.insert(t, n);
+        }
+        Ok(out)
+    }
+
+    /// Appends to the audit log.
+    pub fn audit(
+        &self,
+        who: &str,
+        action: &str,
+        sandbox: Option<&str>,
+        template: Option<&str>,
+        detail: &str,
+    ) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT INTO audit (unix_ms, who, action, sandbox, template, detail)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![now_unix_ms() as i64, who, action, sandbox, template, detail],
+        )?;
+        Ok(())
+    }
+
+    /// The audit log, oldest first, optionally for one sandbox, at most
+    /// `limit` entries after `after`.
+    pub fn audit_log(
+        &self,
+        sandbox: Option<&str>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT seq, unix_ms, who, action, sandbox, template, detail FROM audit
+             WHERE seq > ?1 AND (?2 IS NULL OR sandbox = ?2) ORDER BY seq LIMIT ?3",
+        )?;
+        let rows = stmt.query_map(params![after, sandbox, limit], |r| {
+            Ok(AuditEntry {
+                seq: r.get(0)?,
+                unix_ms: r.get::<_, i64>(1)? as u64,
+                who: r.get(2)?,
+                action: r.get(3)?,
+                sandbox: r.get(4)?,
+                template: r.get(5)?,
+                detail: r.get(6)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_store() -> (Store, PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "husk-store-{}-{}",
+            std::process::id(),
+            now_unix_ms() ^ rand_suffix()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        (Store::open(&dir.join("husk.db")).expect("open"), dir)
+    }
+
+    fn rand_suffix() -> u64 {
+        use std::hash::{BuildHasher, RandomState};
+        RandomState::new().hash_one(0u8)
+    }
+
+    fn sandbox(id: &str) -> SandboxRecord {
+        SandboxRecord {
+            id: id.to_owned(),
+            template: "t1".to_owned(),
+            state: SandboxState::Running,
+            pid: 42,
+            pid_start: 7,
+            run_dir: PathBuf::from("/run/x"),
+            mem_mib: 128,
+            created_unix_ms: 1,
+            expires_unix_ms: Some(5),
+            on_expiry: ExpiryPolicy::Pause,
+            labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
+            uid: 0,
+            error: None,
+            tap: None,
+            mac: None,
+            egress_allow: vec!["*.example.com:443".to_owned()],
+            egress_secrets: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn sandboxes_round_trip_and_survive_reopening() {
+        let (store, dir) = temp_store();
+        store.put_sandbox(&sandbox("sb-1")).expect("put");
+        drop(store);
+
+        let store = Store::open(&dir.join("husk.db")).expect("reopen");
+
+        assert_eq!(store.sandboxes().expect("list"), vec![sandbox("sb-1")]);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn the_audit_log_refuses_edits() {
+        let (store, dir) = temp_store();
+        store
+            .audit("uid=0", "create", Some("sb-1"), None, "")
+            .expect("append");
+
+        let edit = store.conn().execute("UPDATE audit SET who = 'x'", []);
+        let delete = store.conn().execute("DELETE FROM audit", []);
+
+        assert!(edit.is_err() && delete.is_err());
+        assert_eq!(store.audit_log(Some("sb-1"), 0, 10).expect("read").len(), 1);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_template_is_found_by_id_or_name() {
+        let (store, dir) = temp_store();
+        let t = TemplateRecord {
+            id: "tpl-1".to_owned(),
+            name: "base".to_owned(),
+            created_unix_ms: 1,
+            snapshot_dir: PathBuf::from("/x"),
+            vcpus: 1,
+            mem_mib: 128,
+            source: "default".to_owned(),
+            checksums: BTreeMap::new(),
+            build_ms: BTreeMap::new(),
+            network: false,
+            reads: Vec::new(),
+            block_limit: Some("bytes=1048576".to_owned()),
+            net_limit: None,
+        };
+        store.put_template(&t).expect("put");
+
+        assert_eq!(store.template("base").expect("get"), Some(t.clone()));
+        assert_eq!(store.template("tpl-1").expect("get"), Some(t));
+        assert_eq!(store.template("nope").expect("get"), None);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+}

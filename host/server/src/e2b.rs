@@ -1,0 +1,1649 @@
+//! The E2B API on husk: E2B's SDKs, unchanged, create and drive husk
+//! sandboxes (`husk serve --e2b HOST:PORT`).
+//!
+//! One address serves both of E2B's planes; point the SDK at it with
+//! `E2B_API_URL` and `E2B_SANDBOX_URL` (and `E2B_API_KEY`):
+//! - the control plane (REST, `X-API-KEY`): create, connect/resume, kill,
+//!   set timeout, pause, list, get info, metrics, in both the v2 paths of the
+//!   current Python SDK and the v1 paths of older and JS SDKs;
+//! - the data plane (envd, routed by the `E2b-Sandbox-Id` header, checked
+//!   against the sandbox's `X-Access-Token`): Connect RPC with the JSON
+//!   codec for `process.Process` and `filesystem.Filesystem`, and
+//!   `/files`, `/health`; mapped onto husk's agent protocol.
+//!
+//! The message types are written here from the wire facts (field names,
+//! JSON mapping, enums) in shared/notes/e2b-protocol.md. What E2B templates
+//! assume: programs run as `user` (home `/home/user`, relative paths
+//! resolve there) unless the SDK names another user, as `/bin/bash -l -c`
+//! (husk's root file system carries bash and the user).
+//!
+//! Not served: `StreamInput`, presigned file URLs,
+//! file metadata headers; the SDK is told envd [`ENVD_VERSION`], the
+//! lowest version whose features these are.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::Router;
+use base64::Engine;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use husk_agent_client::{AgentClient, ClientError, Event};
+use husk_core::daemon::{Daemon, DaemonError};
+use husk_types::SandboxState;
+use husk_types::{CreateRequest, SandboxInfo, SandboxUpdate};
+
+/// What husk's envd speaks (see the module docs).
+pub const ENVD_VERSION: &str = "0.5.7";
+/// E2B's default sandbox timeout, seconds.
+const DEFAULT_TIMEOUT_S: u64 = 300;
+/// Largest file upload.
+const MAX_UPLOAD: usize = 256 << 20;
+/// Largest RPC request.
+const MAX_RPC: usize = 4 << 20;
+/// Watchers one sandbox may have.
+const MAX_WATCHERS: usize = 32;
+/// How often a stream says it is alive while a program is quiet.
+const KEEPALIVE: Duration = Duration::from_secs(30);
+/// The label that marks a metadata entry.
+const META: &str = "e2b.meta/";
+
+/// The gateway's state.
+pub struct E2b {
+    daemon: Arc<Daemon>,
+    api_keys: Vec<String>,
+    /// Makes each sandbox's access token (never stored).
+    secret: [u8; 32],
+    /// Environment variables given at create, by sandbox.
+    envs: Mutex<HashMap<String, BTreeMap<String, String>>>,
+    watchers: Mutex<HashMap<String, Watcher>>,
+    next_watcher: AtomicU64,
+    /// Each sandbox's /etc/passwd, read once (a guest round trip saved on
+    /// every command).
+    passwd: Mutex<HashMap<String, Arc<String>>>,
+    /// Programs started on a terminal: (sandbox, pid).
+    ptys: Mutex<std::collections::HashSet<(String, i32)>>,
+}
+
+impl std::fmt::Debug for E2b {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("E2b").finish_non_exhaustive()
+    }
+}
+
+struct Watcher {
+    sandbox: String,
+    events: Arc<Mutex<Vec<Value>>>,
+    stop: Arc<AtomicBool>,
+}
+
+type Shared = Arc<E2b>;
+
+/// A mutex's guard, whether or not a holder panicked (the maps it guards
+/// stay consistent entry by entry).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl E2b {
+    /// `api_keys`: the keys clients must send (`X-API-KEY`); the secret that
+    /// makes access tokens is kept in `<state dir>/e2b.secret`.
+    pub fn new(daemon: Arc<Daemon>, api_keys: Vec<String>) -> std::io::Result<Arc<E2b>> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = daemon.config().state_dir.join("e2b.secret");
+        let mut secret = [0u8; 32];
+        match std::fs::read(&path) {
+            Ok(b) if b.len() == 32 => secret.copy_from_slice(&b),
+            _ => {
+                std::fs::File::open("/dev/urandom")?.read_exact(&mut secret)?;
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&path)?;
+                std::io::Write::write_all(&mut f, &secret)?;
+            }
+        }
+        Ok(Arc::new(E2b {
+            daemon,
+            api_keys,
+            secret,
+            envs: Mutex::new(HashMap::new()),
+            watchers: Mutex::new(HashMap::new()),
+            next_watcher: AtomicU64::new(1),
+            passwd: Mutex::new(HashMap::new()),
+            ptys: Mutex::new(Default::default()),
+        }))
+    }
+
+    /// The sandbox's envd access token.
+    fn token(&self, id: &str) -> String {
+        let mut h = Sha256::new();
+        h.update(self.secret);
+        h.update(id.as_bytes());
+        h.finalize()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
+// ---- errors ----
+
+/// A control-plane error: `{"code": status, "message": ...}`.
+struct RestError(StatusCode, String);
+
+impl IntoResponse for RestError {
+    fn into_response(self) -> Response {
+        let body = json!({ "code": self.0.as_u16(), "message": self.1 });
+        (self.0, axum::Json(body)).into_response()
+    }
+}
+
+impl From<DaemonError> for RestError {
+    fn from(e: DaemonError) -> Self {
+        RestError(crate::api::daemon_status(&e), e.to_string())
+    }
+}
+
+/// A Connect error: `{"code": "not_found", "message": ...}`.
+#[derive(Debug)]
+struct RpcError(&'static str, String);
+
+impl RpcError {
+    fn status(&self) -> StatusCode {
+        match self.0 {
+            "not_found" => StatusCode::NOT_FOUND,
+            "already_exists" => StatusCode::CONFLICT,
+            "invalid_argument" | "failed_precondition" => StatusCode::BAD_REQUEST,
+            "unauthenticated" => StatusCode::UNAUTHORIZED,
+            "permission_denied" => StatusCode::FORBIDDEN,
+            "resource_exhausted" => StatusCode::TOO_MANY_REQUESTS,
+            "unimplemented" => StatusCode::NOT_IMPLEMENTED,
+            "unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+            "deadline_exceeded" => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({ "code": self.0, "message": self.1 })
+    }
+}
+
+impl IntoResponse for RpcError {
+    fn into_response(self) -> Response {
+        (self.status(), axum::Json(self.json())).into_response()
+    }
+}
+
+impl From<ClientError> for RpcError {
+    fn from(e: ClientError) -> Self {
+        use husk_protocol::ErrorKind as K;
+        let code = match e.kind() {
+            Some(K::NotFound) => "not_found",
+            Some(K::PermissionDenied) => "permission_denied",
+            Some(K::Invalid | K::Malformed | K::TooLarge) => "invalid_argument",
+            Some(K::Conflict) => "already_exists",
+            Some(K::Limit) => "resource_exhausted",
+            Some(K::Timeout) => "deadline_exceeded",
+            _ => "unavailable",
+        };
+        RpcError(code, e.to_string())
+    }
+}
+
+impl From<DaemonError> for RpcError {
+    fn from(e: DaemonError) -> Self {
+        match e {
+            DaemonError::Agent(c) => c.into(),
+            DaemonError::NotFound(m) => RpcError("not_found", m),
+            DaemonError::Invalid(m) => RpcError("invalid_argument", m),
+            other => RpcError("unavailable", other.to_string()),
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static, E: Send + 'static + From<String>>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, E> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(E::from(format!("internal error: {e}"))))
+}
+
+impl From<String> for RestError {
+    fn from(m: String) -> Self {
+        RestError(StatusCode::INTERNAL_SERVER_ERROR, m)
+    }
+}
+
+impl From<String> for RpcError {
+    fn from(m: String) -> Self {
+        RpcError("internal", m)
+    }
+}
+
+// ---- the router ----
+
+/// The gateway's routes (both planes on one address).
+pub fn router(e2b: Shared) -> Router {
+    Router::new()
+        .route("/sandboxes", post(create).get(list))
+        .route("/v2/sandboxes", post(create).get(list))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/resume", post(connect))
+        .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/health", get(health))
+        .route("/files", get(download).post(upload))
+        .route("/process.Process/{method}", post(process_rpc))
+        .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
+        .route("/{*rest}", delete(not_found).get(not_found).post(not_found))
+        .layer(DefaultBodyLimit::max(MAX_UPLOAD))
+        .with_state(e2b)
+}
+
+async fn not_found() -> RestError {
+    RestError(StatusCode::NOT_FOUND, "no such route".into())
+}
+
+fn check_key(e2b: &E2b, headers: &HeaderMap) -> Result<(), RestError> {
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    // Compared in full whatever matches first (no early exit on a prefix).
+    let ok = e2b.api_keys.iter().fold(false, |found, k| {
+        found
+            | (k.len() == key.len()
+                && k.bytes()
+                    .zip(key.bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0)
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(RestError(
+            StatusCode::UNAUTHORIZED,
+            "invalid API key (X-API-KEY)".into(),
+        ))
+    }
+}
+
+/// RFC 3339 (UTC) of a Unix time in ms.
+fn rfc3339(unix_ms: u64) -> String {
+    let secs = (unix_ms / 1000) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        unix_ms % 1000
+    )
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn metadata(info: &SandboxInfo) -> BTreeMap<String, String> {
+    info.labels
+        .iter()
+        .filter_map(|(k, v)| k.strip_prefix(META).map(|k| (k.to_owned(), v.clone())))
+        .collect()
+}
+
+/// `Sandbox` as the SDK reads it after create and connect.
+fn sandbox_json(e2b: &E2b, info: &SandboxInfo, alias: &str) -> Value {
+    json!({
+        "templateID": info.template,
+        "alias": alias,
+        "sandboxID": info.id,
+        "clientID": "husk",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": e2b.token(&info.id),
+        "domain": null,
+    })
+}
+
+/// `ListedSandbox` / `SandboxDetail`.
+fn detail_json(e2b: &E2b, info: &SandboxInfo) -> Value {
+    let alias = e2b
+        .daemon
+        .template(&info.template)
+        .map(|t| t.name)
+        .unwrap_or_default();
+    let end = info
+        .expires_unix_ms
+        .unwrap_or(info.created_unix_ms + 100 * 365 * 86_400_000);
+    json!({
+        "templateID": info.template,
+        "alias": alias,
+        "sandboxID": info.id,
+        "clientID": "husk",
+        "startedAt": rfc3339(info.created_unix_ms),
+        "endAt": rfc3339(end),
+        "cpuCount": 1,
+        "memoryMB": info.mem_mib,
+        "diskSizeMB": 0,
+        "state": if info.state == SandboxState::Paused { "paused" } else { "running" },
+        "metadata": metadata(info),
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": e2b.token(&info.id),
+    })
+}
+
+// ---- control plane ----
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CreateBody {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    env_vars: BTreeMap<String, String>,
+}
+
+async fn create(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let body: CreateBody = serde_json::from_slice(&body).map_err(|e| {
+        RestError(
+            StatusCode::BAD_REQUEST,
+            format!("malformed create request: {e}"),
+        )
+    })?;
+    let mut labels: BTreeMap<String, String> = body
+        .metadata
+        .iter()
+        .map(|(k, v)| (format!("{META}{k}"), v.clone()))
+        .collect();
+    labels.insert("e2b".into(), "1".into());
+    let req = CreateRequest {
+        template: body.template_id.clone(),
+        ttl_s: Some(body.timeout.unwrap_or(DEFAULT_TIMEOUT_S).max(1)),
+        labels,
+        ..Default::default()
+    };
+    let e = e2b.clone();
+    let (created, alias) = blocking(move || {
+        let t = e.daemon.template(&req.template)?;
+        let created = e.daemon.create(req, "e2b")?;
+        Ok::<_, RestError>((created, t.name))
+    })
+    .await?;
+    lock(&e2b.envs).insert(created.sandbox.id.clone(), body.env_vars);
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(sandbox_json(&e2b, &created.sandbox, &alias)),
+    )
+        .into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    metadata: Option<String>,
+    state: Option<String>,
+    limit: Option<usize>,
+    #[serde(rename = "nextToken")]
+    next_token: Option<String>,
+}
+
+/// Decodes `a%3Db` style query parts (the SDK encodes metadata twice).
+fn unescape(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => match b
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
+                Some(v) => {
+                    out.push(v);
+                    i += 3;
+                }
+                None => {
+                    out.push(b'%');
+                    i += 1;
+                }
+            },
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn list(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let mut want: BTreeMap<String, String> = BTreeMap::new();
+    if let Some(m) = q.metadata.as_deref().filter(|m| !m.is_empty()) {
+        for pair in unescape(m).split('&') {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            want.insert(format!("{META}{}", unescape(k)), unescape(v));
+        }
+    }
+    let states: Vec<&str> = q
+        .state
+        .as_deref()
+        .map(|s| s.split(',').collect())
+        .unwrap_or_else(|| vec!["running", "paused"]);
+    let all = e2b.daemon.list(&want, None);
+    let mut matching: Vec<Value> = all
+        .iter()
+        .filter(|s| match s.state {
+            SandboxState::Running => states.contains(&"running"),
+            SandboxState::Paused => states.contains(&"paused"),
+            _ => false,
+        })
+        .map(|s| detail_json(&e2b, s))
+        .collect();
+    let start: usize = q
+        .next_token
+        .as_deref()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(0);
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let rest = matching.split_off(start.min(matching.len()));
+    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
+    let mut resp = (StatusCode::OK, axum::Json(page)).into_response();
+    if rest.len() > limit {
+        if let Ok(v) = (start + limit).to_string().parse() {
+            resp.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(resp)
+}
+
+async fn detail(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let info = e2b.daemon.sandbox(&id)?;
+    Ok((StatusCode::OK, axum::Json(detail_json(&e2b, &info))).into_response())
+}
+
+async fn kill(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let e = e2b.clone();
+    let sid = id.clone();
+    blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
+    lock(&e2b.envs).remove(&id);
+    lock(&e2b.passwd).remove(&id);
+    lock(&e2b.ptys).retain(|(s, _)| *s != id);
+    lock(&e2b.watchers).retain(|_, w| {
+        let keep = w.sandbox != id;
+        if !keep {
+            w.stop.store(true, Ordering::SeqCst);
+        }
+        keep
+    });
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct TimeoutBody {
+    timeout: Option<u64>,
+}
+
+fn set_ttl(e2b: &E2b, id: &str, timeout: u64) -> Result<SandboxInfo, RestError> {
+    Ok(e2b.daemon.update(
+        id,
+        SandboxUpdate {
+            ttl_s: Some(timeout.max(1)),
+            ..Default::default()
+        },
+        "e2b",
+    )?)
+}
+
+async fn set_timeout(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let body: TimeoutBody = serde_json::from_slice(&body)
+        .map_err(|e| RestError(StatusCode::BAD_REQUEST, format!("malformed request: {e}")))?;
+    let timeout = body
+        .timeout
+        .ok_or_else(|| RestError(StatusCode::BAD_REQUEST, "`timeout` is required".into()))?;
+    let e = e2b.clone();
+    blocking(move || set_ttl(&e, &id, timeout)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn pause(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let e = e2b.clone();
+    blocking(move || {
+        let info = e.daemon.sandbox(&id)?;
+        if info.state == SandboxState::Paused {
+            return Err(RestError(
+                StatusCode::CONFLICT,
+                format!("sandbox {id} is already paused"),
+            ));
+        }
+        e.daemon.pause(&id, "e2b")?;
+        Ok(())
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn connect(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let body: TimeoutBody = if body.is_empty() {
+        TimeoutBody::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| RestError(StatusCode::BAD_REQUEST, format!("malformed request: {e}")))?
+    };
+    let e = e2b.clone();
+    let (status, info, alias) = blocking(move || {
+        let info = e.daemon.sandbox(&id)?;
+        let status = match info.state {
+            SandboxState::Paused => {
+                e.daemon.resume(&id, "e2b")?;
+                StatusCode::CREATED
+            }
+            SandboxState::Running => StatusCode::OK,
+            other => {
+                return Err(RestError(
+                    StatusCode::NOT_FOUND,
+                    format!("sandbox {id} is {other:?}, not running or paused"),
+                ))
+            }
+        };
+        if let Some(t) = body.timeout {
+            set_ttl(&e, &id, t)?;
+        }
+        let info = e.daemon.sandbox(&id)?;
+        let alias = e
+            .daemon
+            .template(&info.template)
+            .map(|t| t.name)
+            .unwrap_or_default();
+        Ok::<_, RestError>((status, info, alias))
+    })
+    .await?;
+    Ok((status, axum::Json(sandbox_json(&e2b, &info, &alias))).into_response())
+}
+
+async fn metrics(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let info = e2b.daemon.sandbox(&id)?;
+    let now = now_ms();
+    let mem_total = u64::from(info.mem_mib) << 20;
+    let rss = husk_core::daemon::rss(info.pid);
+    let metric = json!({
+        "timestamp": rfc3339(now),
+        "timestampUnix": now / 1000,
+        "cpuCount": 1,
+        "cpuUsedPct": 0.0,
+        "memUsed": rss.min(mem_total),
+        "memTotal": mem_total,
+        "memCache": 0,
+        "diskUsed": 0,
+        "diskTotal": 0,
+    });
+    Ok((StatusCode::OK, axum::Json(vec![metric])).into_response())
+}
+
+// ---- data plane ----
+
+/// Why an envd request is not for a sandbox it may reach.
+struct Unreachable(StatusCode, Value);
+
+impl IntoResponse for Unreachable {
+    fn into_response(self) -> Response {
+        (self.0, axum::Json(self.1)).into_response()
+    }
+}
+
+/// The sandbox an envd request is for, its token checked.
+fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Unreachable> {
+    let gone = |msg: String| {
+        Unreachable(
+            StatusCode::BAD_GATEWAY,
+            json!({ "code": 502, "message": msg }),
+        )
+    };
+    let Some(id) = headers.get("e2b-sandbox-id").and_then(|v| v.to_str().ok()) else {
+        return Err(gone(
+            "no E2b-Sandbox-Id header: the sandbox was not found".into(),
+        ));
+    };
+    match e2b.daemon.sandbox(id) {
+        Ok(info) if info.state == SandboxState::Running => {}
+        Ok(info) => {
+            return Err(gone(format!(
+                "sandbox {id} is {:?}: it was not found running",
+                info.state
+            )))
+        }
+        Err(_) => return Err(gone(format!("sandbox {id} was not found"))),
+    }
+    let token = headers
+        .get("x-access-token")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if token != e2b.token(id) {
+        let e = RpcError(
+            "unauthenticated",
+            "invalid access token (X-Access-Token)".into(),
+        );
+        return Err(Unreachable(e.status(), e.json()));
+    }
+    Ok(id.to_owned())
+}
+
+async fn health(State(e2b): State<Shared>, headers: HeaderMap) -> Response {
+    match envd_sandbox(&e2b, &headers) {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(r) => r.into_response(),
+    }
+}
+
+/// A guest user as the agent takes it, with its home.
+#[derive(Debug, Clone)]
+struct GuestUser {
+    name: String,
+    uid: u32,
+    gid: u32,
+    home: String,
+}
+
+/// The user a request names (Basic auth `user:`), else `user`.
+fn user_name(headers: &HeaderMap, query: Option<&str>) -> String {
+    if let Some(q) = query.filter(|q| !q.is_empty()) {
+        return q.to_owned();
+    }
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| base64::engine::general_purpose::STANDARD.decode(b).ok())
+        .and_then(|b| String::from_utf8(b).ok())
+        .map(|s| s.split(':').next().unwrap_or_default().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "user".to_owned())
+}
+
+impl E2b {
+    /// Looks `name` up in sandbox `id`'s /etc/passwd.
+    fn user(&self, id: &str, agent: &mut AgentClient, name: &str) -> Result<GuestUser, RpcError> {
+        let cached = lock(&self.passwd).get(id).cloned();
+        let text = match cached {
+            Some(t) => t,
+            None => {
+                let mut passwd = Vec::new();
+                let _ = agent.read_file("/etc/passwd", &mut passwd);
+                let t = Arc::new(String::from_utf8_lossy(&passwd).into_owned());
+                lock(&self.passwd).insert(id.to_owned(), t.clone());
+                t
+            }
+        };
+        guest_user(&text, name)
+    }
+}
+
+/// Looks `name` up in the text of an /etc/passwd.
+fn guest_user(text: &str, name: &str) -> Result<GuestUser, RpcError> {
+    for line in text.lines() {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() >= 6 && f[0] == name {
+            if let (Ok(uid), Ok(gid)) = (f[2].parse(), f[3].parse()) {
+                return Ok(GuestUser {
+                    name: name.to_owned(),
+                    uid,
+                    gid,
+                    home: f[5].to_owned(),
+                });
+            }
+        }
+    }
+    if name == "root" {
+        return Ok(GuestUser {
+            name: "root".into(),
+            uid: 0,
+            gid: 0,
+            home: "/root".into(),
+        });
+    }
+    Err(RpcError(
+        "invalid_argument",
+        format!("user `{name}` does not exist in the sandbox"),
+    ))
+}
+
+/// A path as envd resolves it: relative to the user's home.
+fn resolve(user: &GuestUser, path: &str) -> String {
+    if path.starts_with('/') {
+        path.to_owned()
+    } else if path.is_empty() {
+        user.home.clone()
+    } else {
+        format!("{}/{path}", user.home.trim_end_matches('/'))
+    }
+}
+
+fn decode_b64(s: &str) -> Vec<u8> {
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .unwrap_or_default()
+}
+
+fn b64(b: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(b)
+}
+
+// Connect framing.
+
+fn envelope(flags: u8, msg: &Value) -> Bytes {
+    let body = serde_json::to_vec(msg).unwrap_or_default();
+    let mut out = Vec::with_capacity(5 + body.len());
+    out.push(flags);
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    Bytes::from(out)
+}
+
+/// The one message of a streaming request (an envelope), or of a unary
+/// one (the body).
+fn request_message(headers: &HeaderMap, body: &[u8]) -> Result<Value, RpcError> {
+    let streaming = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("application/connect+"));
+    let json = if streaming {
+        if body.len() < 5 {
+            return Err(RpcError("invalid_argument", "no request envelope".into()));
+        }
+        if body[0] & 1 != 0 {
+            return Err(RpcError(
+                "unimplemented",
+                "compressed messages are not supported".into(),
+            ));
+        }
+        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
+        body.get(5..5 + len)
+            .ok_or_else(|| RpcError("invalid_argument", "a short request envelope".into()))?
+    } else {
+        body
+    };
+    if json.len() > MAX_RPC {
+        return Err(RpcError("resource_exhausted", "request too large".into()));
+    }
+    if json.is_empty() {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(json)
+        .map_err(|e| RpcError("invalid_argument", format!("malformed message: {e}")))
+}
+
+fn unary(result: Result<Value, RpcError>) -> Response {
+    match result {
+        Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A server stream: envelopes from `rx`, `keepalive` when it is quiet,
+/// then the end-of-stream envelope.
+fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: Value) -> Response {
+    let (tx, out) = mpsc::channel::<Result<Bytes, std::io::Error>>(64);
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(KEEPALIVE);
+        ticker.tick().await;
+        let end = loop {
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(Ok(v)) => {
+                        if tx.send(Ok(envelope(0, &v))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(Err(e)) => break json!({ "error": e.json() }),
+                    None => break json!({}),
+                },
+                _ = ticker.tick() => {
+                    if tx.send(Ok(envelope(0, &keepalive))).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        };
+        let _ = tx.send(Ok(envelope(2, &end))).await;
+    });
+    (
+        [(header::CONTENT_TYPE, "application/connect+json")],
+        Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(out)),
+    )
+        .into_response()
+}
+
+fn pid_of(msg: &Value) -> Result<i32, RpcError> {
+    msg["process"]["pid"]
+        .as_i64()
+        .or_else(|| msg["process"]["pid"].as_str().and_then(|s| s.parse().ok()))
+        .map(|p| p as i32)
+        .ok_or_else(|| {
+            RpcError(
+                "invalid_argument",
+                "`process.pid` is required (tags are not supported)".into(),
+            )
+        })
+}
+
+fn signal_number(name: &str) -> Option<i32> {
+    match name {
+        "SIGNAL_SIGKILL" | "SIGKILL" | "9" => Some(libc::SIGKILL),
+        "SIGNAL_SIGTERM" | "SIGTERM" | "15" => Some(libc::SIGTERM),
+        _ => None,
+    }
+}
+
+/// The `end` event of a program's stream.
+fn end_event(termination: husk_protocol::Termination) -> Value {
+    use husk_protocol::Termination as T;
+    match termination {
+        T::Code(c) => json!({ "event": { "end": {
+            "exitCode": c, "exited": true, "status": format!("exit status {c}") } } }),
+        T::Signal(s) => json!({ "event": { "end": {
+            "exitCode": -1, "exited": false, "status": format!("signal: {s}") } } }),
+    }
+}
+
+/// Streams a program's output and end from `agent` (attached to `pid`).
+/// `pty`: the program runs on a terminal (its output is `pty` data).
+fn stream_program(
+    mut agent: AgentClient,
+    pid: i32,
+    pty: bool,
+    tx: mpsc::Sender<Result<Value, RpcError>>,
+) {
+    let _ = tx.blocking_send(Ok(json!({ "event": { "start": { "pid": pid } } })));
+    let sent = agent.attach_streaming(pid, |event| {
+        let msg = match event {
+            Event::Output(_, d) if pty => json!({ "event": { "data": { "pty": b64(d) } } }),
+            Event::Output(husk_protocol::Stream::Stdout, d) => {
+                json!({ "event": { "data": { "stdout": b64(d) } } })
+            }
+            Event::Output(husk_protocol::Stream::Stderr, d) => {
+                json!({ "event": { "data": { "stderr": b64(d) } } })
+            }
+            Event::Lost(_) => return,
+            Event::Exited(report) => end_event(report.termination),
+        };
+        let _ = tx.blocking_send(Ok(msg));
+    });
+    if let Err(e) = sent {
+        let _ = tx.blocking_send(Err(e.into()));
+    }
+}
+
+async fn process_rpc(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(method): Path<String>,
+    body: Bytes,
+) -> Response {
+    let id = match envd_sandbox(&e2b, &headers) {
+        Ok(id) => id,
+        Err(r) => return r.into_response(),
+    };
+    let msg = match request_message(&headers, &body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let agent = {
+        let e = e2b.clone();
+        let id = id.clone();
+        match blocking(move || e.daemon.agent(&id).map_err(RpcError::from)).await {
+            Ok(a) => a,
+            Err(e) => return e.into_response(),
+        }
+    };
+    match method.as_str() {
+        "Start" => {
+            let timeout_ms: Option<u64> = headers
+                .get("connect-timeout-ms")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .filter(|t| *t > 0);
+            let name = user_name(&headers, None);
+            let envs = lock(&e2b.envs).get(&id).cloned().unwrap_or_default();
+            let (tx, rx) = mpsc::channel(64);
+            let e = e2b.clone();
+            std::thread::spawn(move || {
+                let mut agent = agent;
+                let started = e
+                    .user(&id, &mut agent, &name)
+                    .and_then(|user| start_program(&mut agent, &msg, &user, envs, timeout_ms));
+                match started {
+                    Ok(pid) => {
+                        let pty = !msg["pty"].is_null();
+                        if pty {
+                            lock(&e.ptys).insert((id.clone(), pid));
+                        }
+                        stream_program(agent, pid, pty, tx)
+                    }
+                    Err(e) => {
+                        let _ = tx.blocking_send(Err(e));
+                    }
+                }
+            });
+            stream_response(rx, json!({ "event": { "keepalive": {} } }))
+        }
+        "Connect" => {
+            let pid = match pid_of(&msg) {
+                Ok(p) => p,
+                Err(e) => return e.into_response(),
+            };
+            let (tx, rx) = mpsc::channel(64);
+            let pty = lock(&e2b.ptys).contains(&(id.clone(), pid));
+            std::thread::spawn(move || stream_program(agent, pid, pty, tx));
+            stream_response(rx, json!({ "event": { "keepalive": {} } }))
+        }
+        "List" => unary(
+            blocking(move || {
+                let mut agent = agent;
+                let list = agent.processes().map_err(RpcError::from)?;
+                let processes: Vec<Value> = list
+                    .iter()
+                    .filter(|p| p.exit.is_none())
+                    .map(|p| {
+                        json!({ "pid": p.pid, "config": {
+                            "cmd": p.argv.first().cloned().unwrap_or_default(),
+                            "args": p.argv.get(1..).unwrap_or_default(),
+                            "envs": {} } })
+                    })
+                    .collect();
+                Ok(json!({ "processes": processes }))
+            })
+            .await,
+        ),
+        "SendSignal" => unary(
+            blocking(move || {
+                let mut agent = agent;
+                let pid = pid_of(&msg)?;
+                let sig = msg["signal"].as_str().unwrap_or_default();
+                let sig = signal_number(sig)
+                    .ok_or_else(|| RpcError("invalid_argument", format!("signal `{sig}`")))?;
+                agent.signal(pid, sig).map_err(RpcError::from)?;
+                Ok(json!({}))
+            })
+            .await,
+        ),
+        "SendInput" => unary(
+            blocking(move || {
+                let agent = agent;
+                let pid = pid_of(&msg)?;
+                let data = msg["input"]["stdin"]
+                    .as_str()
+                    .or_else(|| msg["input"]["pty"].as_str())
+                    .map(decode_b64)
+                    .unwrap_or_default();
+                agent.input(pid).write(&data).map_err(RpcError::from)?;
+                Ok(json!({}))
+            })
+            .await,
+        ),
+        "Update" => unary(
+            blocking(move || {
+                let agent = agent;
+                let pid = pid_of(&msg)?;
+                let size = &msg["pty"]["size"];
+                let dim = |k: &str| {
+                    size[k]
+                        .as_u64()
+                        .map(|v| v.clamp(1, 1000) as u16)
+                        .ok_or_else(|| RpcError("invalid_argument", format!("`pty.size.{k}`")))
+                };
+                agent
+                    .input(pid)
+                    .resize(dim("rows")?, dim("cols")?)
+                    .map_err(RpcError::from)?;
+                Ok(json!({}))
+            })
+            .await,
+        ),
+        "CloseStdin" => unary(
+            blocking(move || {
+                let agent = agent;
+                let pid = pid_of(&msg)?;
+                agent.input(pid).close().map_err(RpcError::from)?;
+                Ok(json!({}))
+            })
+            .await,
+        ),
+        other => RpcError(
+            "unimplemented",
+            format!("process.Process/{other} is not served by husk"),
+        )
+        .into_response(),
+    }
+}
+
+fn start_program(
+    agent: &mut AgentClient,
+    msg: &Value,
+    user: &GuestUser,
+    mut env: BTreeMap<String, String>,
+    timeout_ms: Option<u64>,
+) -> Result<i32, RpcError> {
+    let p = &msg["process"];
+    let pty = if msg["pty"].is_null() {
+        None
+    } else {
+        let size = &msg["pty"]["size"];
+        let dim = |k: &str| size[k].as_u64().map(|v| v.clamp(1, 1000) as u16);
+        Some(husk_protocol::WindowSize {
+            rows: dim("rows").unwrap_or(24),
+            cols: dim("cols").unwrap_or(80),
+        })
+    };
+    let cmd = p["cmd"]
+        .as_str()
+        .ok_or_else(|| RpcError("invalid_argument", "`process.cmd` is required".into()))?;
+    let mut argv = vec![cmd.to_owned()];
+    if let Some(args) = p["args"].as_array() {
+        argv.extend(args.iter().filter_map(|a| a.as_str().map(str::to_owned)));
+    }
+    env.insert("HOME".into(), user.home.clone());
+    env.insert("USER".into(), user.name.clone());
+    env.insert("LOGNAME".into(), user.name.clone());
+    env.insert(
+        "PATH".into(),
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+    );
+    if let Some(envs) = p["envs"].as_object() {
+        for (k, v) in envs {
+            if let Some(v) = v.as_str() {
+                env.insert(k.clone(), v.to_owned());
+            }
+        }
+    }
+    let cwd = p["cwd"]
+        .as_str()
+        .map(|c| resolve(user, c))
+        .unwrap_or_else(|| user.home.clone());
+    let req = husk_protocol::ExecRequest {
+        argv,
+        env: env.into_iter().collect(),
+        cwd: Some(cwd),
+        user: Some(husk_protocol::User {
+            uid: user.uid,
+            gid: user.gid,
+        }),
+        // A terminal's input is always open (keys go through it).
+        stdin_open: msg["stdin"].as_bool().unwrap_or(false) || pty.is_some(),
+        pty,
+        timeout_ms,
+        ..Default::default()
+    };
+    agent.spawn(req).map_err(RpcError::from)
+}
+
+/// `EntryInfo` of a guest path.
+fn entry_info(path: &str, stat: &husk_protocol::FileStat) -> Value {
+    use husk_protocol::FileKind as K;
+    let kind = match stat.kind {
+        K::File => "FILE_TYPE_FILE",
+        K::Dir => "FILE_TYPE_DIRECTORY",
+        _ => "FILE_TYPE_UNSPECIFIED",
+    };
+    let name = path.rsplit('/').next().unwrap_or(path);
+    let mut perms = String::with_capacity(10);
+    perms.push(match stat.kind {
+        K::Dir => 'd',
+        K::Symlink => 'l',
+        _ => '-',
+    });
+    for shift in [6, 3, 0] {
+        let bits = (stat.mode >> shift) & 7;
+        perms.push(if bits & 4 != 0 { 'r' } else { '-' });
+        perms.push(if bits & 2 != 0 { 'w' } else { '-' });
+        perms.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    json!({
+        "name": name,
+        "type": kind,
+        "path": path,
+        "size": stat.size.to_string(),
+        "mode": stat.mode,
+        "permissions": perms,
+        "owner": "",
+        "group": "",
+        "modifiedTime": rfc3339(stat.mtime_s.max(0) as u64 * 1000),
+    })
+}
+
+async fn filesystem_rpc(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(method): Path<String>,
+    body: Bytes,
+) -> Response {
+    let id = match envd_sandbox(&e2b, &headers) {
+        Ok(id) => id,
+        Err(r) => return r.into_response(),
+    };
+    let msg = match request_message(&headers, &body) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let name = user_name(&headers, None);
+    if method == "WatchDir" {
+        let (tx, rx) = mpsc::channel(64);
+        let e = e2b.clone();
+        std::thread::spawn(move || watch_stream(&e, &id, &name, &msg, tx));
+        // WatchDirResponse has its oneof at the top.
+        return stream_response(rx, json!({ "keepalive": {} }));
+    }
+    let e = e2b.clone();
+    unary(
+        blocking(move || {
+            let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
+            let user = e.user(&id, &mut agent, &name)?;
+            let path = |field: &str| -> Result<String, RpcError> {
+                msg[field]
+                    .as_str()
+                    .map(|p| resolve(&user, p))
+                    .ok_or_else(|| RpcError("invalid_argument", format!("`{field}` is required")))
+            };
+            match method.as_str() {
+                "Stat" => {
+                    let p = path("path")?;
+                    let st = agent.stat(&p).map_err(RpcError::from)?;
+                    Ok(json!({ "entry": entry_info(&p, &st) }))
+                }
+                "MakeDir" => {
+                    let p = path("path")?;
+                    if agent.stat(&p).is_ok() {
+                        return Err(RpcError("already_exists", format!("{p} already exists")));
+                    }
+                    agent.mkdir(&p).map_err(RpcError::from)?;
+                    let st = agent.stat(&p).map_err(RpcError::from)?;
+                    Ok(json!({ "entry": entry_info(&p, &st) }))
+                }
+                "ListDir" => {
+                    let p = path("path")?;
+                    let depth = msg["depth"].as_u64().unwrap_or(1).clamp(1, 16);
+                    let mut entries = Vec::new();
+                    let mut todo = vec![(p.trim_end_matches('/').to_owned(), 1)];
+                    if agent.stat(&p).map_err(RpcError::from)?.kind != husk_protocol::FileKind::Dir
+                    {
+                        return Err(RpcError(
+                            "invalid_argument",
+                            format!("{p} is not a directory"),
+                        ));
+                    }
+                    while let Some((dir, level)) = todo.pop() {
+                        for ent in agent.list(&dir).map_err(RpcError::from)? {
+                            let full = format!("{dir}/{}", ent.name);
+                            if ent.stat.kind == husk_protocol::FileKind::Dir && level < depth {
+                                todo.push((full.clone(), level + 1));
+                            }
+                            entries.push(entry_info(&full, &ent.stat));
+                        }
+                        if entries.len() > 100_000 {
+                            return Err(RpcError(
+                                "resource_exhausted",
+                                "more than 100000 entries".into(),
+                            ));
+                        }
+                    }
+                    Ok(json!({ "entries": entries }))
+                }
+                "Move" => {
+                    let (from, to) = (path("source")?, path("destination")?);
+                    agent.rename(&from, &to).map_err(RpcError::from)?;
+                    let st = agent.stat(&to).map_err(RpcError::from)?;
+                    Ok(json!({ "entry": entry_info(&to, &st) }))
+                }
+                "Remove" => {
+                    let p = path("path")?;
+                    agent.remove(&p, true).map_err(RpcError::from)?;
+                    Ok(json!({}))
+                }
+                "CreateWatcher" => {
+                    let p = path("path")?;
+                    let recursive = msg["recursive"].as_bool().unwrap_or(false);
+                    create_watcher(&e, &id, agent, &p, recursive)
+                }
+                "GetWatcherEvents" => {
+                    let w = msg["watcherId"].as_str().unwrap_or_default();
+                    let watchers = lock(&e.watchers);
+                    let Some(watcher) = watchers.get(w).filter(|x| x.sandbox == id) else {
+                        return Err(RpcError("not_found", format!("no watcher `{w}`")));
+                    };
+                    let events = std::mem::take(&mut *lock(&watcher.events));
+                    Ok(json!({ "events": events }))
+                }
+                "RemoveWatcher" => {
+                    let w = msg["watcherId"].as_str().unwrap_or_default();
+                    let mut watchers = lock(&e.watchers);
+                    match watchers.get(w) {
+                        Some(x) if x.sandbox == id => {
+                            x.stop.store(true, Ordering::SeqCst);
+                            watchers.remove(w);
+                            Ok(json!({}))
+                        }
+                        _ => Err(RpcError("not_found", format!("no watcher `{w}`"))),
+                    }
+                }
+                other => Err(RpcError(
+                    "unimplemented",
+                    format!("filesystem.Filesystem/{other} is not served by husk"),
+                )),
+            }
+        })
+        .await,
+    )
+}
+
+/// An envd filesystem event for an agent's change under `dir`.
+fn fs_event(dir: &str, e: &husk_protocol::FsEvent) -> Option<Value> {
+    use husk_protocol::FsEventKind as K;
+    let kind = match e.kind {
+        K::Created | K::MovedTo => "EVENT_TYPE_CREATE",
+        K::Modified | K::Closed => "EVENT_TYPE_WRITE",
+        K::Removed => "EVENT_TYPE_REMOVE",
+        K::MovedFrom => "EVENT_TYPE_RENAME",
+        _ => return None,
+    };
+    let name = e
+        .path
+        .strip_prefix(&format!("{}/", dir.trim_end_matches('/')))
+        .unwrap_or(&e.path)
+        .to_owned();
+    Some(json!({ "name": name, "type": kind }))
+}
+
+/// `WatchDir`: a stream of the changes under a directory, until the client
+/// goes (noticed at the next change) or the sandbox does.
+fn watch_stream(
+    e2b: &E2b,
+    sandbox: &str,
+    user: &str,
+    msg: &Value,
+    tx: mpsc::Sender<Result<Value, RpcError>>,
+) {
+    let watched = (|| {
+        let mut agent = e2b.daemon.agent(sandbox).map_err(RpcError::from)?;
+        let user = e2b.user(sandbox, &mut agent, user)?;
+        let dir = msg["path"]
+            .as_str()
+            .map(|p| resolve(&user, p))
+            .ok_or_else(|| RpcError("invalid_argument", "`path` is required".into()))?;
+        Ok::<_, RpcError>((agent, dir))
+    })();
+    let (mut agent, dir) = match watched {
+        Ok(v) => v,
+        Err(e) => return drop(tx.blocking_send(Err(e))),
+    };
+    let recursive = msg["recursive"].as_bool().unwrap_or(false);
+    let mut watch = match agent.watch(&dir, recursive) {
+        Ok(w) => w,
+        Err(e) => return drop(tx.blocking_send(Err(e.into()))),
+    };
+    if tx.blocking_send(Ok(json!({ "start": {} }))).is_err() {
+        return;
+    }
+    while let Ok(batch) = watch.next_events() {
+        for e in batch.iter().filter_map(|e| fs_event(&dir, e)) {
+            if tx.blocking_send(Ok(json!({ "filesystem": e }))).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Starts a watcher whose events wait for `GetWatcherEvents`.
+fn create_watcher(
+    e2b: &Arc<E2b>,
+    sandbox: &str,
+    agent: AgentClient,
+    path: &str,
+    recursive: bool,
+) -> Result<Value, RpcError> {
+    let count = lock(&e2b.watchers)
+        .values()
+        .filter(|w| w.sandbox == sandbox)
+        .count();
+    if count >= MAX_WATCHERS {
+        return Err(RpcError(
+            "resource_exhausted",
+            format!("at most {MAX_WATCHERS} watchers per sandbox"),
+        ));
+    }
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (ev, st, dir) = (events.clone(), stop.clone(), path.to_owned());
+    std::thread::spawn(move || {
+        let mut agent = agent;
+        let mut watch = match agent.watch(&dir, recursive) {
+            Ok(w) => {
+                let _ = ready_tx.send(Ok(()));
+                w
+            }
+            Err(e) => return drop(ready_tx.send(Err(RpcError::from(e)))),
+        };
+        // Ends with the sandbox (the connection closes) or at the first
+        // batch after the watcher is removed.
+        while let Ok(batch) = watch.next_events() {
+            if st.load(Ordering::SeqCst) {
+                break;
+            }
+            let mut held = lock(&ev);
+            for e in batch {
+                let Some(event) = fs_event(&dir, &e) else {
+                    continue;
+                };
+                if held.len() < 10_000 {
+                    held.push(event);
+                }
+            }
+        }
+    });
+    ready_rx
+        .recv()
+        .map_err(|_| RpcError("internal", "the watcher did not start".into()))??;
+    let id = format!("w{}", e2b.next_watcher.fetch_add(1, Ordering::SeqCst));
+    lock(&e2b.watchers).insert(
+        id.clone(),
+        Watcher {
+            sandbox: sandbox.to_owned(),
+            events,
+            stop,
+        },
+    );
+    Ok(json!({ "watcherId": id }))
+}
+
+#[derive(Debug, Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+    username: Option<String>,
+}
+
+fn file_error(status: StatusCode, message: String) -> Response {
+    (
+        status,
+        axum::Json(json!({ "code": status.as_u16(), "message": message })),
+    )
+        .into_response()
+}
+
+async fn download(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<FileQuery>,
+) -> Response {
+    let id = match envd_sandbox(&e2b, &headers) {
+        Ok(id) => id,
+        Err(r) => return r.into_response(),
+    };
+    let name = user_name(&headers, q.username.as_deref());
+    let e = e2b.clone();
+    let read = blocking(move || {
+        let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
+        let user = e.user(&id, &mut agent, &name)?;
+        let path = resolve(&user, q.path.as_deref().unwrap_or_default());
+        let st = agent.stat(&path).map_err(RpcError::from)?;
+        if st.kind != husk_protocol::FileKind::File {
+            return Err(RpcError(
+                "invalid_argument",
+                format!("{path} is not a file"),
+            ));
+        }
+        let mut data = Vec::new();
+        agent.read_file(&path, &mut data).map_err(RpcError::from)?;
+        Ok(data)
+    })
+    .await;
+    match read {
+        Ok(data) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            data,
+        )
+            .into_response(),
+        Err(e) => file_error(e.status(), e.1),
+    }
+}
+
+/// One part of a multipart body: field name, file name, bytes.
+type Part = (String, Option<String>, Vec<u8>);
+
+/// The parts of a multipart body.
+fn multipart(content_type: &str, body: &[u8]) -> Result<Vec<Part>, String> {
+    let boundary = content_type
+        .split(';')
+        .find_map(|p| p.trim().strip_prefix("boundary="))
+        .map(|b| b.trim_matches('"'))
+        .ok_or("multipart without a boundary")?;
+    let delim = format!("--{boundary}").into_bytes();
+    let find = |hay: &[u8], needle: &[u8], from: usize| {
+        hay.get(from..)?
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|p| p + from)
+    };
+    let mut parts = Vec::new();
+    let mut at = find(body, &delim, 0).ok_or("no multipart boundary in the body")?;
+    loop {
+        at += delim.len();
+        if body.get(at..at + 2) == Some(b"--") {
+            break;
+        }
+        at += 2; // CRLF
+        let head_end = find(body, b"\r\n\r\n", at).ok_or("a multipart part without headers")?;
+        let head = String::from_utf8_lossy(&body[at..head_end]).into_owned();
+        let data_start = head_end + 4;
+        let mut end_delim = b"\r\n".to_vec();
+        end_delim.extend_from_slice(&delim);
+        let next = find(body, &end_delim, data_start).ok_or("an unterminated multipart part")?;
+        let disposition = head
+            .lines()
+            .find(|l| l.to_ascii_lowercase().starts_with("content-disposition:"))
+            .unwrap_or_default();
+        let param = |name: &str| {
+            disposition.split(';').find_map(|p| {
+                p.trim()
+                    .strip_prefix(&format!("{name}="))
+                    .map(|v| v.trim_matches('"').to_owned())
+            })
+        };
+        parts.push((
+            param("name").unwrap_or_default(),
+            param("filename"),
+            body[data_start..next].to_vec(),
+        ));
+        at = next + 2;
+    }
+    Ok(parts)
+}
+
+async fn upload(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<FileQuery>,
+    body: Bytes,
+) -> Response {
+    let id = match envd_sandbox(&e2b, &headers) {
+        Ok(id) => id,
+        Err(r) => return r.into_response(),
+    };
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let files: Vec<(Option<String>, Vec<u8>)> = if content_type.starts_with("multipart/") {
+        match multipart(&content_type, &body) {
+            Ok(parts) => parts
+                .into_iter()
+                .filter(|(field, _, _)| field == "file")
+                .map(|(_, name, data)| (q.path.clone().or(name), data))
+                .collect(),
+            Err(e) => return file_error(StatusCode::BAD_REQUEST, e),
+        }
+    } else {
+        if headers
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| v != "identity")
+        {
+            return file_error(
+                StatusCode::BAD_REQUEST,
+                "compressed uploads are not supported".into(),
+            );
+        }
+        vec![(q.path.clone(), body.to_vec())]
+    };
+    if files.is_empty() {
+        return file_error(StatusCode::BAD_REQUEST, "no `file` in the upload".into());
+    }
+    let name = user_name(&headers, q.username.as_deref());
+    let e = e2b.clone();
+    let written = blocking(move || {
+        let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
+        let user = e.user(&id, &mut agent, &name)?;
+        let mut out = Vec::new();
+        for (path, data) in files {
+            let path =
+                path.ok_or_else(|| RpcError("invalid_argument", "no path for the file".into()))?;
+            let path = resolve(&user, &path);
+            if let Some((dir, _)) = path.rsplit_once('/').filter(|(d, _)| !d.is_empty()) {
+                agent.mkdir(dir).map_err(RpcError::from)?;
+            }
+            agent
+                .write_file(&path, 0o644, &data[..])
+                .map_err(RpcError::from)?;
+            let file = path.rsplit('/').next().unwrap_or_default().to_owned();
+            out.push(json!({ "name": file, "type": "file", "path": path }));
+        }
+        Ok::<_, RpcError>(out)
+    })
+    .await;
+    match written {
+        Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
+        Err(e) => file_error(e.status(), e.1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(rfc3339(1_796_083_200_000), "2026-12-01T00:00:00.000Z");
+    }
+
+    #[test]
+    fn multipart_bodies_are_split() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"/tmp/a.txt\"\r\nContent-Type: application/octet-stream\r\n\r\nhello\r\n--XyZ--\r\n";
+        let parts = multipart("multipart/form-data; boundary=XyZ", body).expect("parts");
+        assert_eq!(
+            parts,
+            [(
+                "file".to_owned(),
+                Some("/tmp/a.txt".to_owned()),
+                b"hello".to_vec()
+            )]
+        );
+        assert!(multipart("multipart/form-data", body).is_err());
+        assert!(multipart("multipart/form-data; boundary=XyZ", b"--XyZ\r\nno end").is_err());
+    }
+
+    #[test]
+    fn envelopes_frame_json() {
+        let e = envelope(2, &json!({}));
+        assert_eq!(&e[..], b"\x02\x00\x00\x00\x02{}");
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            "application/connect+json".parse().expect("value"),
+        );
+        let msg = request_message(&h, b"\x00\x00\x00\x00\x07{\"a\":1}").expect("message");
+        assert_eq!(msg, json!({ "a": 1 }));
+        assert!(request_message(&h, b"\x01\x00\x00\x00\x02{}").is_err());
+        assert!(request_message(&h, b"\x00\x00\x00\x00\x09{}").is_err());
+        assert_eq!(unescape("a%3Db%26c%3Dd"), "a=b&c=d");
+    }
+}

@@ -1,0 +1,439 @@
+//! What a containerd bundle asks for, in husk's terms: the workload (the
+//! OCI process: argv, environment, working directory, user, terminal), the
+//! VM's size (from the spec's memory and CPU limits), and where its file
+//! system comes from: a husk template named by the `io.husk.template`
+//! annotation (a pooled clone, no boot), or the bundle's root file system,
+//! made into a template of its own that is cached by the tree's content
+//! hash (its first task boots it once; later tasks restore it).
+//!
+//! The bundle is input from containerd's client: a workload that cannot
+//! run (no argv, a program the root file system does not have) is refused
+//! here, before any VM exists.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use husk_protocol::{ExecRequest, User, WindowSize};
+use oci_spec::runtime::{Process, Spec};
+use sha2::{Digest, Sha256};
+
+use super::ShimError;
+
+/// The annotation that names a husk template to clone instead of the
+/// bundle's root file system (`ctr run --annotation io.husk.template=NAME`).
+pub const TEMPLATE_ANNOTATION: &str = "io.husk.template";
+
+/// The PATH a workload gets when its spec sets none (runc's default).
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The smallest VM a memory limit may ask for: the guest kernel and agent
+/// need about 40 MiB before any workload runs.
+pub const MIN_MEM_MIB: u32 = 64;
+
+/// Most vCPUs a CPU limit may ask for.
+pub const MAX_VCPUS: u8 = 32;
+
+/// Where a task's file system comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A husk template (by annotation): a clone of its snapshot.
+    Template(String),
+    /// The bundle's root file system directory.
+    Rootfs(PathBuf),
+}
+
+/// A bundle, read and checked.
+#[derive(Debug, Clone)]
+pub struct Bundle {
+    pub workload: ExecRequest,
+    pub source: Source,
+    /// From `linux.resources.memory.limit`; the template's size if unset.
+    pub mem_mib: Option<u32>,
+    /// From `linux.resources.cpu` quota / period, rounded up.
+    pub vcpus: Option<u8>,
+}
+
+impl Bundle {
+    /// Reads `config.json` in `dir`. `rootfs` is where the root file system
+    /// is (the spec's `root.path`, or where the shim mounted containerd's
+    /// rootfs mounts).
+    pub fn load(dir: &Path, rootfs: Option<&Path>) -> Result<Bundle, ShimError> {
+        let config = dir.join("config.json");
+        let spec = Spec::load(&config)
+            .map_err(|e| ShimError::Invalid(format!("{}: {e}", config.display())))?;
+        let process = spec
+            .process()
+            .as_ref()
+            .ok_or_else(|| ShimError::Invalid("the spec has no `process` to run".into()))?;
+        let workload = workload(process)?;
+        let annotations = spec.annotations().clone().unwrap_or_default();
+        let source = match annotations.get(TEMPLATE_ANNOTATION) {
+            Some(name) if name.is_empty() => {
+                return Err(ShimError::Invalid(format!(
+                    "the `{TEMPLATE_ANNOTATION}` annotation is empty: name a husk template"
+                )))
+            }
+            Some(name) => Source::Template(name.clone()),
+            None => {
+                let root =
+                    match rootfs {
+                        Some(r) => r.to_owned(),
+                        None => {
+                            let path = spec.root().as_ref().map(|r| r.path().clone()).ok_or_else(
+                                || ShimError::Invalid("the spec has no `root` file system".into()),
+                            )?;
+                            if path.is_absolute() {
+                                path
+                            } else {
+                                dir.join(path)
+                            }
+                        }
+                    };
+                check_executable(&root, &workload)?;
+                Source::Rootfs(root)
+            }
+        };
+        let resources = spec.linux().as_ref().and_then(|l| l.resources().clone());
+        let mem_mib = resources
+            .as_ref()
+            .and_then(|r| r.memory().as_ref())
+            .and_then(|m| m.limit())
+            .filter(|l| *l > 0)
+            .map(mem_mib_for)
+            .transpose()?;
+        let vcpus = resources
+            .as_ref()
+            .and_then(|r| r.cpu().as_ref())
+            .and_then(|c| Some((c.quota()?, c.period()?)))
+            .filter(|(q, p)| *q > 0 && *p > 0)
+            .map(|(q, p)| vcpus_for(q as u64, p));
+        Ok(Bundle {
+            workload,
+            source,
+            mem_mib,
+            vcpus,
+        })
+    }
+}
+
+/// A memory limit in bytes as a VM size in MiB (rounded up).
+fn mem_mib_for(limit: i64) -> Result<u32, ShimError> {
+    let mib = u32::try_from((limit as u64).div_ceil(1 << 20)).unwrap_or(u32::MAX);
+    if mib < MIN_MEM_MIB {
+        return Err(ShimError::Invalid(format!(
+            "a memory limit of {mib} MiB is below the {MIN_MEM_MIB} MiB a husk VM needs"
+        )));
+    }
+    Ok(mib)
+}
+
+/// A CPU quota per period as vCPUs (rounded up, at most [`MAX_VCPUS`]).
+fn vcpus_for(quota: u64, period: u64) -> u8 {
+    u8::try_from(quota.div_ceil(period)).map_or(MAX_VCPUS, |n| n.clamp(1, MAX_VCPUS))
+}
+
+/// The agent's request for an OCI process (the task's or an exec's).
+pub fn workload(process: &Process) -> Result<ExecRequest, ShimError> {
+    let argv = process.args().clone().unwrap_or_default();
+    if argv.is_empty() || argv[0].is_empty() {
+        return Err(ShimError::Invalid(
+            "the process has no `args`: name the program to run".into(),
+        ));
+    }
+    let env = process
+        .env()
+        .iter()
+        .flatten()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    let user = process.user();
+    let pty = process.terminal().unwrap_or(false).then(|| {
+        let size = process.console_size();
+        WindowSize {
+            rows: size.as_ref().map_or(24, |s| s.height() as u16),
+            cols: size.as_ref().map_or(80, |s| s.width() as u16),
+        }
+    });
+    Ok(ExecRequest {
+        argv,
+        env,
+        cwd: Some(process.cwd().display().to_string()),
+        user: Some(User {
+            uid: user.uid(),
+            gid: user.gid(),
+        }),
+        stdin_open: true,
+        pty,
+        ..ExecRequest::default()
+    })
+}
+
+/// Refuses a workload whose program `root` does not have as an executable
+/// file (looked up in the workload's PATH when it names no directory), so
+/// that `ctr run` fails at once with the reason instead of after a boot.
+pub fn check_executable(root: &Path, workload: &ExecRequest) -> Result<(), ShimError> {
+    if !root.is_dir() {
+        return Err(ShimError::Invalid(format!(
+            "the root file system {} is not a directory",
+            root.display()
+        )));
+    }
+    let program = &workload.argv[0];
+    let candidates: Vec<String> = if program.contains('/') {
+        let cwd = workload.cwd.as_deref().unwrap_or("/");
+        vec![if program.starts_with('/') {
+            program.clone()
+        } else {
+            format!("{cwd}/{program}")
+        }]
+    } else {
+        let path = workload
+            .env
+            .iter()
+            .find(|(k, _)| k == "PATH")
+            .map_or(DEFAULT_PATH, |(_, v)| v.as_str());
+        path.split(':')
+            .filter(|d| !d.is_empty())
+            .map(|d| format!("{d}/{program}"))
+            .collect()
+    };
+    let found = candidates.iter().any(|c| {
+        resolve_in(root, c).is_some_and(|p| {
+            std::fs::metadata(&p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    });
+    if found {
+        Ok(())
+    } else {
+        Err(ShimError::Invalid(format!(
+            "the root file system {} has no executable `{program}` (looked for {})",
+            root.display(),
+            candidates.join(", ")
+        )))
+    }
+}
+
+/// Where guest path `path` is under `root`, following symbolic links as
+/// the guest would (an absolute target is relative to `root`; `..` stops
+/// at `root`). None for a dangling path or a loop.
+fn resolve_in(root: &Path, path: &str) -> Option<PathBuf> {
+    let mut todo: Vec<String> = path
+        .split('/')
+        .rev()
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let mut at: Vec<String> = Vec::new();
+    let mut links = 0;
+    while let Some(part) = todo.pop() {
+        match part.as_str() {
+            "." => continue,
+            ".." => {
+                at.pop();
+                continue;
+            }
+            _ => {}
+        }
+        let host = root.join(at.join("/")).join(&part);
+        let meta = std::fs::symlink_metadata(&host).ok()?;
+        if meta.file_type().is_symlink() {
+            links += 1;
+            if links > 40 {
+                return None;
+            }
+            let target = std::fs::read_link(&host).ok()?;
+            if target.is_absolute() {
+                at.clear();
+            }
+            todo.extend(target.components().rev().filter_map(|c| match c {
+                Component::Normal(n) => Some(n.to_string_lossy().into_owned()),
+                Component::ParentDir => Some("..".to_owned()),
+                _ => None,
+            }));
+        } else {
+            at.push(part);
+        }
+    }
+    Some(root.join(at.join("/")))
+}
+
+/// A digest of the tree under `root`: every entry's path, type, mode,
+/// owner and content (a link's target), in name order. Two bundles with
+/// the same digest get the same template.
+pub fn rootfs_digest(root: &Path) -> Result<String, ShimError> {
+    let mut hash = Sha256::new();
+    digest_dir(root, Path::new(""), &mut hash)?;
+    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn digest_dir(root: &Path, rel: &Path, hash: &mut Sha256) -> Result<(), ShimError> {
+    let dir = root.join(rel);
+    let io = |e| ShimError::Io(dir.display().to_string(), e);
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .map_err(io)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()
+        .map_err(io)?;
+    names.sort();
+    for name in names {
+        let rel = rel.join(&name);
+        let path = root.join(&rel);
+        let io = |e| ShimError::Io(path.display().to_string(), e);
+        let meta = std::fs::symlink_metadata(&path).map_err(io)?;
+        hash.update(rel.as_os_str().as_encoded_bytes());
+        hash.update([0]);
+        hash.update(meta.mode().to_le_bytes());
+        hash.update(meta.uid().to_le_bytes());
+        hash.update(meta.gid().to_le_bytes());
+        let kind = meta.file_type();
+        if kind.is_symlink() {
+            let target = std::fs::read_link(&path).map_err(io)?;
+            hash.update(target.as_os_str().as_encoded_bytes());
+        } else if kind.is_dir() {
+            digest_dir(root, &rel, hash)?;
+        } else if kind.is_file() {
+            hash.update(meta.len().to_le_bytes());
+            let mut file = std::fs::File::open(&path).map_err(io)?;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = file.read(&mut buf).map_err(io)?;
+                if n == 0 {
+                    break;
+                }
+                hash.update(&buf[..n]);
+            }
+        } else {
+            hash.update(meta.rdev().to_le_bytes());
+        }
+        hash.update([0xff]);
+    }
+    Ok(())
+}
+
+/// The template a root file system of `digest` becomes, for a VM of this
+/// size: `oci-<16 hex>-<mem>m-<vcpus>c`.
+pub fn template_name(digest: &str, mem_mib: u32, vcpus: u8) -> String {
+    format!(
+        "oci-{}-{mem_mib}m-{vcpus}c",
+        &digest[..16.min(digest.len())]
+    )
+}
+
+/// The labels a task's sandbox carries, so that the shim's `delete` (run
+/// after a shim died) finds it: `io.containerd.task=<namespace>/<id>`, and
+/// the containerd it belongs to (`io.containerd.address`: two containerds
+/// may share one husk daemon and a task id).
+pub fn task_labels(namespace: &str, id: &str, containerd: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (TASK_LABEL.to_owned(), format!("{namespace}/{id}")),
+        (CONTAINERD_LABEL.to_owned(), containerd.to_owned()),
+    ])
+}
+
+/// See [`task_labels`].
+pub const TASK_LABEL: &str = "io.containerd.task";
+/// See [`task_labels`].
+pub const CONTAINERD_LABEL: &str = "io.containerd.address";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tree() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "husk-bundle-test-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("bin")).expect("test setup");
+        std::fs::create_dir_all(dir.join("usr/bin")).expect("test setup");
+        std::fs::write(dir.join("bin/busybox"), b"\x7fELF").expect("test setup");
+        std::fs::set_permissions(dir.join("bin/busybox"), PermissionsExt::from_mode(0o755))
+            .expect("test setup");
+        std::fs::write(dir.join("bin/data"), b"not a program").expect("test setup");
+        std::os::unix::fs::symlink("/bin/busybox", dir.join("usr/bin/sh")).expect("test setup");
+        std::os::unix::fs::symlink("../../bin/busybox", dir.join("usr/bin/ls"))
+            .expect("test setup");
+        std::os::unix::fs::symlink("/nowhere", dir.join("usr/bin/gone")).expect("test setup");
+        std::os::unix::fs::symlink("/usr/bin/loop", dir.join("usr/bin/loop")).expect("test setup");
+        dir
+    }
+
+    fn run(argv: &[&str]) -> ExecRequest {
+        ExecRequest {
+            argv: argv.iter().map(|s| (*s).to_owned()).collect(),
+            cwd: Some("/".into()),
+            ..ExecRequest::default()
+        }
+    }
+
+    #[test]
+    fn programs_are_found_through_path_and_links_inside_the_root() {
+        let root = tree();
+        for ok in ["busybox", "/bin/busybox", "sh", "ls", "/usr/bin/sh"] {
+            check_executable(&root, &run(&[ok])).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            "data",
+            "/bin/data",
+            "gone",
+            "loop",
+            "missing",
+            "/etc/passwd",
+        ] {
+            let err = check_executable(&root, &run(&[bad]))
+                .expect_err("refused")
+                .to_string();
+            assert!(err.contains("has no executable"), "{bad}: {err}");
+        }
+        std::fs::remove_dir_all(root).expect("test setup");
+    }
+
+    #[test]
+    fn a_link_cannot_lead_out_of_the_root() {
+        let root = tree();
+        // `/bin/true` exists on the host, but not under the root.
+        std::os::unix::fs::symlink("../../../../../../bin/true", root.join("bin/out"))
+            .expect("test setup");
+        let err = check_executable(&root, &run(&["/bin/out"])).expect_err("refused");
+        assert!(err.to_string().contains("has no executable"), "{err}");
+        std::fs::remove_dir_all(root).expect("test setup");
+    }
+
+    #[test]
+    fn the_digest_follows_content_names_and_modes() {
+        let root = tree();
+        let first = rootfs_digest(&root).expect("test setup");
+        assert_eq!(first, rootfs_digest(&root).expect("test setup"));
+        std::fs::write(root.join("bin/data"), b"not a program!").expect("test setup");
+        let second = rootfs_digest(&root).expect("test setup");
+        assert_ne!(first, second);
+        std::fs::set_permissions(root.join("bin/data"), PermissionsExt::from_mode(0o600))
+            .expect("test setup");
+        assert_ne!(second, rootfs_digest(&root).expect("test setup"));
+        std::fs::remove_dir_all(root).expect("test setup");
+        let name = template_name(&first, 128, 1);
+        assert!(
+            name.starts_with("oci-") && name.ends_with("-128m-1c"),
+            "{name}"
+        );
+        husk_types::check_template_name(&name).expect("test setup");
+    }
+
+    #[test]
+    fn limits_become_the_vm_size() {
+        assert_eq!(mem_mib_for(256 << 20).expect("test setup"), 256);
+        assert_eq!(mem_mib_for((256 << 20) + 1).expect("test setup"), 257);
+        assert!(mem_mib_for(32 << 20)
+            .expect_err("refused")
+            .to_string()
+            .contains("below"));
+        assert_eq!(vcpus_for(150_000, 100_000), 2);
+        assert_eq!(vcpus_for(50_000, 100_000), 1);
+        assert_eq!(vcpus_for(u64::MAX, 1), MAX_VCPUS);
+    }
+}

@@ -1,0 +1,928 @@
+//! `containerd-shim-husk-v2`: the containerd runtime `io.containerd.husk.v2`
+//! (shim v2), so containerd, and Kubernetes through a RuntimeClass, run
+//! each task in a husk sandbox.
+//!
+//! One shim per task, one sandbox per task. The shim is a client of the
+//! husk daemon (`husk serve`, at `$HUSK_HOST` or the default socket), which
+//! applies the jail, cgroup and egress policy as it does for every sandbox;
+//! the shim reaches the task's guest agent directly for its processes.
+//!
+//! - Create: the bundle's root file system becomes a template of its own
+//!   (an ext4 image, booted once and snapshotted, cached by the tree's
+//!   content hash and shared read-only by its clones, each with its own
+//!   copy-on-write layer), or the `io.husk.template` annotation names a
+//!   template; the task's sandbox is a clone of it (pooled when the daemon
+//!   keeps a pool). The OCI memory and CPU limits size the VM.
+//! - Start runs the OCI process (args, env, cwd, user, terminal) through
+//!   the agent, with the FIFOs bridged ([`process`]); Exec adds processes.
+//! - Kill, Wait, State, Pids, ResizePty, CloseIO, Pause and Resume (the
+//!   vCPUs), Stats (the VMM's cgroup and the guest's memory), Delete (the
+//!   sandbox is destroyed), and the task events.
+//!
+//! A sandbox is created with the task's label and a time to live that the
+//! shim removes once containerd has it, so a shim killed during Create
+//! leaves nothing behind: `delete` (run by containerd after a dead shim)
+//! destroys what carries the label, and the lease ends what is not yet
+//! labelled.
+
+pub mod bundle;
+pub mod process;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use containerd_shim as shim;
+use containerd_shim::protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskPaused,
+    TaskResumed, TaskStart,
+};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::{MessageDyn, MessageField};
+use containerd_shim::protos::ttrpc;
+use containerd_shim::publisher::RemotePublisher;
+use containerd_shim::{api, ExitSignal, TtrpcContext, TtrpcResult};
+use serde_json::json;
+
+use self::bundle::{Bundle, Source};
+use self::process::{Exit, GuestProcess, Stdio};
+use husk_client::{ApiClient, ApiClientError};
+use husk_types::{Created, SandboxInfo};
+
+/// The runtime's name in containerd.
+pub const RUNTIME_ID: &str = "io.containerd.husk.v2";
+
+/// How long a new sandbox lives unless the shim confirms it (a shim killed
+/// during Create leaves one that ends by itself).
+const CREATE_LEASE_S: u64 = 120;
+
+/// The longest a Create waits for another shim's build of the same root
+/// file system (stretched on a loaded host).
+const BUILD_WAIT: Duration = Duration::from_secs(1800);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("husk daemon: {0}")]
+    Daemon(#[from] ApiClientError),
+    #[error("guest agent: {0}")]
+    Agent(String),
+    #[error("{0}: {1}")]
+    Io(String, std::io::Error),
+}
+
+impl From<husk_agent_client::ClientError> for ShimError {
+    fn from(e: husk_agent_client::ClientError) -> Self {
+        ShimError::Agent(e.to_string())
+    }
+}
+
+impl From<ShimError> for ttrpc::Error {
+    fn from(e: ShimError) -> Self {
+        let code = match &e {
+            ShimError::Invalid(_) => ttrpc::Code::INVALID_ARGUMENT,
+            ShimError::NotFound(_)
+            | ShimError::Daemon(ApiClientError::Status { status: 404, .. }) => {
+                ttrpc::Code::NOT_FOUND
+            }
+            ShimError::Daemon(ApiClientError::Status { status: 400, .. }) => {
+                ttrpc::Code::INVALID_ARGUMENT
+            }
+            ShimError::Conflict(_)
+            | ShimError::Daemon(ApiClientError::Status { status: 409, .. }) => {
+                ttrpc::Code::FAILED_PRECONDITION
+            }
+            _ => ttrpc::Code::INTERNAL,
+        };
+        ttrpc::Error::RpcStatus(ttrpc::get_status(code, e.to_string()))
+    }
+}
+
+/// The shim binary's side of containerd's protocol (`start`, `delete`, and
+/// serving the task service).
+pub struct HuskShim {
+    exit: Arc<ExitSignal>,
+    namespace: String,
+    id: String,
+    bundle: PathBuf,
+    /// containerd's address.
+    containerd: String,
+}
+
+impl std::fmt::Debug for HuskShim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HuskShim")
+            .field("namespace", &self.namespace)
+            .field("id", &self.id)
+            .field("bundle", &self.bundle)
+            .finish()
+    }
+}
+
+impl shim::Shim for HuskShim {
+    type T = TaskService;
+
+    fn new(_runtime_id: &str, args: &shim::Flags, _config: &mut shim::Config) -> Self {
+        let bundle = if args.bundle.is_empty() {
+            std::env::current_dir().unwrap_or_default()
+        } else {
+            PathBuf::from(&args.bundle)
+        };
+        HuskShim {
+            exit: Arc::new(ExitSignal::default()),
+            namespace: args.namespace.clone(),
+            id: args.id.clone(),
+            bundle,
+            containerd: args.address.clone(),
+        }
+    }
+
+    fn start_shim(&mut self, opts: shim::StartOpts) -> Result<String, shim::Error> {
+        let grouping = opts.id.clone();
+        let (_pid, address) = shim::spawn(opts, &grouping, Vec::new())?;
+        // In the bundle: the served shim removes its socket on the way out,
+        // and `delete` after a killed one.
+        shim::synchronous::util::write_address(&address)?;
+        Ok(address)
+    }
+
+    /// After a shim that died (or a failed Create): destroys the task's
+    /// sandboxes and unmounts its root file system.
+    fn delete_shim(&mut self) -> Result<api::DeleteResponse, shim::Error> {
+        let daemon = husk_client::from_env();
+        let labels = bundle::task_labels(&self.namespace, &self.id, &self.containerd);
+        if let Err(e) = destroy_labelled(&daemon, &labels) {
+            tracing::warn!(task = %self.id, "could not destroy the task's sandboxes: {e}");
+        }
+        unmount_rootfs(&self.bundle);
+        remove_socket(&self.bundle);
+        Ok(api::DeleteResponse {
+            exit_status: 128 + libc::SIGKILL as u32,
+            exited_at: MessageField::some(timestamp(SystemTime::now())),
+            ..Default::default()
+        })
+    }
+
+    fn wait(&mut self) {
+        self.exit.wait();
+    }
+
+    fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
+        TaskService {
+            inner: Arc::new(Inner {
+                namespace: self.namespace.clone(),
+                exit: self.exit.clone(),
+                publisher,
+                daemon: husk_client::from_env(),
+                containerd: self.containerd.clone(),
+                task: Mutex::new(None),
+            }),
+        }
+    }
+}
+
+/// Destroys every sandbox labelled as this task's.
+fn destroy_labelled(
+    daemon: &ApiClient,
+    labels: &std::collections::BTreeMap<String, String>,
+) -> Result<(), ShimError> {
+    let query: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("label={}", husk_client::encode(&format!("{k}={v}"))))
+        .collect();
+    let list: Vec<SandboxInfo> =
+        daemon.call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
+    for s in list {
+        tracing::info!(sandbox = %s.id, "destroying the task's sandbox");
+        match daemon.send(
+            "DELETE",
+            &format!("/v1/sandboxes/{}", s.id),
+            husk_client::Payload::None,
+        ) {
+            Ok(_) | Err(ApiClientError::Status { status: 404, .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Removes the socket a shim that died served on (the `address` file in
+/// its bundle names it).
+fn remove_socket(bundle: &Path) {
+    let Ok(address) = std::fs::read_to_string(bundle.join("address")) else {
+        return;
+    };
+    if let Some(path) = address.trim().strip_prefix("unix://") {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// Where the shim mounts containerd's rootfs mounts (an image's layers).
+fn rootfs_mountpoint(bundle: &Path) -> PathBuf {
+    bundle.join("rootfs")
+}
+
+fn unmount_rootfs(bundle: &Path) {
+    let target = rootfs_mountpoint(bundle);
+    if bundle.join(MOUNTED_MARK).exists() {
+        if let Err(e) = nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH) {
+            tracing::warn!("unmounting {}: {e}", target.display());
+        }
+        let _ = std::fs::remove_file(bundle.join(MOUNTED_MARK));
+    }
+}
+
+/// A file in the bundle saying the shim mounted the rootfs (so that
+/// `delete` unmounts only what the shim mounted).
+const MOUNTED_MARK: &str = "husk-rootfs-mounted";
+
+/// The task service containerd calls.
+#[derive(Clone)]
+pub struct TaskService {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for TaskService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskService")
+            .field("namespace", &self.inner.namespace)
+            .finish()
+    }
+}
+
+struct Inner {
+    namespace: String,
+    /// containerd's address.
+    containerd: String,
+    exit: Arc<ExitSignal>,
+    publisher: RemotePublisher,
+    daemon: ApiClient,
+    task: Mutex<Option<Task>>,
+}
+
+/// The shim's one task.
+struct Task {
+    id: String,
+    bundle: PathBuf,
+    sandbox: SandboxInfo,
+    agent: PathBuf,
+    init: Arc<GuestProcess>,
+    execs: HashMap<String, Arc<GuestProcess>>,
+    paused: bool,
+}
+
+fn timestamp(t: SystemTime) -> Timestamp {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+        ..Default::default()
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Option<Task>> {
+        self.task.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        if let Err(e) =
+            self.publisher
+                .publish(shim::Context::default(), topic, &self.namespace, event)
+        {
+            tracing::warn!("publishing {topic}: {e}");
+        }
+    }
+
+    /// `f` of task `id` (under the lock), or NotFound.
+    fn with_task<R>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut Task) -> Result<R, ShimError>,
+    ) -> Result<R, ShimError> {
+        let mut task = self.lock();
+        match task.as_mut().filter(|t| t.id == id) {
+            Some(task) => f(task),
+            None => Err(ShimError::NotFound(format!("no task `{id}`"))),
+        }
+    }
+
+    /// The task's process `exec_id` ("" for the task's own) and the agent.
+    fn process(&self, id: &str, exec_id: &str) -> Result<(Arc<GuestProcess>, PathBuf), ShimError> {
+        self.with_task(id, |task| {
+            let process = if exec_id.is_empty() {
+                task.init.clone()
+            } else {
+                task.execs.get(exec_id).cloned().ok_or_else(|| {
+                    ShimError::NotFound(format!("no process `{exec_id}` in `{id}`"))
+                })?
+            };
+            Ok((process, task.agent.clone()))
+        })
+    }
+
+    /// The template for a bundle: the annotation's, or its root file
+    /// system's (built now if no shim built it before).
+    fn template_for(&self, bundle: &Bundle) -> Result<String, ShimError> {
+        let dir = match &bundle.source {
+            Source::Template(name) => {
+                // Unknown: fail now, with the daemon's word for it.
+                let _: serde_json::Value = self.daemon.call(
+                    "GET",
+                    &format!("/v1/templates/{}", husk_client::encode(name)),
+                    None,
+                )?;
+                return Ok(name.clone());
+            }
+            Source::Rootfs(dir) => dir,
+        };
+        let digest = bundle::rootfs_digest(dir)?;
+        let mem_mib = bundle.mem_mib.unwrap_or(128);
+        let vcpus = bundle.vcpus.unwrap_or(1);
+        let name = bundle::template_name(&digest, mem_mib, vcpus);
+        let mut wait = husk_agent_client::readiness::WaitBudget::new(BUILD_WAIT);
+        loop {
+            if self.template_exists(&name)? {
+                return Ok(name);
+            }
+            let spec = husk_types::TemplateSpec {
+                name: name.clone(),
+                vcpus,
+                mem_mib,
+                // The daemon reads no host path a client names: the
+                // bundle's root file system travels as an upload.
+                rootfs: husk_types::RootfsSource::Upload {
+                    upload: self.daemon.upload_dir(dir)?,
+                },
+                warmup: Vec::new(),
+                kernel: None,
+                network: false,
+                block_limit: None,
+                net_limit: None,
+            };
+            tracing::info!(template = %name, rootfs = %dir.display(), "building the task's template");
+            match self.build(&spec) {
+                Ok(()) => return Ok(name),
+                // Another shim is building it: wait for that build (or, if
+                // it fails, try again).
+                Err(ShimError::Daemon(ApiClientError::Status { status: 409, .. })) => {}
+                Err(e) => return Err(e),
+            }
+            if wait.expired() {
+                return Err(ShimError::Conflict(format!(
+                    "template `{name}` is still being built by another task"
+                )));
+            }
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    }
+
+    fn template_exists(&self, name: &str) -> Result<bool, ShimError> {
+        match self.daemon.call::<serde_json::Value>(
+            "GET",
+            &format!("/v1/templates/{}", husk_client::encode(name)),
+            None,
+        ) {
+            Ok(_) => Ok(true),
+            Err(ApiClientError::Status { status: 404, .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn build(&self, spec: &husk_types::TemplateSpec) -> Result<(), ShimError> {
+        let body = serde_json::to_vec(spec).unwrap_or_default();
+        let mut resp =
+            self.daemon
+                .send("POST", "/v1/templates", husk_client::Payload::Json(body))?;
+        while let Some(event) = resp.next_line::<husk_types::BuildEvent>()? {
+            match event {
+                husk_types::BuildEvent::Progress { message } => {
+                    tracing::info!(template = %spec.name, "{message}")
+                }
+                husk_types::BuildEvent::Done { .. } => return Ok(()),
+                husk_types::BuildEvent::Error { status, error } => {
+                    return Err(ApiClientError::Status {
+                        status,
+                        message: error,
+                    }
+                    .into())
+                }
+            }
+        }
+        Err(ShimError::Agent(
+            "the daemon ended the build without a result".into(),
+        ))
+    }
+
+    fn create(self: &Arc<Self>, req: &api::CreateTaskRequest) -> Result<u32, ShimError> {
+        if self.lock().is_some() {
+            return Err(ShimError::Conflict("this shim already has a task".into()));
+        }
+        if [&req.stdout, &req.stderr]
+            .iter()
+            .any(|p| p.contains("://") && !p.starts_with("file://"))
+        {
+            return Err(ShimError::Invalid(
+                "only FIFOs and file:// log URIs are supported for output (no binary:// loggers)"
+                    .into(),
+            ));
+        }
+        let bundle_dir = PathBuf::from(&req.bundle);
+        let mounted = if req.rootfs.is_empty() {
+            None
+        } else {
+            Some(mount_rootfs(&bundle_dir, &req.rootfs)?)
+        };
+        let result = self.create_sandbox(req, &bundle_dir, mounted.as_deref());
+        if result.is_err() {
+            unmount_rootfs(&bundle_dir);
+        }
+        result
+    }
+
+    fn create_sandbox(
+        self: &Arc<Self>,
+        req: &api::CreateTaskRequest,
+        bundle_dir: &Path,
+        rootfs: Option<&Path>,
+    ) -> Result<u32, ShimError> {
+        let bundle = Bundle::load(bundle_dir, rootfs)?;
+        let template = self.template_for(&bundle)?;
+        tracing::info!(task = %req.id, template = %template, "creating the task's sandbox");
+        let created: Created = self.daemon.call(
+            "POST",
+            "/v1/sandboxes",
+            Some(&json!({
+                "template": template,
+                "ttl_s": CREATE_LEASE_S,
+                "labels": bundle::task_labels(&self.namespace, &req.id, &self.containerd),
+            })),
+        )?;
+        let sandbox = created.sandbox;
+        // containerd has it now: it lives until the task is deleted.
+        let confirmed = self.daemon.call::<SandboxInfo>(
+            "PATCH",
+            &format!("/v1/sandboxes/{}", sandbox.id),
+            Some(&json!({ "ttl_s": 0 })),
+        );
+        let agent = match (confirmed, &sandbox.agent_socket) {
+            (Ok(_), Some(agent)) => PathBuf::from(agent),
+            (Ok(_), None) => {
+                self.destroy(&sandbox.id);
+                return Err(ShimError::Agent(
+                    "the daemon did not say where the sandbox's agent is (an older daemon?)".into(),
+                ));
+            }
+            (Err(e), _) => {
+                self.destroy(&sandbox.id);
+                return Err(e.into());
+            }
+        };
+        tracing::info!(
+            task = %req.id, sandbox = %sandbox.id, template = %template,
+            pooled = created.pooled, create_ms = created.create_ms, "task created"
+        );
+        let stdio = Stdio {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let pid = sandbox.pid;
+        let init = GuestProcess::new(
+            bundle.workload,
+            stdio,
+            self.on_exit(&req.id, &req.id, Some(pid)),
+        );
+        *self.lock() = Some(Task {
+            id: req.id.clone(),
+            bundle: bundle_dir.to_owned(),
+            sandbox,
+            agent,
+            init,
+            execs: HashMap::new(),
+            paused: false,
+        });
+        self.publish(
+            shim::protos::topics::TASK_CREATE_EVENT_TOPIC,
+            Box::new(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                pid,
+                ..Default::default()
+            }),
+        );
+        Ok(pid)
+    }
+
+    /// Publishes a process's exit event. `host_pid`: the pid containerd
+    /// knows the task's own process by (the VMM's).
+    fn on_exit(self: &Arc<Self>, task: &str, id: &str, host_pid: Option<u32>) -> process::OnExit {
+        let me = Arc::downgrade(self);
+        let (task, id) = (task.to_owned(), id.to_owned());
+        Box::new(move |pid, exit: Exit| {
+            if let Some(me) = me.upgrade() {
+                me.publish(
+                    shim::protos::topics::TASK_EXIT_EVENT_TOPIC,
+                    Box::new(TaskExit {
+                        container_id: task,
+                        id,
+                        pid: host_pid.unwrap_or(pid as u32),
+                        exit_status: exit.status,
+                        exited_at: MessageField::some(timestamp(exit.at)),
+                        ..Default::default()
+                    }),
+                );
+            }
+        })
+    }
+
+    fn destroy(&self, sandbox: &str) {
+        if let Err(e) = self.daemon.send(
+            "DELETE",
+            &format!("/v1/sandboxes/{sandbox}"),
+            husk_client::Payload::None,
+        ) {
+            tracing::warn!(sandbox, "destroying: {e}");
+        }
+    }
+
+    fn delete(&self, id: &str, exec_id: &str) -> Result<api::DeleteResponse, ShimError> {
+        let (process, _) = self.process(id, exec_id)?;
+        let (started, exit) = process.state();
+        if started && exit.is_none() {
+            return Err(ShimError::Conflict(format!(
+                "`{}` is still running: kill it first",
+                if exec_id.is_empty() { id } else { exec_id }
+            )));
+        }
+        let exit = exit.unwrap_or(Exit {
+            status: 0,
+            at: SystemTime::now(),
+        });
+        if !exec_id.is_empty() {
+            if let Some(task) = self.lock().as_mut() {
+                task.execs.remove(exec_id);
+            }
+            return Ok(api::DeleteResponse {
+                pid: process.pid() as u32,
+                exit_status: exit.status,
+                exited_at: MessageField::some(timestamp(exit.at)),
+                ..Default::default()
+            });
+        }
+        let task = self.lock().take();
+        let Some(task) = task else {
+            return Err(ShimError::NotFound(format!("no task `{id}`")));
+        };
+        self.destroy(&task.sandbox.id);
+        unmount_rootfs(&task.bundle);
+        let pid = task.sandbox.pid;
+        self.publish(
+            shim::protos::topics::TASK_DELETE_EVENT_TOPIC,
+            Box::new(TaskDelete {
+                container_id: id.to_owned(),
+                id: id.to_owned(),
+                pid,
+                exit_status: exit.status,
+                exited_at: MessageField::some(timestamp(exit.at)),
+                ..Default::default()
+            }),
+        );
+        Ok(api::DeleteResponse {
+            pid,
+            exit_status: exit.status,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        })
+    }
+
+    fn pause(&self, id: &str, pause: bool) -> Result<(), ShimError> {
+        let sandbox = self.with_task(id, |t| Ok(t.sandbox.id.clone()))?;
+        let action = if pause { "pause" } else { "resume" };
+        let _: SandboxInfo =
+            self.daemon
+                .call("POST", &format!("/v1/sandboxes/{sandbox}/{action}"), None)?;
+        if let Some(task) = self.lock().as_mut() {
+            task.paused = pause;
+        }
+        if pause {
+            self.publish(
+                shim::protos::topics::TASK_PAUSED_EVENT_TOPIC,
+                Box::new(TaskPaused {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.publish(
+                shim::protos::topics::TASK_RESUMED_EVENT_TOPIC,
+                Box::new(TaskResumed {
+                    container_id: id.to_owned(),
+                    ..Default::default()
+                }),
+            );
+        }
+        Ok(())
+    }
+
+    fn stats(&self, id: &str) -> Result<Any, ShimError> {
+        let (pid, agent) = self.with_task(id, |t| Ok((t.sandbox.pid, t.agent.clone())))?;
+        let guest = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))
+            .and_then(|mut c| c.health())
+            .ok();
+        let metrics = stats::metrics(pid, guest.as_ref());
+        shim::util::convert_to_any(Box::new(metrics))
+            .map_err(|e| ShimError::Agent(format!("encoding the stats: {e}")))
+    }
+}
+
+mod stats;
+
+/// Mounts containerd's rootfs mounts (an image's snapshot) at the bundle's
+/// `rootfs`.
+fn mount_rootfs(
+    bundle: &Path,
+    mounts: &[shim::protos::types::mount::Mount],
+) -> Result<PathBuf, ShimError> {
+    let target = rootfs_mountpoint(bundle);
+    std::fs::create_dir_all(&target).map_err(|e| ShimError::Io(target.display().to_string(), e))?;
+    for m in mounts {
+        shim::mount::mount_rootfs(
+            Some(m.type_.as_str()),
+            Some(m.source.as_str()),
+            &m.options,
+            &target,
+        )
+        .map_err(|e| ShimError::Invalid(format!("mounting the rootfs ({}): {e}", m.type_)))?;
+    }
+    let _ = std::fs::write(bundle.join(MOUNTED_MARK), b"");
+    Ok(target)
+}
+
+fn status(started: bool, exit: Option<Exit>, paused: bool) -> api::Status {
+    match (started, exit, paused) {
+        (_, Some(_), _) => api::Status::STOPPED,
+        (_, None, true) => api::Status::PAUSED,
+        (true, None, false) => api::Status::RUNNING,
+        (false, None, false) => api::Status::CREATED,
+    }
+}
+
+impl shim::Task for TaskService {
+    fn connect(
+        &self,
+        _ctx: &TtrpcContext,
+        _req: api::ConnectRequest,
+    ) -> TtrpcResult<api::ConnectResponse> {
+        let task_pid = self.inner.lock().as_ref().map_or(0, |t| t.sandbox.pid);
+        Ok(api::ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            ..Default::default()
+        })
+    }
+
+    fn create(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::CreateTaskRequest,
+    ) -> TtrpcResult<api::CreateTaskResponse> {
+        let pid = self.inner.create(&req).map_err(|e| {
+            tracing::warn!(task = %req.id, "create failed: {e}");
+            e
+        })?;
+        Ok(api::CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn start(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StartRequest,
+    ) -> TtrpcResult<api::StartResponse> {
+        let (process, agent) = self.inner.process(&req.id, &req.exec_id)?;
+        let guest_pid = process.start(&agent)?;
+        let pid = if req.exec_id.is_empty() {
+            let pid = self.inner.lock().as_ref().map_or(0, |t| t.sandbox.pid);
+            self.inner.publish(
+                shim::protos::topics::TASK_START_EVENT_TOPIC,
+                Box::new(TaskStart {
+                    container_id: req.id.clone(),
+                    pid,
+                    ..Default::default()
+                }),
+            );
+            pid
+        } else {
+            self.inner.publish(
+                shim::protos::topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+                Box::new(TaskExecStarted {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    pid: guest_pid as u32,
+                    ..Default::default()
+                }),
+            );
+            guest_pid as u32
+        };
+        Ok(api::StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn state(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StateRequest,
+    ) -> TtrpcResult<api::StateResponse> {
+        let (process, _) = self.inner.process(&req.id, &req.exec_id)?;
+        let task = self.inner.lock();
+        let Some(task) = task.as_ref() else {
+            return Err(ShimError::NotFound(format!("no task `{}`", req.id)).into());
+        };
+        let (started, exit) = process.state();
+        let pid = if req.exec_id.is_empty() {
+            task.sandbox.pid
+        } else {
+            process.pid() as u32
+        };
+        Ok(api::StateResponse {
+            id: req.id.clone(),
+            bundle: task.bundle.display().to_string(),
+            pid,
+            status: status(started, exit, task.paused).into(),
+            stdin: process.stdio.stdin.clone(),
+            stdout: process.stdio.stdout.clone(),
+            stderr: process.stdio.stderr.clone(),
+            terminal: process.stdio.terminal,
+            exit_status: exit.map_or(0, |e| e.status),
+            exited_at: exit.map_or(MessageField::none(), |e| {
+                MessageField::some(timestamp(e.at))
+            }),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    fn wait(&self, _ctx: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
+        let (process, _) = self.inner.process(&req.id, &req.exec_id)?;
+        let exit = process.wait();
+        Ok(api::WaitResponse {
+            exit_status: exit.status,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        })
+    }
+
+    fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
+        let (process, agent) = self.inner.process(&req.id, &req.exec_id)?;
+        if req.all && req.signal == libc::SIGKILL as u32 && req.exec_id.is_empty() {
+            // Everything the task started, detached or not.
+            if let Some(sandbox) = self.inner.lock().as_ref().map(|t| t.sandbox.id.clone()) {
+                let _: serde_json::Value = self
+                    .inner
+                    .daemon
+                    .call("POST", &format!("/v1/sandboxes/{sandbox}/kill-all"), None)
+                    .map_err(ShimError::from)?;
+            }
+        }
+        match process.signal(&agent, req.signal) {
+            // A kill of everything may have ended it already.
+            Err(ShimError::NotFound(_)) if req.all => {}
+            other => other?,
+        }
+        Ok(api::Empty::default())
+    }
+
+    fn exec(&self, _ctx: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<api::Empty> {
+        let spec = req.spec.as_ref().map(|a| a.value.as_slice()).unwrap_or(&[]);
+        let process: oci_spec::runtime::Process = serde_json::from_slice(spec)
+            .map_err(|e| ShimError::Invalid(format!("the exec's process spec: {e}")))?;
+        let request = bundle::workload(&process)?;
+        let on_exit = self.inner.on_exit(&req.id, &req.exec_id, None);
+        let stdio = Stdio {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        self.inner.with_task(&req.id, |task| {
+            if task.execs.contains_key(&req.exec_id) {
+                return Err(ShimError::Conflict(format!(
+                    "exec `{}` exists",
+                    req.exec_id
+                )));
+            }
+            task.execs.insert(
+                req.exec_id.clone(),
+                GuestProcess::new(request, stdio, on_exit),
+            );
+            Ok(())
+        })?;
+        self.inner.publish(
+            shim::protos::topics::TASK_EXEC_ADDED_EVENT_TOPIC,
+            Box::new(TaskExecAdded {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                ..Default::default()
+            }),
+        );
+        Ok(api::Empty::default())
+    }
+
+    fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let (process, _) = self.inner.process(&req.id, &req.exec_id)?;
+        let clamp = |n: u32| u16::try_from(n).unwrap_or(u16::MAX);
+        process.resize(clamp(req.height), clamp(req.width))?;
+        Ok(api::Empty::default())
+    }
+
+    fn close_io(&self, _ctx: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
+        let (process, _) = self.inner.process(&req.id, &req.exec_id)?;
+        if req.stdin {
+            process.close_stdin()?;
+        }
+        Ok(api::Empty::default())
+    }
+
+    fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.inner.pause(&req.id, true)?;
+        Ok(api::Empty::default())
+    }
+
+    fn resume(&self, _ctx: &TtrpcContext, req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
+        self.inner.pause(&req.id, false)?;
+        Ok(api::Empty::default())
+    }
+
+    fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
+        let pids: Vec<u32> = self.inner.with_task(&req.id, |task| {
+            Ok(std::iter::once(task.sandbox.pid)
+                .chain(task.execs.values().map(|p| p.pid() as u32))
+                .filter(|p| *p != 0)
+                .collect())
+        })?;
+        let processes = pids
+            .into_iter()
+            .map(|pid| shim::protos::types::task::ProcessInfo {
+                pid,
+                ..Default::default()
+            })
+            .collect();
+        Ok(api::PidsResponse {
+            processes,
+            ..Default::default()
+        })
+    }
+
+    fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        let stats = self.inner.stats(&req.id)?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(stats),
+            ..Default::default()
+        })
+    }
+
+    fn delete(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::DeleteRequest,
+    ) -> TtrpcResult<api::DeleteResponse> {
+        Ok(self.inner.delete(&req.id, &req.exec_id)?)
+    }
+
+    fn shutdown(&self, _ctx: &TtrpcContext, _req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
+        if self.inner.lock().is_none() {
+            self.inner.exit.signal();
+        }
+        Ok(api::Empty::default())
+    }
+}

@@ -1,8 +1,0 @@
-//! `containerd-shim-husk-v2`: the containerd runtime `io.containerd.husk.v2`.
-//! containerd starts it (`start`, `delete`, then as the task's server);
-//! it runs each task in a sandbox of the husk daemon at `$HUSK_HOST` (or
-//! the default socket). See `husk_host::shim` and docs/containerd.md.
-
-fn main() {
-    containerd_shim::run::<husk_host::shim::HuskShim>(husk_host::shim::RUNTIME_ID, None);
-}

@@ -1,0 +1,22 @@
+//! husk-types: the serde types every party to husk's API shares: the
+//! daemon's core and front-ends, and every client (the CLI, the containerd
+//! shim, the bench, an embedding program). No I/O, no policy: what goes
+//! over the wire, and its JSON shape.
+
+#![deny(missing_docs)]
+
+mod audit;
+mod exec;
+mod sandbox;
+mod template;
+
+pub use audit::AuditEntry;
+pub use exec::{ExecEvent, ExecSpec};
+pub use sandbox::{
+    CreateRequest, Created, EgressSpec, ExpiryPolicy, PoolInfo, SandboxInfo, SandboxState,
+    SandboxUpdate, SecretSpec,
+};
+pub use template::{
+    check_template_name, BuildEvent, KernelSource, RootfsSource, TemplateRecord, TemplateSpec,
+    UploadInfo,
+};

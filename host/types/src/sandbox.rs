@@ -1,0 +1,188 @@
+//! Sandboxes: what a create asks for, what the API shows, what a change
+//! sets, and a sandbox's way out (its egress policy).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// A create request.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRequest {
+    /// Template id or name.
+    pub template: String,
+    /// Seconds to live; none: until destroyed.
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+    #[serde(default)]
+    /// What happens when the time to live runs out.
+    pub on_expiry: ExpiryPolicy,
+    #[serde(default)]
+    /// Labels (`key=value`), to find it by.
+    pub labels: BTreeMap<String, String>,
+    /// What the sandbox may reach through its egress proxy; nothing when
+    /// absent.
+    #[serde(default)]
+    pub egress: EgressSpec,
+}
+
+/// A sandbox's way out (see `egress`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressSpec {
+    /// Hosts it may connect to: `api.example.com`, `*.example.com`,
+    /// `203.0.113.7:8080`, `*:443`; private, loopback and link-local
+    /// addresses are refused whatever the list says.
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Credentials the proxy adds to requests to the hosts they are bound
+    /// to; never written into the guest. Shown with their values redacted.
+    #[serde(default)]
+    pub secrets: Vec<SecretSpec>,
+}
+
+/// A credential bound to hosts (see `egress::Secret`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretSpec {
+    /// The hosts it is for, as one allowlist entry (`api.example.com`,
+    /// `*.example.com:443`).
+    pub host: String,
+    /// The header it goes in, e.g. `Authorization`.
+    pub header: String,
+    /// The header's value (kept on the host; shown redacted).
+    pub value: String,
+}
+
+/// A sandbox as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxInfo {
+    /// Its id (`sb-...`).
+    pub id: String,
+    /// The id of the template it was restored from.
+    pub template: String,
+    /// Where it is in its life.
+    pub state: SandboxState,
+    /// Its VMM's pid on the host (the jailer's, when jailed).
+    pub pid: u32,
+    /// Its guest memory, in MiB.
+    pub mem_mib: u32,
+    /// When it was created, in ms since the epoch.
+    pub created_unix_ms: u64,
+    /// When its time to live runs out, in ms since the epoch.
+    pub expires_unix_ms: Option<u64>,
+    /// What happens then.
+    pub on_expiry: ExpiryPolicy,
+    /// Its labels.
+    pub labels: BTreeMap<String, String>,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+    /// Its TAP device and the guest's MAC address, if it has a network.
+    #[serde(default)]
+    pub tap: Option<String>,
+    #[serde(default)]
+    /// Its guest's MAC address, if it has a network.
+    pub mac: Option<String>,
+    /// What its egress proxy lets it reach.
+    #[serde(default)]
+    pub egress: EgressSpec,
+    /// Its guest agent's socket on the daemon's host (for programs there
+    /// that drive the agent themselves, such as the containerd shim; the
+    /// socket is root's).
+    #[serde(default)]
+    pub agent_socket: Option<String>,
+}
+
+/// What a create did.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Created {
+    /// The sandbox.
+    pub sandbox: SandboxInfo,
+    /// Whether a warm pool's clone was handed out.
+    pub pooled: bool,
+    /// From the request to a sandbox whose agent answered, in ms.
+    pub create_ms: f64,
+}
+
+/// A pool as the API shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PoolInfo {
+    /// The template's id.
+    pub template: String,
+    /// The template's name.
+    pub template_name: String,
+    /// How many clones it keeps ready.
+    pub target: u32,
+    /// Clones parked and ready to hand out.
+    pub ready: u32,
+    /// Clones being restored for it.
+    pub restoring: u32,
+    /// Creates it served.
+    pub hits: u64,
+    /// Creates it could not serve (restored on demand).
+    pub misses: u64,
+}
+
+/// A change to a sandbox (PATCH).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxUpdate {
+    /// New time to live from now; 0 removes it.
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+    #[serde(default)]
+    /// A new policy for when the time to live runs out.
+    pub on_expiry: Option<ExpiryPolicy>,
+    /// Labels to set (an empty value removes the label).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Where a sandbox is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SandboxState {
+    /// Its VMM is restoring; not handed out yet.
+    Starting,
+    /// Restored, parked (paused) in its template's pool.
+    Pooled,
+    /// Handed out and running.
+    Running,
+    /// Its vCPUs stopped; its memory kept.
+    Paused,
+    /// Its VMM died; `error` says how. Destroy it to free its files.
+    Failed,
+}
+
+impl SandboxState {
+    /// Its name on the wire.
+    pub fn name(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Pooled => "pooled",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Failed => "failed",
+        }
+    }
+
+    /// Every state.
+    pub const ALL: [SandboxState; 5] = [
+        SandboxState::Starting,
+        SandboxState::Pooled,
+        SandboxState::Running,
+        SandboxState::Paused,
+        SandboxState::Failed,
+    ];
+}
+
+/// What happens to a sandbox whose time to live runs out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpiryPolicy {
+    #[default]
+    /// Destroy it.
+    Destroy,
+    /// Pause it (its memory kept; resume brings it back).
+    Pause,
+}

@@ -1,0 +1,185 @@
+//! Templates: what a build is given, what it records, how its progress is
+//! told, and the uploads it may be given.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Names are 1-63 characters of `[a-z0-9._-]`, starting with a letter or
+/// digit.
+pub fn check_template_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "template name `{name}`: use 1-63 characters of [a-z0-9._-], starting with a letter or digit"
+        ))
+    }
+}
+
+/// Where a template's root file system comes from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum RootfsSource {
+    /// husk's own: busybox and guest-init, as an initramfs.
+    #[default]
+    Default,
+    /// A directory on the daemon's host, copied into an ext4 image.
+    Dir {
+        /// A directory on the daemon's host (in a `--template-source` directory).
+        path: PathBuf,
+    },
+    /// A tar archive on the daemon's host (an exported container file
+    /// system), unpacked into an ext4 image.
+    Tar {
+        /// A tar archive on the daemon's host (in a `--template-source` directory).
+        path: PathBuf,
+    },
+    /// A tar archive the client uploaded (`POST /v1/uploads`), unpacked
+    /// into an ext4 image; the build uses the upload up.
+    Upload {
+        /// The upload's id.
+        upload: String,
+    },
+}
+
+/// Where a template's guest kernel comes from, when not the daemon's: a
+/// path on the daemon's host (under a `--template-source` directory) or
+/// an upload (`{"upload": ID}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum KernelSource {
+    /// A path on the daemon's host (in a `--template-source` directory).
+    Path(PathBuf),
+    /// An upload.
+    Upload {
+        /// The upload's id.
+        upload: String,
+    },
+}
+
+/// What to build.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateSpec {
+    /// Its name (see [`check_template_name`]).
+    pub name: String,
+    #[serde(default = "default_vcpus")]
+    /// vCPUs of its VMs.
+    pub vcpus: u8,
+    #[serde(default = "default_mem_mib")]
+    /// Guest memory of its VMs, in MiB.
+    pub mem_mib: u32,
+    #[serde(default)]
+    /// Its root file system.
+    pub rootfs: RootfsSource,
+    /// Commands run once the guest is up, before the snapshot; each must
+    /// exit 0.
+    #[serde(default)]
+    pub warmup: Vec<Vec<String>>,
+    /// A guest kernel other than the daemon's.
+    #[serde(default)]
+    pub kernel: Option<KernelSource>,
+    /// Give its VMs a virtio-net device (each sandbox its own TAP, created
+    /// by its VMM and gone with it, and its own MAC). The TAP is left
+    /// unconfigured: where it leads is the host's (or an egress policy's)
+    /// business.
+    #[serde(default)]
+    pub network: bool,
+    /// Rate limit of each of its sandboxes' drives: `bytes=N[K|M|G],ops=N`
+    /// per second (either may be left out).
+    #[serde(default)]
+    pub block_limit: Option<String>,
+    /// Rate limit of its sandboxes' network device, each way (frames for
+    /// `ops`).
+    #[serde(default)]
+    pub net_limit: Option<String>,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+
+fn default_mem_mib() -> u32 {
+    128
+}
+
+/// A template as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateRecord {
+    /// Its id (`tpl-...`).
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// When it was built, in ms since the epoch.
+    pub created_unix_ms: u64,
+    /// The snapshot every sandbox of this template restores.
+    pub snapshot_dir: PathBuf,
+    /// vCPUs of its VMs.
+    pub vcpus: u8,
+    /// Guest memory of its VMs, in MiB.
+    pub mem_mib: u32,
+    /// Where its root file system came from (`default`, `dir:PATH`,
+    /// `tar:PATH`, `sandbox:ID`).
+    pub source: String,
+    /// SHA-256 of each file of the snapshot, by file name.
+    pub checksums: BTreeMap<String, String>,
+    /// How long the build took, by phase, in ms.
+    pub build_ms: BTreeMap<String, f64>,
+    /// Whether its VMs have a network device (each sandbox its own TAP
+    /// and MAC).
+    #[serde(default)]
+    pub network: bool,
+    /// Other snapshot directories its restores read (those of the
+    /// templates it was snapshotted from), for the jail.
+    #[serde(default)]
+    pub reads: Vec<PathBuf>,
+    /// Rate limits of its sandboxes' drives and network device, as
+    /// husk-vmm's `--block-limit` and `--net-limit` take them.
+    #[serde(default)]
+    pub block_limit: Option<String>,
+    #[serde(default)]
+    /// Rate limit of its sandboxes' network device.
+    pub net_limit: Option<String>,
+}
+
+/// One line of a template build's progress stream.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum BuildEvent {
+    /// A step of the build.
+    Progress {
+        /// What it is doing.
+        message: String,
+    },
+    /// The build is done.
+    Done {
+        /// The template it made.
+        template: Box<TemplateRecord>,
+    },
+    /// The build failed.
+    Error {
+        /// The HTTP status the failure would have had.
+        status: u16,
+        /// Why it failed.
+        error: String,
+    },
+}
+
+/// A received upload.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadInfo {
+    /// What a template spec names it by (`{"kind": "upload", "upload": ID}`).
+    pub id: String,
+    /// Its size.
+    pub bytes: u64,
+    /// SHA-256 of its content, in hex.
+    pub sha256: String,
+}
