@@ -760,6 +760,18 @@ fn every_vmm_runs_in_a_jail_of_its_own() {
         proc_status(vmm_a, "NSpid").ends_with("\t1"),
         "PID 1 of its own PID namespace"
     );
+    // The jailer that stays beside it (the sandbox's pid) keeps nothing
+    // either, and may only wait and pass signals on.
+    let jailer = a.pid;
+    assert_eq!(proc_status(jailer, "Uid"), uid_a, "the jailer keeps root");
+    assert_eq!(proc_status(jailer, "NoNewPrivs"), "1");
+    assert_eq!(
+        proc_status(jailer, "Seccomp"),
+        "2",
+        "the jailer has no filter"
+    );
+    assert_eq!(proc_status(jailer, "CapEff"), "0000000000000000");
+    assert_eq!(proc_status(jailer, "CapBnd"), "0000000000000000");
     for kind in ["mnt", "pid", "net", "ipc", "uts"] {
         let own = ns(&vmm_a.to_string(), kind);
         assert!(own.is_some(), "no {kind} namespace");

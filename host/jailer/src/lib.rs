@@ -24,9 +24,11 @@
 //!    `/proc`, drops to the jail's uid and gid (no supplementary groups, no
 //!    capabilities, an empty bounding set), dies with its parent
 //!    (`PR_SET_PDEATHSIG`, set after the ids change, which clears it), sets
-//!    `no_new_privs` and execs the VMM. The parent drops to the same
-//!    ids, forwards SIGTERM/SIGINT/SIGHUP and exits as the VMM did, so to
-//!    whoever started it, the jailer *is* the VMM.
+//!    `no_new_privs` and execs the VMM. The parent gives up the same (the
+//!    ids, the bounding set, `no_new_privs`), confines itself with a seccomp
+//!    filter to waiting and signalling ([`WAITER_SYSCALLS`]), forwards
+//!    SIGTERM/SIGINT/SIGHUP and exits as the VMM did, so to whoever started
+//!    it, the jailer *is* the VMM.
 //!
 //! Copy-on-write clones still share their snapshot's page cache: a bind
 //! mount is the same file.
@@ -125,6 +127,8 @@ pub enum JailError {
     Sys(String, #[source] nix::Error),
     #[error("cannot {0}: {1}")]
     Io(String, #[source] std::io::Error),
+    #[error("cannot confine the jailer with its seccomp filter: {0}")]
+    Seccomp(String),
 }
 
 fn sys(what: impl Into<String>) -> impl FnOnce(nix::Error) -> JailError {
@@ -362,8 +366,11 @@ impl Jail {
                 unsafe { libc::_exit(2) }
             }
             ForkResult::Parent { child } => {
-                // The parent keeps no privileges either.
-                drop_privileges(self.uid, self.gid)?;
+                // The parent stays beside the VMM for its life: it keeps no
+                // privileges either, and may make only the few syscalls
+                // that waiting for the VMM and passing on signals take.
+                give_up_privileges(self.uid, self.gid)?;
+                apply_waiter_filter()?;
                 wait_as(child)
             }
         }
@@ -380,26 +387,72 @@ impl Jail {
         ) {
             return JailError::Sys("mount /proc".into(), e);
         }
-        // No capability can come back, whatever the VMM execs.
-        for cap in 0..64 {
-            // SAFETY: PR_CAPBSET_DROP takes a capability number; numbers
-            // the kernel does not know fail with EINVAL, which is fine.
-            unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
-        }
-        if let Err(e) = drop_privileges(self.uid, self.gid) {
+        if let Err(e) = give_up_privileges(self.uid, self.gid) {
             return e;
         }
         // After the ids change, which clears it.
         if let Err(e) = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL) {
             return JailError::Sys("die with the jailer".into(), e);
         }
-        if let Err(e) = nix::sys::prctl::set_no_new_privs() {
-            return JailError::Sys("set no_new_privs".into(), e);
-        }
         match nix::unistd::execve(exe, argv, env) {
             Err(e) => JailError::Sys(format!("exec {}", exe.to_string_lossy()), e),
         }
     }
+}
+
+/// Empties the capability bounding set (no capability can come back,
+/// whatever is exec'd), takes the jail's ids and sets `no_new_privs`.
+fn give_up_privileges(uid: u32, gid: u32) -> Result<(), JailError> {
+    for cap in 0..64 {
+        // SAFETY: PR_CAPBSET_DROP takes a capability number; numbers the
+        // kernel does not know fail with EINVAL, which is fine.
+        unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+    }
+    drop_privileges(uid, gid)?;
+    nix::sys::prctl::set_no_new_privs().map_err(sys("set no_new_privs"))
+}
+
+/// What the jailer's parent half does after the fork: wait for the VMM,
+/// pass signals on, and end as it ended (and write a line on failure).
+/// Anything else kills it, and the VMM with it (`PR_SET_PDEATHSIG`).
+const WAITER_SYSCALLS: &[i64] = &[
+    libc::SYS_wait4,
+    libc::SYS_waitid,
+    libc::SYS_kill,
+    libc::SYS_tgkill,
+    libc::SYS_getpid,
+    libc::SYS_gettid,
+    libc::SYS_rt_sigaction,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_restart_syscall,
+    libc::SYS_sigaltstack,
+    libc::SYS_write,
+    libc::SYS_futex,
+    libc::SYS_brk,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_madvise,
+    libc::SYS_close,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+];
+
+/// Confines this process to [`WAITER_SYSCALLS`].
+fn apply_waiter_filter() -> Result<(), JailError> {
+    use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
+    let build = |e: seccompiler::BackendError| JailError::Seccomp(e.to_string());
+    let rules = WAITER_SYSCALLS.iter().map(|nr| (*nr, Vec::new())).collect();
+    let program: BpfProgram = SeccompFilter::new(
+        rules,
+        SeccompAction::KillProcess,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )
+    .map_err(build)?
+    .try_into()
+    .map_err(build)?;
+    seccompiler::apply_filter(&program).map_err(|e| JailError::Seccomp(e.to_string()))
 }
 
 /// Sets every uid and gid of this process, with no supplementary groups.

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 
-use husk_agent_client::{ClientError, Event};
+use husk_agent_client::{AgentClient, ClientError, Event};
 use husk_core::daemon::{Daemon, DaemonError};
 use husk_core::template::TemplateError;
 use husk_core::upload::UploadError;
@@ -272,8 +272,11 @@ async fn json_refusals(req: Request, next: Next) -> Response {
     resp
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether a secret a client sent (a bearer token, an API key, an access
+/// token) is the expected one, in time that does not depend on where they
+/// differ.
+pub(crate) fn constant_time_eq(given: &[u8], expected: &[u8]) -> bool {
+    subtle::ConstantTimeEq::ct_eq(given, expected).into()
 }
 
 // ---- handlers ----
@@ -852,52 +855,59 @@ async fn download(
     q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
     let q = file_query(q)?;
-    let (ready_tx, ready_rx) = oneshot::channel::<Result<u64, DaemonError>>();
-    let (tx, rx) = mpsc::channel(8);
-    tokio::task::spawn_blocking(move || {
-        let mut client = match d.agent(&id) {
-            Ok(c) => c,
-            Err(e) => return drop(ready_tx.send(Err(e))),
-        };
-        // Not found, or not a file: an HTTP error before any byte.
-        match client.stat(&q.path) {
-            Ok(st) if st.kind == husk_protocol::FileKind::File => {
-                let _ = ready_tx.send(Ok(st.size));
-            }
-            Ok(_) => {
-                return drop(ready_tx.send(Err(DaemonError::Invalid(format!(
+    let (size, body) = stream_guest_file(
+        move || {
+            let mut client = d.agent(&id)?;
+            // Not found, or not a file: an HTTP error before any byte.
+            let st = client.stat(&q.path)?;
+            if st.kind != husk_protocol::FileKind::File {
+                return Err(DaemonError::Invalid(format!(
                     "`{}` is not a regular file",
                     q.path
-                )))))
+                )));
             }
-            Err(e) => return drop(ready_tx.send(Err(e.into()))),
-        }
-        let _ = d
-            .store()
-            .audit(&who.0, "download", Some(&id), None, &q.path);
-        if let Err(e) = client.read_file(&q.path, ChannelWriter(tx.clone())) {
-            // Mid-stream: the body ends with an error (the client sees a
-            // truncated chunked body, not a complete file).
-            let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
-        }
-    });
-    let size = match ready_rx.await {
-        Ok(Ok(size)) => size,
-        Ok(Err(e)) => return Err(e.into()),
-        Err(_) => {
-            return Err(ApiError(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "file worker ended".into(),
-            ))
-        }
-    };
+            d.store()
+                .audit(&who.0, "download", Some(&id), None, &q.path)?;
+            Ok((client, q.path, st.size))
+        },
+        || DaemonError::Failed("the file worker ended".into()),
+    )
+    .await?;
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
         "application/octet-stream".parse().expect("static header"),
     );
     headers.insert("x-husk-file-size", size.into());
-    Ok((headers, Body::from_stream(ReceiverStream::new(rx))).into_response())
+    Ok((headers, body).into_response())
+}
+
+/// Streams a guest file as an HTTP body: `open` runs on a blocking thread
+/// and gives the agent connection, the file's path and its size, or an
+/// error answered before any byte; the bytes then flow as the guest sends
+/// them (no whole file in the daemon's memory). An error mid-stream cuts
+/// the body short, so the client never takes a partial file for a whole.
+pub(crate) async fn stream_guest_file<E: Send + 'static>(
+    open: impl FnOnce() -> Result<(AgentClient, String, u64), E> + Send + 'static,
+    gone: impl FnOnce() -> E,
+) -> Result<(u64, Body), E> {
+    let (ready_tx, ready_rx) = oneshot::channel::<Result<u64, E>>();
+    let (tx, rx) = mpsc::channel(8);
+    tokio::task::spawn_blocking(move || {
+        let (mut client, path, size) = match open() {
+            Ok(opened) => opened,
+            Err(e) => return drop(ready_tx.send(Err(e))),
+        };
+        let _ = ready_tx.send(Ok(size));
+        if let Err(e) = client.read_file(&path, ChannelWriter(tx.clone())) {
+            let _ = tx.blocking_send(Err(std::io::Error::other(e.to_string())));
+        }
+    });
+    match ready_rx.await {
+        Ok(Ok(size)) => Ok((size, Body::from_stream(ReceiverStream::new(rx)))),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(gone()),
+    }
 }
 
 /// A `Read` over an HTTP body's chunks, fed from the async side.

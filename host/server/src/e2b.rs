@@ -128,6 +128,33 @@ impl E2b {
         }))
     }
 
+    /// Drops what the gateway keeps for each sandbox `gone` says is gone
+    /// (its environment, cached users, terminals), and stops its watches.
+    fn forget(&self, gone: impl Fn(&str) -> bool) {
+        // One lock at a time: no order to keep with the handlers.
+        let mut ids: Vec<String> = lock(&self.envs).keys().cloned().collect();
+        ids.extend(lock(&self.passwd).keys().cloned());
+        ids.extend(lock(&self.ptys).iter().map(|(s, _)| s.clone()));
+        ids.extend(lock(&self.watchers).values().map(|w| w.sandbox.clone()));
+        ids.sort();
+        ids.dedup();
+        let gone: Vec<String> = ids.into_iter().filter(|id| gone(id)).collect();
+        if gone.is_empty() {
+            return;
+        }
+        let is_gone = |id: &str| gone.iter().any(|g| g == id);
+        lock(&self.envs).retain(|id, _| !is_gone(id));
+        lock(&self.passwd).retain(|id, _| !is_gone(id));
+        lock(&self.ptys).retain(|(id, _)| !is_gone(id));
+        lock(&self.watchers).retain(|_, w| {
+            let keep = !is_gone(&w.sandbox);
+            if !keep {
+                w.stop.store(true, Ordering::SeqCst);
+            }
+            keep
+        });
+    }
+
     /// The sandbox's envd access token.
     fn token(&self, id: &str) -> String {
         let mut h = Sha256::new();
@@ -268,14 +295,9 @@ fn check_key(e2b: &E2b, headers: &HeaderMap) -> Result<(), RestError> {
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    // Compared in full whatever matches first (no early exit on a prefix).
+    // Each key compared in full, whichever matches (no early exit).
     let ok = e2b.api_keys.iter().fold(false, |found, k| {
-        found
-            | (k.len() == key.len()
-                && k.bytes()
-                    .zip(key.bytes())
-                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                    == 0)
+        found | crate::api::constant_time_eq(key.as_bytes(), k.as_bytes())
     });
     if ok {
         Ok(())
@@ -403,6 +425,11 @@ async fn create(
     };
     let e = e2b.clone();
     let (created, alias) = blocking(move || {
+        // What the gateway kept for sandboxes gone since (their time to
+        // live ran out, or another API destroyed them) goes now: its
+        // maps hold no more than the live sandboxes and those of one
+        // create's interval.
+        e.forget(|id| e.daemon.sandbox(id).is_err());
         let t = e.daemon.template(&req.template)?;
         let created = e.daemon.create(req, "e2b")?;
         Ok::<_, RestError>((created, t.name))
@@ -523,16 +550,7 @@ async fn kill(
     let e = e2b.clone();
     let sid = id.clone();
     blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
-    lock(&e2b.envs).remove(&id);
-    lock(&e2b.passwd).remove(&id);
-    lock(&e2b.ptys).retain(|(s, _)| *s != id);
-    lock(&e2b.watchers).retain(|_, w| {
-        let keep = w.sandbox != id;
-        if !keep {
-            w.stop.store(true, Ordering::SeqCst);
-        }
-        keep
-    });
+    e2b.forget(|s| s == id);
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -697,7 +715,7 @@ fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Unreachable> {
         .get("x-access-token")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    if token != e2b.token(id) {
+    if !crate::api::constant_time_eq(token.as_bytes(), e2b.token(id).as_bytes()) {
         let e = RpcError(
             "unauthenticated",
             "invalid access token (X-Access-Token)".into(),
@@ -1458,27 +1476,30 @@ async fn download(
     };
     let name = user_name(&headers, q.username.as_deref());
     let e = e2b.clone();
-    let read = blocking(move || {
-        let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
-        let user = e.user(&id, &mut agent, &name)?;
-        let path = resolve(&user, q.path.as_deref().unwrap_or_default());
-        let st = agent.stat(&path).map_err(RpcError::from)?;
-        if st.kind != husk_protocol::FileKind::File {
-            return Err(RpcError(
-                "invalid_argument",
-                format!("{path} is not a file"),
-            ));
-        }
-        let mut data = Vec::new();
-        agent.read_file(&path, &mut data).map_err(RpcError::from)?;
-        Ok(data)
-    })
+    let opened = crate::api::stream_guest_file(
+        move || {
+            let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
+            let user = e.user(&id, &mut agent, &name)?;
+            let path = resolve(&user, q.path.as_deref().unwrap_or_default());
+            let st = agent.stat(&path).map_err(RpcError::from)?;
+            if st.kind != husk_protocol::FileKind::File {
+                return Err(RpcError(
+                    "invalid_argument",
+                    format!("{path} is not a file"),
+                ));
+            }
+            Ok((agent, path, st.size))
+        },
+        || RpcError("internal", "the file worker ended".into()),
+    )
     .await;
-    match read {
-        Ok(data) => (
+    match opened {
+        // Chunked, not sized: a file that changes while it is read must not
+        // break the framing; a read that fails cuts the body short.
+        Ok((_, body)) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "application/octet-stream")],
-            data,
+            body,
         )
             .into_response(),
         Err(e) => file_error(e.status(), e.1),
