@@ -39,9 +39,9 @@ pub struct ServeArgs {
     /// The husk-vmm binary (default: next to this one).
     #[arg(long, env = "HUSK_VMM")]
     pub vmm: Option<PathBuf>,
-    /// Most sandboxes on this host, pooled clones included.
-    #[arg(long, default_value_t = 64)]
-    pub max_sandboxes: u32,
+    /// Most sandboxes on this host, pooled clones included (default 64).
+    #[arg(long)]
+    pub max_sandboxes: Option<u32>,
     /// Guest memory all sandboxes together may have, in MiB (default:
     /// three quarters of the host's memory).
     #[arg(long)]
@@ -50,12 +50,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub restore_parallel: Option<u32>,
     /// Seconds a restored clone may take to answer on a quiet host
-    /// (stretched by load).
-    #[arg(long, default_value_t = 120)]
-    pub restore_wait_s: u64,
-    /// Seconds a template's boot may take on a quiet host.
-    #[arg(long, default_value_t = 900)]
-    pub boot_wait_s: u64,
+    /// (stretched by load; default 120).
+    #[arg(long)]
+    pub restore_wait_s: Option<u64>,
+    /// Seconds a template's boot may take on a quiet host (default 900).
+    #[arg(long)]
+    pub boot_wait_s: Option<u64>,
     /// Run VMMs without cgroup limits (by default each gets memory, CPU
     /// and pid limits when this host's cgroups can be managed).
     #[arg(long)]
@@ -95,22 +95,13 @@ pub struct ServeArgs {
     /// daemon runs as root and reads no other host path for a client.
     #[arg(long = "template-source")]
     pub template_sources: Vec<PathBuf>,
-    /// Largest upload for a template build, in MiB.
-    #[arg(long, default_value_t = 8192)]
-    pub max_upload_mib: u64,
+    /// Largest upload for a template build, in MiB (default 8192).
+    #[arg(long)]
+    pub max_upload_mib: Option<u64>,
 }
 
 /// The state directory when none is given.
 pub use husk_client::default_state_dir;
-
-fn host_memory_mib() -> u64 {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(4096, |kib| kib / 1024)
-}
 
 pub fn serve(args: ServeArgs) -> Result<u8, String> {
     tracing_subscriber::fmt()
@@ -128,21 +119,19 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         )
     })?;
     let state_dir = std::fs::canonicalize(&state_dir).map_err(|e| e.to_string())?;
-    let vmm = match args.vmm {
-        Some(v) => v,
-        None => std::env::current_exe()
-            .map_err(|e| e.to_string())?
-            .with_file_name("husk-vmm"),
-    };
-    let vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
-    if !vmm.is_file() {
+    // The defaults are the core's (one place); the flags change them.
+    let mut cfg = DaemonConfig::new(&state_dir);
+    if let Some(vmm) = args.vmm {
+        cfg.vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
+    }
+    if !cfg.vmm.is_file() {
         return Err(format!(
             "the VMM binary {} does not exist: build it (cargo build --release -p husk-vmm) or \
              pass --vmm",
-            vmm.display()
+            cfg.vmm.display()
         ));
     }
-    let jail = if args.no_jail {
+    cfg.jail = if args.no_jail {
         tracing::warn!(
             "THE JAIL IS OFF (--no-jail): every VMM runs with this daemon's privileges and sees the host's files"
         );
@@ -156,7 +145,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
                     .into(),
             );
         }
-        let jailer = vmm.with_file_name("husk-jailer");
+        let jailer = cfg.vmm.with_file_name("husk-jailer");
         if !jailer.is_file() {
             return Err(format!(
                 "the jailer {} does not exist: build it (cargo build --release -p husk-jailer)",
@@ -168,7 +157,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             uids: Default::default(),
         })
     };
-    let template_sources = args
+    cfg.template_sources = args
         .template_sources
         .iter()
         .map(|dir| match std::fs::canonicalize(dir) {
@@ -180,36 +169,33 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             Err(e) => Err(format!("--template-source {}: {e}", dir.display())),
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let cfg = DaemonConfig {
-        state_dir: state_dir.clone(),
-        vmm,
-        kernel: args.kernel,
-        initramfs: args.initramfs,
-        guest_init: args.guest_init,
-        max_sandboxes: args.max_sandboxes,
-        memory_mib: args.memory_mib.unwrap_or_else(|| host_memory_mib() * 3 / 4),
-        restore_parallel: args.restore_parallel.unwrap_or(cpus),
-        restore_wait: Duration::from_secs(args.restore_wait_s),
-        boot_wait: Duration::from_secs(args.boot_wait_s),
-        cgroups: if args.no_cgroups {
-            None
-        } else {
-            let h = husk_core::cgroup::Hierarchy::detect();
-            match &h {
-                Some(h) => tracing::info!("VMMs get cgroup {} limits", h.name()),
-                None => tracing::warn!(
-                    "no writable cgroup hierarchy with memory, cpu and pids: VMMs run without limits"
-                ),
-            }
-            h
-        },
-        jail,
-        egress_netns: args.egress_netns,
-        egress_upstream_ca: args.egress_upstream_ca,
-        template_sources,
-        max_upload_bytes: args.max_upload_mib.saturating_mul(1 << 20),
-    };
+    cfg.kernel = args.kernel;
+    cfg.initramfs = args.initramfs;
+    cfg.guest_init = args.guest_init;
+    cfg.max_sandboxes = args.max_sandboxes.unwrap_or(cfg.max_sandboxes);
+    cfg.memory_mib = args.memory_mib.unwrap_or(cfg.memory_mib);
+    cfg.restore_parallel = args.restore_parallel.unwrap_or(cfg.restore_parallel);
+    if let Some(s) = args.restore_wait_s {
+        cfg.restore_wait = Duration::from_secs(s);
+    }
+    if let Some(s) = args.boot_wait_s {
+        cfg.boot_wait = Duration::from_secs(s);
+    }
+    if args.no_cgroups {
+        cfg.cgroups = None;
+    }
+    match &cfg.cgroups {
+        Some(h) => tracing::info!("VMMs get cgroup {} limits", h.name()),
+        None if args.no_cgroups => {}
+        None => tracing::warn!(
+            "no writable cgroup hierarchy with memory, cpu and pids: VMMs run without limits"
+        ),
+    }
+    cfg.egress_netns = args.egress_netns;
+    cfg.egress_upstream_ca = args.egress_upstream_ca;
+    if let Some(mib) = args.max_upload_mib {
+        cfg.max_upload_bytes = mib.saturating_mul(1 << 20);
+    }
     let token = match &args.token_file {
         Some(f) => Some(
             std::fs::read_to_string(f)

@@ -49,4 +49,59 @@ pub struct DaemonConfig {
     pub template_sources: Vec<PathBuf>,
     /// Largest upload (`POST /v1/uploads`), in bytes.
     pub max_upload_bytes: u64,
+    /// Destroy every sandbox (pooled ones included) when the host stops;
+    /// otherwise they run on for the next host on this state directory.
+    pub destroy_on_stop: bool,
+}
+
+impl DaemonConfig {
+    /// The defaults `husk serve` runs with, for a host whose state lives in
+    /// `state_dir`: husk-vmm (and husk-jailer) next to this program; at most
+    /// 64 sandboxes and three quarters of the host's memory for guests;
+    /// restores at once as many as CPUs; a clone's agent 120 s and a
+    /// template boot 900 s to answer on a quiet host; cgroup limits where
+    /// a writable hierarchy exists; each VMM in its jail when running as
+    /// root; no template sources (files come as uploads), uploads up to
+    /// 8 GiB; sandboxes left running when the host stops.
+    pub fn new(state_dir: impl Into<PathBuf>) -> Self {
+        let vmm = std::env::current_exe()
+            .map(|exe| exe.with_file_name("husk-vmm"))
+            .unwrap_or_else(|_| PathBuf::from("husk-vmm"));
+        let vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
+        // SAFETY: geteuid cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        let jail = root.then(|| husk_jailer::JailConfig {
+            jailer: vmm.with_file_name("husk-jailer"),
+            uids: Default::default(),
+        });
+        DaemonConfig {
+            state_dir: state_dir.into(),
+            vmm,
+            kernel: None,
+            initramfs: None,
+            guest_init: None,
+            max_sandboxes: 64,
+            memory_mib: host_memory_mib() * 3 / 4,
+            restore_parallel: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+            restore_wait: Duration::from_secs(120),
+            boot_wait: Duration::from_secs(900),
+            cgroups: Hierarchy::detect(),
+            jail,
+            egress_netns: None,
+            egress_upstream_ca: None,
+            template_sources: Vec::new(),
+            max_upload_bytes: 8 << 30,
+            destroy_on_stop: false,
+        }
+    }
+}
+
+/// The host's memory in MiB (4096 if /proc/meminfo cannot say).
+fn host_memory_mib() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(4096, |kib| kib / 1024)
 }

@@ -21,7 +21,7 @@ use husk_types::{
 
 use crate::cgroup::{Cgroup, Limits, Priority};
 pub use crate::config::{DaemonConfig, AGENT_TIMEOUT};
-use crate::egress::{Allowlist, Egress, Proxy, Secret};
+use crate::egress::{Allowlist, Decision, Egress, Proxy, Secret};
 use crate::metrics::{Gauges, Metrics};
 use crate::store::{now_unix_ms, SandboxRecord, Store, StoreError};
 use crate::template::{self, TemplateError};
@@ -162,6 +162,40 @@ pub struct Daemon {
     pub metrics: Metrics,
     stopping: AtomicBool,
     egress: Arc<Egress>,
+    /// The background threads, joined by [`Daemon::stop`].
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+/// Writes the egress proxy's decisions to the audit log until the daemon
+/// stops or is gone.
+fn audit_egress(daemon: &std::sync::Weak<Daemon>, decided: &std::sync::mpsc::Receiver<Decision>) {
+    loop {
+        let decision = match decided.recv_timeout(Duration::from_millis(250)) {
+            Ok(d) => d,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => match daemon.upgrade() {
+                Some(d) if !d.stopping.load(Ordering::SeqCst) => continue,
+                _ => return,
+            },
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+        };
+        let Some(d) = daemon.upgrade() else { return };
+        d.metrics.egress(decision.allowed);
+        let action = if decision.allowed {
+            "egress-allow"
+        } else {
+            "egress-deny"
+        };
+        let audited = d.store.audit(
+            "proxy",
+            action,
+            Some(&decision.sandbox),
+            None,
+            &decision.detail,
+        );
+        if let Err(e) = audited {
+            tracing::error!(sandbox = %decision.sandbox, "egress audit: {e}");
+        }
+    }
 }
 
 /// A new id: `prefix` and 12 hex digits from the kernel's randomness.
@@ -285,47 +319,55 @@ impl Daemon {
             metrics: Metrics::default(),
             stopping: AtomicBool::new(false),
             egress,
+            threads: Mutex::new(Vec::new()),
         });
         daemon.recover()?;
-        let d = daemon.clone();
-        std::thread::Builder::new()
+        // The audit thread holds no strong reference: the daemon is dropped
+        // when its last user lets it go (the sender lives in `egress`).
+        let weak = Arc::downgrade(&daemon);
+        let audit = std::thread::Builder::new()
             .name("egress-audit".into())
-            .spawn(move || {
-                for decision in decided {
-                    d.metrics.egress(decision.allowed);
-                    let action = if decision.allowed {
-                        "egress-allow"
-                    } else {
-                        "egress-deny"
-                    };
-                    let audited = d.store.audit(
-                        "proxy",
-                        action,
-                        Some(&decision.sandbox),
-                        None,
-                        &decision.detail,
-                    );
-                    if let Err(e) = audited {
-                        tracing::error!(sandbox = %decision.sandbox, "egress audit: {e}");
-                    }
-                }
-            })?;
+            .spawn(move || audit_egress(&weak, &decided))?;
         let d = daemon.clone();
-        std::thread::Builder::new()
+        let monitor = std::thread::Builder::new()
             .name("monitor".into())
             .spawn(move || d.monitor())?;
         let d = daemon.clone();
-        std::thread::Builder::new()
+        let pools = std::thread::Builder::new()
             .name("pools".into())
             .spawn(move || d.manage_pools())?;
+        daemon
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend([audit, monitor, pools]);
         Ok(daemon)
     }
 
-    /// Stops background work (restores in flight are abandoned and cleaned
-    /// up); running sandboxes are left running for the next daemon.
+    /// Stops background work and waits for it to end (restores in flight
+    /// are abandoned and cleaned up). Running sandboxes are left running
+    /// for the next host on this state directory, or destroyed with
+    /// [`DaemonConfig::destroy_on_stop`]. Once its last `Arc` is dropped
+    /// the host is gone (its store closed): a new one may start on the
+    /// same state directory in the same process.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
         self.pool_wakeup.notify_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let me = std::thread::current().id();
+        for t in threads {
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
+        }
+        if self.cfg.destroy_on_stop {
+            for rec in self.store.sandboxes().unwrap_or_default() {
+                self.destroy_quietly(&rec.id);
+                let _ =
+                    self.store
+                        .audit("host", "destroy", Some(&rec.id), None, "the host stopped");
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
