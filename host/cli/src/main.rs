@@ -184,7 +184,7 @@ enum Command {
         diff: bool,
     },
     /// Run the daemon: templates, sandboxes, pools, the HTTP API.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Create a sandbox from a template (a warm pool's clone when one is
     /// ready); with a command, run it there.
     Run {
@@ -1099,7 +1099,7 @@ fn run(command: Command) -> Result<u8, ClientError> {
 fn main() -> ExitCode {
     let args = Args::parse();
     if let Command::Serve(serve_args) = args.command {
-        return match serve::serve(serve_args) {
+        return match serve::serve(*serve_args) {
             Ok(code) => ExitCode::from(code),
             Err(e) => {
                 eprintln!("husk serve: {e}");
