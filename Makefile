@@ -37,6 +37,7 @@ run:
 test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
 		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
+	cargo build --workspace --bins --locked; \
 	cargo test --workspace --locked
 
 # The hostile-guest tests (fork bombs, a memory hog, vsock and console

@@ -115,7 +115,7 @@ impl Containerd {
         let shim = bin_dir.join("containerd-shim-husk-v2");
         assert!(
             shim.exists(),
-            "{} is missing: build with `cargo test --workspace` or `cargo build -p husk-shim`",
+            "{} is missing: build it (`cargo build -p husk-shim`; make test builds every binary)",
             shim.display()
         );
         let containerd = Command::new("containerd")

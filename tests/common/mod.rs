@@ -86,12 +86,12 @@ pub fn vmm_binary() -> &'static str {
 }
 
 /// The `husk` CLI (package husk-cli), built next to husk-vmm by
-/// `cargo test --workspace`.
+/// `make test` (which builds every binary of the workspace first).
 pub fn husk_binary() -> PathBuf {
     let husk = Path::new(vmm_binary()).with_file_name("husk");
     assert!(
         husk.exists(),
-        "{} is missing: run the tests with `cargo test --workspace` (make test)",
+        "{} is missing: build every binary first (`cargo build --workspace --bins`, as make test does)",
         husk.display()
     );
     husk

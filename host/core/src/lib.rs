@@ -15,6 +15,8 @@
 //!   [`cgroup`]: its memory, CPU and pid limits (cgroup v2 or v1);
 //! - [`egress`]: the per-sandbox egress proxy, and its TLS interception
 //!   for hosts a sandbox holds credentials for;
+//! - [`sandbox`]: a handle on one sandbox (exec, files, pause, snapshot,
+//!   fork, destroy) that keeps its agent connection and audits each call;
 //! - [`metrics`]: counters and histograms, rendered as Prometheus text.
 //!
 //! The wire types (create requests, sandbox and template records, exec
@@ -28,6 +30,7 @@ pub mod egress;
 pub mod fuzz;
 pub mod metrics;
 pub mod rootfs;
+pub mod sandbox;
 pub mod store;
 pub mod template;
 pub mod upload;
