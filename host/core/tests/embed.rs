@@ -53,3 +53,22 @@ fn the_embedding_example_runs_a_command_in_a_pooled_sandbox() {
     let out = out.expect("the example runs");
     assert!(out.starts_with("hello from sb-"), "{out:?}");
 }
+
+/// The README's embedding example is this example's code, line for line.
+#[test]
+fn the_readme_shows_the_examples_code() {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let example = include_str!("../examples/embed.rs");
+    let block = readme
+        .split("```rust\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("a rust block in the README");
+
+    for line in block.lines().filter(|l| !l.trim().is_empty()) {
+        assert!(
+            example.lines().any(|e| e.trim() == line.trim()),
+            "a README line that examples/embed.rs does not have: {line}"
+        );
+    }
+}
