@@ -7,7 +7,7 @@
 /// writes them.
 pub fn egress_requests(data: &[u8]) {
     let _ = crate::egress::parse(data);
-    let _ = crate::egress::sni(data);
+    let _ = crate::egress::read_hello(data);
     // The same bytes as a request inside a tunnel the proxy opens.
     let _ = crate::egress::intercept::parse_inner(data, "api.example.com", 443);
     if let Ok(text) = std::str::from_utf8(data) {

@@ -253,30 +253,25 @@ pub(crate) struct Inner {
 
 /// Checks a request read inside a tunnel to `host:port`.
 pub(crate) fn parse_inner(head: &[u8], host: &str, port: u16) -> Result<Inner, Refused> {
-    let text = std::str::from_utf8(head)
-        .map_err(|_| Refused::Bad("the request head is not UTF-8".into()))?;
-    let mut lines = text.split("\r\n");
-    let first = lines.next().unwrap_or_default();
-    let parts: Vec<&str> = first.split(' ').collect();
-    let [method, target, version] = parts[..] else {
-        return Err(Refused::Bad(format!(
-            "`{first}` is not an HTTP request line"
-        )));
-    };
-    if method.is_empty() || !version.starts_with("HTTP/1.") || !target.starts_with('/') {
+    let crate::egress::Head {
+        method,
+        target,
+        version,
+        headers,
+    } = crate::egress::parse_head(head)?;
+    let first = format!("{method} {target} HTTP/1.{version}");
+    if !target.starts_with('/') {
         return Err(Refused::Bad(format!(
             "`{first}` is not an HTTP/1 request in origin form"
         )));
     }
-    let mut out = vec![first.to_owned()];
+    let mut out = vec![first];
     let mut seen_host = None;
     let mut body: Option<u64> = None;
-    for line in lines.filter(|l| !l.is_empty()) {
-        let Some((name, value)) = line.split_once(':') else {
-            return Err(Refused::Bad(format!("`{line}` is not a header")));
-        };
-        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
-        match name.as_str() {
+    for (name, value) in &headers {
+        let line = format!("{name}: {value}");
+        let value = value.as_str();
+        match name.to_ascii_lowercase().as_str() {
             "host" => {
                 if seen_host.replace(value.to_owned()).is_some() {
                     return Err(Refused::Bad("two Host headers".into()));
@@ -295,7 +290,7 @@ pub(crate) fn parse_inner(head: &[u8], host: &str, port: u16) -> Result<Inner, R
                     )));
                 }
                 body = Some(n);
-                out.push(line.to_owned());
+                out.push(line);
             }
             "transfer-encoding" => {
                 return Err(Refused::Bad(
@@ -310,7 +305,7 @@ pub(crate) fn parse_inner(head: &[u8], host: &str, port: u16) -> Result<Inner, R
             | "proxy-authorization"
             | "te"
             | "upgrade" => {}
-            _ => out.push(line.to_owned()),
+            _ => out.push(line),
         }
     }
     let Some(named) = seen_host else {

@@ -483,6 +483,56 @@ pub(crate) struct Request {
     forward: Option<Vec<String>>,
 }
 
+/// Most headers a request head may have.
+const MAX_HEADERS: usize = 128;
+
+/// An HTTP/1 request head, as httparse reads it.
+pub(crate) struct Head {
+    pub method: String,
+    pub target: String,
+    /// The minor version: HTTP/1.0 or HTTP/1.1.
+    pub version: u8,
+    /// Each header's name (as sent) and value (UTF-8, trimmed).
+    pub headers: Vec<(String, String)>,
+}
+
+/// Reads a whole request head (up to and including its blank line):
+/// anything that is not a well-formed HTTP/1 head, a header folded over
+/// lines or a value that is not UTF-8 is refused with a reason.
+pub(crate) fn parse_head(head: &[u8]) -> Result<Head, Refused> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut slots);
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => {
+            return Err(Refused::Bad("the request head is incomplete".into()))
+        }
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(Refused::Bad(format!(
+                "more than {MAX_HEADERS} headers in the request"
+            )))
+        }
+        Err(e) => return Err(Refused::Bad(format!("not an HTTP/1 request head: {e}"))),
+    }
+    let (Some(method), Some(target), Some(version)) = (req.method, req.path, req.version) else {
+        return Err(Refused::Bad("not an HTTP/1 request head".into()));
+    };
+    let headers = req
+        .headers
+        .iter()
+        .map(|h| match std::str::from_utf8(h.value) {
+            Ok(v) => Ok((h.name.to_owned(), v.trim().to_owned())),
+            Err(_) => Err(Refused::Bad(format!("header `{}` is not UTF-8", h.name))),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Head {
+        method: method.to_owned(),
+        target: target.to_owned(),
+        version,
+        headers,
+    })
+}
+
 /// Why a connection ended before it was carried.
 pub(crate) enum Refused {
     /// The guest's request was not understood (400).
@@ -533,23 +583,13 @@ pub(crate) fn read_head(conn: &mut impl Read) -> Result<(Vec<u8>, Vec<u8>), Refu
 
 /// Parses the head into a request (see the module docs).
 pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
-    let text = std::str::from_utf8(head)
-        .map_err(|_| Refused::Bad("the request head is not UTF-8".into()))?;
-    let mut lines = text.split("\r\n");
-    let first = lines.next().unwrap_or_default();
-    let mut parts = first.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(Refused::Bad(format!(
-            "`{first}` is not an HTTP request line"
-        )));
-    };
-    if !version.starts_with("HTTP/1.") || method.is_empty() {
-        return Err(Refused::Bad(format!(
-            "`{first}` is not an HTTP/1 request line"
-        )));
-    }
+    let Head {
+        method,
+        target,
+        version,
+        headers,
+    } = parse_head(head)?;
+    let (method, target) = (method.as_str(), target.as_str());
     if method == "CONNECT" {
         let (host, port) = split_host_port(target).map_err(Refused::Bad)?;
         let port = port.ok_or_else(|| Refused::Bad(format!("CONNECT `{target}` has no port")))?;
@@ -583,16 +623,16 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
     let port = port.unwrap_or(80);
     // The head sent on: origin form, the authority as Host, no proxy or
     // hop-by-hop headers, one request per connection.
-    let mut out = vec![format!("{method} {path} {version}")];
+    let mut out = vec![format!("{method} {path} HTTP/1.{version}")];
     let host_header = if port == 80 {
         authority_of(&host, None)
     } else {
         authority_of(&host, Some(port))
     };
     out.push(format!("Host: {host_header}"));
-    for line in lines.filter(|l| !l.is_empty()) {
+    for (name, value) in headers {
         if matches!(
-            header_name(line).as_str(),
+            name.to_ascii_lowercase().as_str(),
             "host"
                 | "connection"
                 | "keep-alive"
@@ -602,7 +642,7 @@ pub(crate) fn parse(head: &[u8]) -> Result<Request, Refused> {
         ) {
             continue;
         }
-        out.push(line.to_owned());
+        out.push(format!("{name}: {value}"));
     }
     Ok(Request {
         method: method.into(),
@@ -784,20 +824,30 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
             let _ = guest_out.shutdown(Shutdown::Write);
         });
     let first = if req.forward.is_some() {
-        Ok(rest)
+        Ok((rest, String::new()))
     } else {
         // A tunnel is checked once more, on the TLS server name in what the
         // guest sends first, before any of it reaches the server.
-        first_bytes(&mut conn, rest).and_then(|first| match sni(&first) {
-            Some(name) if !sandbox.allow.allows(&name, req.port) => Err(format!(
+        first_bytes(&mut conn, rest).and_then(|(first, hello)| match hello {
+            First::Hello {
+                server_name: Some(name),
+            } if !sandbox.allow.allows(&name, req.port) => Err(format!(
                 "blocked by sandbox policy: TLS server name {name} is not in this sandbox's allowlist"
             )),
-            _ => Ok(first),
+            First::Hello {
+                server_name: Some(name),
+            } => Ok((first, format!(" (TLS {name})"))),
+            // No server name: the connection goes where the CONNECT said,
+            // and that host passed the allowlist.
+            First::Hello { server_name: None } => {
+                Ok((first, format!(" (TLS without a server name, to {})", req.host)))
+            }
+            First::NotTls => Ok((first, String::new())),
+            First::Bad(e) => Err(format!("blocked by sandbox policy: {e}")),
         })
     };
     let sent = match first {
-        Ok(first) => {
-            let tls = sni(&first).map_or_else(String::new, |n| format!(" (TLS {n})"));
+        Ok((first, tls)) => {
             egress.record(
                 &sandbox.id,
                 true,
@@ -850,19 +900,22 @@ fn open_tunnel(
     {
         return;
     }
-    let hello = match first_bytes(&mut conn, rest) {
+    let (hello, first) = match first_bytes(&mut conn, rest) {
         Ok(h) => h,
         Err(e) => return deny(e),
     };
-    match (hello_len(&hello), sni(&hello)) {
-        (Some(Ok(_)), Some(name)) if name != req.host => {
+    match first {
+        First::Hello {
+            server_name: Some(name),
+        } if name != req.host => {
             return deny(format!(
                 "blocked by sandbox policy: TLS server name {name} in the tunnel to {}",
                 req.host
             ))
         }
-        (Some(Ok(_)), _) => {}
-        _ => {
+        First::Hello { .. } => {}
+        First::Bad(e) => return deny(format!("blocked by sandbox policy: {e}")),
+        First::NotTls => {
             let msg = format!(
                 "blocked by sandbox policy: credentials for {} travel only inside TLS, \
                  and this tunnel is not TLS",
@@ -893,23 +946,36 @@ fn open_tunnel(
     }
 }
 
-/// What the guest sends first in a tunnel: a whole TLS ClientHello record
-/// if it starts one (so its server name can be checked), else the first
+/// What the guest sent first in a tunnel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum First {
+    /// Not TLS (no handshake record first): the tunnel's host was checked.
+    NotTls,
+    /// A whole TLS ClientHello, however many records and segments it came
+    /// in, and the server name it asks for, if any.
+    Hello { server_name: Option<String> },
+    /// A handshake that is not a well-formed ClientHello: refused.
+    Bad(String),
+}
+
+/// What the guest sends first in a tunnel: a whole TLS ClientHello if it
+/// starts one (so that its server name can be checked), else the first
 /// bytes that show it is not TLS. Nothing the guest sends passes before
-/// this decides, however long the guest waits to send it.
-fn first_bytes(conn: &mut UnixStream, mut got: Vec<u8>) -> Result<Vec<u8>, String> {
+/// this decides, however long the guest waits or however it splits the
+/// ClientHello (across TCP segments or TLS records).
+fn first_bytes(conn: &mut UnixStream, mut got: Vec<u8>) -> Result<(Vec<u8>, First), String> {
     let mut chunk = [0u8; 4096];
     loop {
-        match hello_len(&got) {
-            Some(Ok(len)) if len > MAX_HELLO + 5 => {
-                return Err("the TLS ClientHello record is too long".into())
+        if !got.is_empty() {
+            if let Some(first) = read_hello(&got) {
+                return Ok((got, first));
             }
-            Some(Ok(len)) if got.len() >= len => return Ok(got),
-            Some(Err(())) => return Ok(got), // not TLS
-            None | Some(Ok(_)) => {}
+            if got.len() > MAX_HELLO {
+                return Err("the TLS ClientHello is too long".into());
+            }
         }
         match conn.read(&mut chunk) {
-            Ok(0) if got.is_empty() => return Ok(got),
+            Ok(0) if got.is_empty() => return Ok((got, First::NotTls)),
             Ok(0) => return Err("the guest stopped inside its TLS ClientHello".into()),
             Ok(n) => got.extend_from_slice(&chunk[..n]),
             Err(e) => return Err(format!("reading from the guest: {e}")),
@@ -917,80 +983,29 @@ fn first_bytes(conn: &mut UnixStream, mut got: Vec<u8>) -> Result<Vec<u8>, Strin
     }
 }
 
-/// The length of the TLS record `buf` starts, if it starts a handshake
-/// record: None while fewer than 5 bytes are there, `Err` for not TLS.
-fn hello_len(buf: &[u8]) -> Option<Result<usize, ()>> {
-    match buf {
-        [] => None,
-        [0x16, ..] if buf.len() < 5 => None,
-        [0x16, 3, _, hi, lo, ..] => Some(Ok(5 + usize::from(u16::from_be_bytes([*hi, *lo])))),
-        _ => Some(Err(())),
+/// What `bytes` (all the guest sent so far) are, or None while a
+/// ClientHello has begun and is not whole yet. rustls reads the ClientHello
+/// (its records reassembled), as a server would.
+pub(crate) fn read_hello(bytes: &[u8]) -> Option<First> {
+    if bytes.first() != Some(&0x16) {
+        return Some(First::NotTls);
     }
-}
-
-/// The server name (SNI) of a TLS ClientHello record, if it has one.
-pub(crate) fn sni(record: &[u8]) -> Option<String> {
-    struct Cursor<'a>(&'a [u8]);
-    impl<'a> Cursor<'a> {
-        fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-            if self.0.len() < n {
-                return None;
-            }
-            let (head, rest) = self.0.split_at(n);
-            self.0 = rest;
-            Some(head)
-        }
-        fn u8(&mut self) -> Option<usize> {
-            self.take(1).map(|b| usize::from(b[0]))
-        }
-        fn u16(&mut self) -> Option<usize> {
-            self.take(2)
-                .map(|b| usize::from(u16::from_be_bytes([b[0], b[1]])))
-        }
-        fn u24(&mut self) -> Option<usize> {
-            self.take(3)
-                .map(|b| usize::from(b[0]) << 16 | usize::from(b[1]) << 8 | usize::from(b[2]))
+    let mut acceptor = rustls::server::Acceptor::default();
+    let mut input = bytes;
+    while !input.is_empty() {
+        match acceptor.read_tls(&mut input) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => return Some(First::Bad(format!("a malformed TLS ClientHello: {e}"))),
         }
     }
-    let len = match hello_len(record)? {
-        Ok(len) if record.len() >= len => len,
-        _ => return None,
-    };
-    let mut c = Cursor(&record[5..len]);
-    if c.u8()? != 1 {
-        return None; // not a ClientHello
+    match acceptor.accept() {
+        Ok(None) => None,
+        Ok(Some(accepted)) => Some(First::Hello {
+            server_name: accepted.client_hello().server_name().map(normalise),
+        }),
+        Err((e, _alert)) => Some(First::Bad(format!("a malformed TLS ClientHello: {e}"))),
     }
-    let body = c.u24()?;
-    let mut c = Cursor(c.take(body)?);
-    c.take(2 + 32)?; // version, random
-    let n = c.u8()?;
-    c.take(n)?; // session id
-    let n = c.u16()?;
-    c.take(n)?; // cipher suites
-    let n = c.u8()?;
-    c.take(n)?; // compression methods
-    let n = c.u16()?;
-    let mut ext = Cursor(c.take(n)?);
-    while !ext.0.is_empty() {
-        let kind = ext.u16()?;
-        let n = ext.u16()?;
-        let data = ext.take(n)?;
-        if kind != 0 {
-            continue;
-        }
-        let mut list = Cursor(data);
-        let n = list.u16()?;
-        let mut names = Cursor(list.take(n)?);
-        while !names.0.is_empty() {
-            let name_type = names.u8()?;
-            let n = names.u16()?;
-            let name = names.take(n)?;
-            if name_type == 0 {
-                return std::str::from_utf8(name).ok().map(normalise);
-            }
-        }
-    }
-    None
 }
 
 #[cfg(test)]
@@ -1154,53 +1169,104 @@ mod tests {
         }
     }
 
-    /// A ClientHello as TLS 1.3 clients send it (structure only).
-    pub(crate) fn client_hello(name: &str) -> Vec<u8> {
-        let mut sni = Vec::new();
-        sni.extend_from_slice(&((name.len() + 3) as u16).to_be_bytes());
-        sni.push(0);
-        sni.extend_from_slice(&(name.len() as u16).to_be_bytes());
-        sni.extend_from_slice(name.as_bytes());
-        let mut ext = Vec::new();
-        // An unrelated extension first (supported_versions).
-        ext.extend_from_slice(&[0x00, 0x2b, 0x00, 0x03, 0x02, 0x03, 0x04]);
-        ext.extend_from_slice(&[0, 0]);
-        ext.extend_from_slice(&(sni.len() as u16).to_be_bytes());
-        ext.extend_from_slice(&sni);
-        let mut body = vec![3, 3];
-        body.extend_from_slice(&[7; 32]);
-        body.push(32);
-        body.extend_from_slice(&[9; 32]);
-        body.extend_from_slice(&[0, 2, 0x13, 0x01]);
-        body.extend_from_slice(&[1, 0]);
-        body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
-        body.extend_from_slice(&ext);
-        let mut hs = vec![1];
-        hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
-        hs.extend_from_slice(&body);
-        let mut record = vec![0x16, 3, 1];
-        record.extend_from_slice(&(hs.len() as u16).to_be_bytes());
-        record.extend_from_slice(&hs);
-        record
+    #[test]
+    fn request_heads_that_http_parsers_disagree_on_are_refused() {
+        let many: String = (0..200).map(|i| format!("X-{i}: v\r\n")).collect();
+        let cases: [(&[u8], &str); 4] = [
+            (
+                b"GET http://a.example/ HTTP/1.1\r\nX: a\r\n b\r\n\r\n",
+                "not an HTTP/1",
+            ),
+            (
+                b"GET http://a.example/ HTTP/1.1\r\nX: \xff\r\n\r\n",
+                "not UTF-8",
+            ),
+            (
+                b"GET http://a.example/ HTTP/1.1\r\nX : a\r\n\r\n",
+                "not an HTTP/1",
+            ),
+            (
+                format!("GET http://a.example/ HTTP/1.1\r\n{many}\r\n")
+                    .leak()
+                    .as_bytes(),
+                "more than",
+            ),
+        ];
+
+        for (head, says) in cases {
+            match parse(head) {
+                Err(Refused::Bad(why)) => assert!(why.contains(says), "{why}"),
+                _ => panic!("{:?} was not refused", String::from_utf8_lossy(head)),
+            }
+        }
+    }
+
+    /// The first flight of a real TLS client (rustls) for `name`, or
+    /// without a server name.
+    fn real_client_hello(name: Option<&str>) -> Vec<u8> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        cfg.enable_sni = name.is_some();
+        let server = rustls::pki_types::ServerName::try_from(name.unwrap_or("203.0.113.7"))
+            .expect("name")
+            .to_owned();
+        let mut client = rustls::ClientConnection::new(Arc::new(cfg), server).expect("client");
+        let mut out = Vec::new();
+        client.write_tls(&mut out).expect("hello");
+        out
+    }
+
+    /// One ClientHello record cut into TLS records of `size` bytes of
+    /// handshake each (as a hostile or unusual client may send it).
+    fn in_records(hello: &[u8], size: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for part in hello[5..].chunks(size) {
+            out.extend_from_slice(&hello[..3]);
+            out.extend_from_slice(&(part.len() as u16).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+        out
     }
 
     #[test]
-    fn the_server_name_of_a_client_hello_is_found_and_garbage_is_not_trusted() {
-        let hello = client_hello("API.Example.com");
-        assert_eq!(sni(&hello).as_deref(), Some("api.example.com"));
-        assert_eq!(hello_len(&hello), Some(Ok(hello.len())));
-        // Truncated anywhere: no name, no panic.
-        for n in 0..hello.len() {
-            assert_eq!(sni(&hello[..n]), None);
+    fn the_server_name_of_a_client_hello_is_read_however_it_is_split() {
+        let hello = real_client_hello(Some("API.Example.com"));
+        let named = Some(First::Hello {
+            server_name: Some("api.example.com".into()),
+        });
+
+        let whole = read_hello(&hello);
+        let fragmented = read_hello(&in_records(&hello, 7));
+        let nameless = read_hello(&real_client_hello(None));
+
+        assert_eq!(whole, named);
+        assert_eq!(fragmented, named, "split across TLS records");
+        assert_eq!(nameless, Some(First::Hello { server_name: None }));
+        // Cut anywhere (across TCP segments): not decided yet.
+        for n in 1..hello.len() {
+            assert_eq!(read_hello(&hello[..n]), None, "{n} bytes");
         }
-        // Any single corrupted byte: no panic.
+    }
+
+    #[test]
+    fn what_is_not_a_client_hello_is_told_apart_and_garbage_is_refused() {
+        let hello = real_client_hello(Some("api.example.com"));
+
+        assert_eq!(read_hello(b"SSH-2.0-OpenSSH"), Some(First::NotTls));
+        assert!(matches!(
+            read_hello(&[0x16, 3, 1, 0, 4, 2, 0, 0, 0]),
+            Some(First::Bad(_))
+        ));
+        // Any single corrupted byte: a decision or a wait, never a panic.
         for i in 0..hello.len() {
             let mut h = hello.clone();
             h[i] ^= 0xff;
-            let _ = sni(&h);
+            let _ = read_hello(&h);
         }
-        assert_eq!(hello_len(b"SSH-2.0"), Some(Err(())));
-        assert_eq!(hello_len(&[0x16, 3]), None);
     }
 
     /// The whole proxy on a real socket, for what is decided before any
