@@ -1,11 +1,19 @@
-//! The daemon's metrics, rendered in Prometheus' text format at /metrics.
+//! The daemon's metrics, kept and rendered by `prometheus-client`
+//! (OpenMetrics text at /metrics).
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use husk_types::PoolInfo;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// The Content-Type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Counts for /metrics.
 #[derive(Debug)]
@@ -21,241 +29,226 @@ const BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
-/// A cumulative histogram.
-#[derive(Debug, Default)]
-struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    count: u64,
-    sum: f64,
+fn latency() -> Histogram {
+    Histogram::new(BUCKETS)
 }
 
-impl Histogram {
-    fn observe(&mut self, v: f64) {
-        for (i, le) in BUCKETS.iter().enumerate() {
-            if v <= *le {
-                self.counts[i] += 1;
-            }
-        }
-        self.count += 1;
-        self.sum += v;
-    }
-
-    fn render(&self, out: &mut String, name: &str, labels: &str) {
-        let sep = if labels.is_empty() { "" } else { "," };
-        for (le, n) in BUCKETS.iter().zip(self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{le}\"}} {n}");
-        }
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
-            self.count
-        );
-        let braces = if labels.is_empty() {
-            String::new()
-        } else {
-            format!("{{{labels}}}")
-        };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{braces} {}", self.count);
-    }
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct State {
+    state: String,
 }
 
-/// Counters and histograms the daemon updates as it works.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Template {
+    template: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Pooled {
+    pooled: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Decision {
+    decision: String,
+}
+
+fn label<L>(make: impl FnOnce(String) -> L, value: &str) -> L {
+    make(value.to_owned())
+}
+
+/// A value for a gauge (they are signed).
+fn level(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Counters and histograms the daemon updates as it works, and the gauges
+/// it sets when asked for them.
+#[derive(Debug)]
 pub struct Metrics {
-    create_pooled: Mutex<Histogram>,
-    create_restored: Mutex<Histogram>,
-    restore: Mutex<Histogram>,
-    pool_hits: AtomicU64,
-    pool_misses: AtomicU64,
-    vmm_failures: AtomicU64,
-    requests: AtomicU64,
-    egress_allowed: AtomicU64,
-    egress_denied: AtomicU64,
+    registry: Registry,
+    /// Renders one at a time (each sets the gauges, then encodes).
+    rendering: Mutex<()>,
+    create: Family<Pooled, Histogram, fn() -> Histogram>,
+    restore: Histogram,
+    pool_hits: Counter,
+    pool_misses: Counter,
+    vmm_failures: Counter,
+    requests: Counter,
+    egress: Family<Decision, Counter>,
+    sandboxes: Family<State, Gauge>,
+    pool_target: Family<Template, Gauge>,
+    pool_ready: Family<Template, Gauge>,
+    vmm_resident: Gauge,
+    guest_memory: Gauge,
+    guest_memory_budget: Gauge,
+    daemon_resident: Gauge,
 }
 
-/// A metric's lines: (labels, value).
-type Samples = Vec<(String, u64)>;
-
-fn head(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
-/// One metric: its header, then a line per (labels, value).
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, u64)]) {
-    head(out, name, kind, help);
-    for (labels, value) in samples {
-        if labels.is_empty() {
-            let _ = writeln!(out, "{name} {value}");
-        } else {
-            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+impl Default for Metrics {
+    fn default() -> Self {
+        let m = Metrics {
+            registry: Registry::default(),
+            rendering: Mutex::new(()),
+            create: Family::new_with_constructor(latency as fn() -> Histogram),
+            restore: latency(),
+            pool_hits: Counter::default(),
+            pool_misses: Counter::default(),
+            vmm_failures: Counter::default(),
+            requests: Counter::default(),
+            egress: Family::default(),
+            sandboxes: Family::default(),
+            pool_target: Family::default(),
+            pool_ready: Family::default(),
+            vmm_resident: Gauge::default(),
+            guest_memory: Gauge::default(),
+            guest_memory_budget: Gauge::default(),
+            daemon_resident: Gauge::default(),
+        };
+        // Both kinds of create and decision show from the start.
+        for pooled in ["true", "false"] {
+            let _ = m
+                .create
+                .get_or_create(&label(|pooled| Pooled { pooled }, pooled));
         }
+        for decision in ["allow", "deny"] {
+            let _ = m
+                .egress
+                .get_or_create(&label(|decision| Decision { decision }, decision));
+        }
+        let mut m = m;
+        let r = &mut m.registry;
+        r.register("husk_sandboxes", "Sandboxes by state", m.sandboxes.clone());
+        r.register(
+            "husk_pool_target",
+            "Clones each warm pool keeps",
+            m.pool_target.clone(),
+        );
+        r.register(
+            "husk_pool_ready",
+            "Parked clones ready to hand out",
+            m.pool_ready.clone(),
+        );
+        r.register(
+            "husk_pool_hits",
+            "Creates served from a pool",
+            m.pool_hits.clone(),
+        );
+        r.register(
+            "husk_pool_misses",
+            "Creates that had to restore",
+            m.pool_misses.clone(),
+        );
+        r.register(
+            "husk_vmm_failures",
+            "VMMs that exited on their own",
+            m.vmm_failures.clone(),
+        );
+        r.register(
+            "husk_api_requests",
+            "API requests served",
+            m.requests.clone(),
+        );
+        r.register(
+            "husk_egress_decisions",
+            "Connections the egress proxy allowed or refused",
+            m.egress.clone(),
+        );
+        r.register(
+            "husk_create_seconds",
+            "From a create request to a sandbox whose agent answered",
+            m.create.clone(),
+        );
+        r.register(
+            "husk_restore_seconds",
+            "From spawning a VMM to its restored guest's agent answering",
+            m.restore.clone(),
+        );
+        r.register(
+            "husk_vmm_resident_bytes",
+            "Resident memory of all VMM processes",
+            m.vmm_resident.clone(),
+        );
+        r.register(
+            "husk_guest_memory_mib",
+            "Guest memory of live sandboxes",
+            m.guest_memory.clone(),
+        );
+        r.register(
+            "husk_guest_memory_budget_mib",
+            "The host's sandbox memory budget",
+            m.guest_memory_budget.clone(),
+        );
+        r.register(
+            "husk_daemon_resident_bytes",
+            "The daemon's own resident memory",
+            m.daemon_resident.clone(),
+        );
+        m
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Metrics {
     pub fn observe_create(&self, pooled: bool, seconds: f64) {
-        let h = if pooled {
-            &self.create_pooled
-        } else {
-            &self.create_restored
-        };
-        lock(h).observe(seconds);
+        let pooled = if pooled { "true" } else { "false" };
+        self.create
+            .get_or_create(&label(|pooled| Pooled { pooled }, pooled))
+            .observe(seconds);
     }
 
     pub fn observe_restore(&self, seconds: f64) {
-        lock(&self.restore).observe(seconds);
+        self.restore.observe(seconds);
     }
 
     pub fn pool_hit(&self) {
-        self.pool_hits.fetch_add(1, Ordering::Relaxed);
+        self.pool_hits.inc();
     }
 
     pub fn pool_miss(&self) {
-        self.pool_misses.fetch_add(1, Ordering::Relaxed);
+        self.pool_misses.inc();
     }
 
     /// One egress proxy decision.
     pub fn egress(&self, allowed: bool) {
-        let c = if allowed {
-            &self.egress_allowed
-        } else {
-            &self.egress_denied
-        };
-        c.fetch_add(1, Ordering::Relaxed);
+        let decision = if allowed { "allow" } else { "deny" };
+        self.egress
+            .get_or_create(&label(|decision| Decision { decision }, decision))
+            .inc();
     }
 
     pub fn vmm_failed(&self) {
-        self.vmm_failures.fetch_add(1, Ordering::Relaxed);
+        self.vmm_failures.inc();
     }
 
     pub fn request(&self) {
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.requests.inc();
     }
 
     /// The text exposition of everything, with the daemon's gauges and
     /// pools as they are now.
     pub fn render(&self, gauges: &Gauges, pools: &[PoolInfo], daemon_rss_bytes: u64) -> String {
+        let _one = self.rendering.lock().unwrap_or_else(|e| e.into_inner());
+        self.sandboxes.clear();
+        for (state, n) in &gauges.by_state {
+            self.sandboxes
+                .get_or_create(&label(|state| State { state }, state))
+                .set(level(*n));
+        }
+        self.pool_target.clear();
+        self.pool_ready.clear();
+        for p in pools {
+            let t = label(|template| Template { template }, &p.template_name);
+            self.pool_target.get_or_create(&t).set(i64::from(p.target));
+            self.pool_ready.get_or_create(&t).set(i64::from(p.ready));
+        }
+        self.vmm_resident.set(level(gauges.vmm_rss_bytes));
+        self.guest_memory.set(level(gauges.guest_mem_mib));
+        self.guest_memory_budget
+            .set(level(gauges.memory_budget_mib));
+        self.daemon_resident.set(level(daemon_rss_bytes));
         let mut out = String::new();
-        let by_state: Samples = gauges
-            .by_state
-            .iter()
-            .map(|(state, n)| (format!("state=\"{state}\""), *n))
-            .collect();
-        let per_pool = |value: fn(&PoolInfo) -> u32| -> Samples {
-            pools
-                .iter()
-                .map(|p| {
-                    (
-                        format!("template=\"{}\"", p.template_name),
-                        u64::from(value(p)),
-                    )
-                })
-                .collect()
-        };
-        let counter = |c: &AtomicU64| vec![(String::new(), c.load(Ordering::Relaxed))];
-        let gauge = |v: u64| vec![(String::new(), v)];
-        let simple: [(&str, &str, &str, Samples); 8] = [
-            ("husk_sandboxes", "gauge", "Sandboxes by state.", by_state),
-            (
-                "husk_pool_target",
-                "gauge",
-                "Clones each warm pool keeps.",
-                per_pool(|p| p.target),
-            ),
-            (
-                "husk_pool_ready",
-                "gauge",
-                "Parked clones ready to hand out.",
-                per_pool(|p| p.ready),
-            ),
-            (
-                "husk_pool_hits_total",
-                "counter",
-                "Creates served from a pool.",
-                counter(&self.pool_hits),
-            ),
-            (
-                "husk_pool_misses_total",
-                "counter",
-                "Creates that had to restore.",
-                counter(&self.pool_misses),
-            ),
-            (
-                "husk_vmm_failures_total",
-                "counter",
-                "VMMs that exited on their own.",
-                counter(&self.vmm_failures),
-            ),
-            (
-                "husk_api_requests_total",
-                "counter",
-                "API requests served.",
-                counter(&self.requests),
-            ),
-            (
-                "husk_egress_decisions_total",
-                "counter",
-                "Connections the egress proxy allowed or refused.",
-                vec![
-                    (
-                        "decision=\"allow\"".to_owned(),
-                        self.egress_allowed.load(Ordering::Relaxed),
-                    ),
-                    (
-                        "decision=\"deny\"".to_owned(),
-                        self.egress_denied.load(Ordering::Relaxed),
-                    ),
-                ],
-            ),
-        ];
-        for (name, kind, help, samples) in simple {
-            metric(&mut out, name, kind, help, &samples);
-        }
-        head(
-            &mut out,
-            "husk_create_seconds",
-            "histogram",
-            "From a create request to a sandbox whose agent answered.",
-        );
-        lock(&self.create_pooled).render(&mut out, "husk_create_seconds", "pooled=\"true\"");
-        lock(&self.create_restored).render(&mut out, "husk_create_seconds", "pooled=\"false\"");
-        head(
-            &mut out,
-            "husk_restore_seconds",
-            "histogram",
-            "From spawning a VMM to its restored guest's agent answering.",
-        );
-        lock(&self.restore).render(&mut out, "husk_restore_seconds", "");
-        let memory: [(&str, &str, u64); 4] = [
-            (
-                "husk_vmm_resident_bytes",
-                "Resident memory of all VMM processes.",
-                gauges.vmm_rss_bytes,
-            ),
-            (
-                "husk_guest_memory_mib",
-                "Guest memory of live sandboxes.",
-                gauges.guest_mem_mib,
-            ),
-            (
-                "husk_guest_memory_budget_mib",
-                "The host's sandbox memory budget.",
-                gauges.memory_budget_mib,
-            ),
-            (
-                "husk_daemon_resident_bytes",
-                "The daemon's own resident memory.",
-                daemon_rss_bytes,
-            ),
-        ];
-        for (name, help, v) in memory {
-            metric(&mut out, name, "gauge", help, &gauge(v));
-        }
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
 }
@@ -290,7 +283,7 @@ mod tests {
             "# TYPE husk_sandboxes gauge\nhusk_sandboxes{state=\"running\"} 3\n",
             "husk_pool_target{template=\"base\"} 4\n",
             "# TYPE husk_pool_ready gauge\nhusk_pool_ready{template=\"base\"} 2\n",
-            "# TYPE husk_pool_hits_total counter\nhusk_pool_hits_total 1\n",
+            "# TYPE husk_pool_hits counter\nhusk_pool_hits_total 1\n",
             "husk_create_seconds_count{pooled=\"false\"} 0\n",
             "husk_guest_memory_budget_mib 1024\n",
             "husk_daemon_resident_bytes 99\n",
@@ -301,18 +294,25 @@ mod tests {
 
     #[test]
     fn histogram_buckets_are_cumulative() {
-        let mut h = Histogram::default();
-        h.observe(0.015);
-        h.observe(3.0);
-        let mut out = String::new();
-        h.render(&mut out, "x", "");
+        let m = Metrics::default();
+        m.observe_restore(0.015);
+        m.observe_restore(3.0);
+        let gauges = Gauges {
+            by_state: BTreeMap::new(),
+            vmm_rss_bytes: 0,
+            guest_mem_mib: 0,
+            memory_budget_mib: 0,
+        };
 
-        assert!(out.contains("x_bucket{le=\"0.01\"} 0\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"0.02\"} 1\n"), "{out}");
-        assert!(out.contains("x_bucket{le=\"5\"} 2\n"), "{out}");
-        assert!(
-            out.contains("x_bucket{le=\"+Inf\"} 2\nx_sum 3.015\nx_count 2\n"),
-            "{out}"
-        );
+        let out = m.render(&gauges, &[], 0);
+
+        for line in [
+            "husk_restore_seconds_bucket{le=\"0.01\"} 0\n",
+            "husk_restore_seconds_bucket{le=\"0.02\"} 1\n",
+            "husk_restore_seconds_bucket{le=\"5.0\"} 2\n",
+            "husk_restore_seconds_count 2\n",
+        ] {
+            assert!(out.contains(line), "{line} missing from:\n{out}");
+        }
     }
 }

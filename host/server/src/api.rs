@@ -701,7 +701,11 @@ async fn metrics(State(d): State<Shared>) -> ApiResult<Response> {
         ))
     })
     .await?;
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response())
+    Ok((
+        [(header::CONTENT_TYPE, husk_core::metrics::CONTENT_TYPE)],
+        text,
+    )
+        .into_response())
 }
 
 // ---- exec ----
