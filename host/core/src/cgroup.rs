@@ -16,8 +16,11 @@ pub enum Hierarchy {
     V2(PathBuf),
     /// The v1 controllers' mount points.
     V1 {
+        /// The memory controller's mount point.
         memory: PathBuf,
+        /// The cpu controller's mount point.
         cpu: PathBuf,
+        /// The pids controller's mount point.
         pids: PathBuf,
     },
 }
@@ -75,6 +78,7 @@ impl Hierarchy {
         }
     }
 
+    /// `v2` or `v1`.
     pub fn name(&self) -> &'static str {
         match self {
             Hierarchy::V2(_) => "v2",
@@ -86,9 +90,11 @@ impl Hierarchy {
 /// A VMM's limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
+    /// Most memory, in bytes (guest memory and the VMM's own).
     pub memory_bytes: u64,
     /// CPU time per 100 ms period, in microseconds.
     pub cpu_quota_us: u64,
+    /// Most processes and threads.
     pub pids_max: u32,
 }
 

@@ -17,6 +17,7 @@ pub struct DaemonConfig {
     pub vmm: PathBuf,
     /// The default guest kernel and initramfs of template builds.
     pub kernel: Option<PathBuf>,
+    /// The default root file system (an initramfs) of template builds.
     pub initramfs: Option<PathBuf>,
     /// guest-init (static), put into root file systems built from a
     /// directory or a tar archive.

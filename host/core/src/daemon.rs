@@ -36,10 +36,13 @@ const EGRESS_AUDIT_QUEUE: usize = 4096;
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error("{0}")]
+    /// No such sandbox, template or pool.
     NotFound(String),
     #[error("{0}")]
+    /// The request is malformed or asks for what cannot be.
     Invalid(String),
     #[error("{0}")]
+    /// The request conflicts with the state (a paused sandbox, a name in use).
     Conflict(String),
     /// The host is full (sandboxes or memory).
     #[error("{0}")]
@@ -48,16 +51,22 @@ pub enum DaemonError {
     #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
+    /// It was tried and failed.
     Failed(String),
     #[error(transparent)]
+    /// A template build or check failed.
     Template(#[from] TemplateError),
     #[error(transparent)]
+    /// The store failed.
     Store(#[from] StoreError),
     #[error("the sandbox's agent: {0}")]
+    /// The sandbox's agent failed or refused.
     Agent(#[from] ClientError),
     #[error(transparent)]
+    /// An upload failed.
     Upload(#[from] crate::upload::UploadError),
     #[error("I/O error: {0}")]
+    /// A host file operation failed.
     Io(#[from] std::io::Error),
 }
 
@@ -159,6 +168,7 @@ pub struct Daemon {
     /// Signalled when pools may need refilling (or the daemon stops).
     pool_wakeup: Condvar,
     slots: Slots,
+    /// Its counters and histograms (rendered at /metrics).
     pub metrics: Metrics,
     stopping: AtomicBool,
     egress: Arc<Egress>,
@@ -374,6 +384,7 @@ impl Daemon {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The store: records and the audit log.
     pub fn store(&self) -> &Store {
         &self.store
     }
@@ -384,6 +395,7 @@ impl Daemon {
         self.egress.ca_pem()
     }
 
+    /// What it was started with.
     pub fn config(&self) -> &DaemonConfig {
         &self.cfg
     }
@@ -504,6 +516,8 @@ impl Daemon {
         Ok(up)
     }
 
+    /// Builds a template: boots `spec`'s guest once, warms it up and snapshots it; `progress` hears
+    /// each step; audited as `who`.
     pub fn build_template(
         &self,
         mut spec: TemplateSpec,
@@ -536,10 +550,12 @@ impl Daemon {
         Ok(())
     }
 
+    /// Every template.
     pub fn templates(&self) -> Result<Vec<TemplateRecord>, DaemonError> {
         Ok(self.store.templates()?)
     }
 
+    /// A template by id or name.
     pub fn template(&self, id_or_name: &str) -> Result<TemplateRecord, DaemonError> {
         self.store.template(id_or_name)?.ok_or_else(|| {
             DaemonError::NotFound(format!(
@@ -1305,6 +1321,7 @@ impl Daemon {
         })
     }
 
+    /// The warm pools that keep, hold or are restoring clones.
     pub fn pools(&self) -> Result<Vec<PoolInfo>, DaemonError> {
         let mut out = Vec::new();
         for t in self.store.templates()? {

@@ -22,6 +22,8 @@
 //! The wire types (create requests, sandbox and template records, exec
 //! events) are `husk-types`'.
 
+#![deny(missing_docs)]
+
 pub mod cgroup;
 pub mod config;
 pub mod daemon;

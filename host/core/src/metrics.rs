@@ -18,9 +18,13 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// Counts for /metrics.
 #[derive(Debug)]
 pub struct Gauges {
+    /// Sandboxes by state.
     pub by_state: BTreeMap<&'static str, u64>,
+    /// Resident memory of all VMM processes.
     pub vmm_rss_bytes: u64,
+    /// Guest memory of live sandboxes, in MiB.
     pub guest_mem_mib: u64,
+    /// The host's guest memory budget, in MiB.
     pub memory_budget_mib: u64,
 }
 
@@ -189,6 +193,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// A create took `seconds` (from a pool or not).
     pub fn observe_create(&self, pooled: bool, seconds: f64) {
         let pooled = if pooled { "true" } else { "false" };
         self.create
@@ -196,14 +201,17 @@ impl Metrics {
             .observe(seconds);
     }
 
+    /// A restore took `seconds`.
     pub fn observe_restore(&self, seconds: f64) {
         self.restore.observe(seconds);
     }
 
+    /// A create was served from a pool.
     pub fn pool_hit(&self) {
         self.pool_hits.inc();
     }
 
+    /// A create had to restore.
     pub fn pool_miss(&self) {
         self.pool_misses.inc();
     }
@@ -216,10 +224,12 @@ impl Metrics {
             .inc();
     }
 
+    /// A VMM exited on its own.
     pub fn vmm_failed(&self) {
         self.vmm_failures.inc();
     }
 
+    /// An API request was served.
     pub fn request(&self) {
         self.requests.inc();
     }

@@ -18,10 +18,13 @@ use husk_types::RootfsSource;
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
     #[error("{0}")]
+    /// The source is unusable (a hostile archive entry, a missing directory).
     Invalid(String),
     #[error("{0}")]
+    /// A tool that makes the image failed.
     Build(String),
     #[error("I/O error on {0}: {1}")]
+    /// A file operation failed.
     Io(PathBuf, #[source] std::io::Error),
 }
 

@@ -17,14 +17,19 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("the state database {path}: {source}")]
+    /// The database file cannot be opened.
     Open {
+        /// The database file.
         path: PathBuf,
         #[source]
+        /// Why.
         source: rusqlite::Error,
     },
     #[error("the state database: {0}")]
+    /// A query failed.
     Sql(#[from] rusqlite::Error),
     #[error("a record in the state database does not decode: {0}")]
+    /// A record does not decode.
     Decode(#[from] serde_json::Error),
 }
 
@@ -64,20 +69,28 @@ PRAGMA user_version = 1;
 /// A sandbox as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SandboxRecord {
+    /// Its id (`sb-...`).
     pub id: String,
+    /// The id of its template.
     pub template: String,
+    /// Where it is in its life.
     pub state: SandboxState,
     /// Its husk-vmm, and that process's start time (field 22 of
     /// /proc/PID/stat), so that a reused pid is not taken for it.
     pub pid: u32,
+    /// Its VMM's start time (field 22 of /proc/PID/stat).
     pub pid_start: u64,
     /// Its sockets, console, log and overlays.
     pub run_dir: PathBuf,
+    /// Its guest memory, in MiB.
     pub mem_mib: u32,
+    /// When it was created, in ms since the epoch.
     pub created_unix_ms: u64,
     /// When it expires (ms since the epoch), if it has a time to live.
     pub expires_unix_ms: Option<u64>,
+    /// What happens when its time to live runs out.
     pub on_expiry: ExpiryPolicy,
+    /// Its labels.
     pub labels: BTreeMap<String, String>,
     /// Why it failed.
     pub error: Option<String>,
@@ -85,6 +98,7 @@ pub struct SandboxRecord {
     #[serde(default)]
     pub tap: Option<String>,
     #[serde(default)]
+    /// Its guest's MAC address.
     pub mac: Option<String>,
     /// The uid its VMM's jail runs as (0: not jailed).
     #[serde(default)]
@@ -137,6 +151,7 @@ impl Store {
         self.conn.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Adds or replaces a template.
     pub fn put_template(&self, t: &TemplateRecord) -> Result<(), StoreError> {
         self.conn().execute(
             "INSERT OR REPLACE INTO templates (id, name, record) VALUES (?1, ?2, ?3)",
@@ -145,6 +160,7 @@ impl Store {
         Ok(())
     }
 
+    /// Every template.
     pub fn templates(&self) -> Result<Vec<TemplateRecord>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare("SELECT record FROM templates ORDER BY name")?;
@@ -169,6 +185,7 @@ impl Store {
         Ok(record.map(|r| serde_json::from_str(&r)).transpose()?)
     }
 
+    /// Removes a template's record.
     pub fn remove_template(&self, id: &str) -> Result<(), StoreError> {
         let conn = self.conn();
         conn.execute("DELETE FROM pools WHERE template = ?1", params![id])?;
@@ -176,6 +193,7 @@ impl Store {
         Ok(())
     }
 
+    /// Adds or replaces a sandbox.
     pub fn put_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
         self.conn().execute(
             "INSERT OR REPLACE INTO sandboxes (id, template, record) VALUES (?1, ?2, ?3)",
@@ -184,12 +202,14 @@ impl Store {
         Ok(())
     }
 
+    /// Removes a sandbox's record.
     pub fn remove_sandbox(&self, id: &str) -> Result<(), StoreError> {
         self.conn()
             .execute("DELETE FROM sandboxes WHERE id = ?1", params![id])?;
         Ok(())
     }
 
+    /// Every sandbox.
     pub fn sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare("SELECT record FROM sandboxes ORDER BY id")?;
@@ -201,6 +221,7 @@ impl Store {
         Ok(out)
     }
 
+    /// Sets a template's pool size (0 removes the pool).
     pub fn set_pool(&self, template: &str, target: u32) -> Result<(), StoreError> {
         let conn = self.conn();
         if target == 0 {
@@ -214,6 +235,7 @@ impl Store {
         Ok(())
     }
 
+    /// Every pool's size, by template id.
     pub fn pools(&self) -> Result<BTreeMap<String, u32>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare("SELECT template, target FROM pools")?;

@@ -43,17 +43,22 @@ impl From<crate::rootfs::RootfsError> for TemplateError {
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
     #[error("{0}")]
+    /// The spec or the name is unusable.
     Invalid(String),
     #[error("the template's build failed: {0}")]
+    /// The build failed (the guest did not boot, warm up or snapshot).
     Build(String),
     #[error("{0}")]
+    /// A template's files are not what was built.
     Corrupt(String),
     /// A host path the daemon may not read for a template.
     #[error("{0}")]
     Forbidden(String),
     #[error(transparent)]
+    /// Its upload is missing or unusable.
     Upload(#[from] crate::upload::UploadError),
     #[error("I/O error on {0}: {1}")]
+    /// A file operation failed.
     Io(PathBuf, #[source] std::io::Error),
 }
 

@@ -23,14 +23,18 @@ pub const KEEP: Duration = Duration::from_secs(3600);
 #[derive(Debug, thiserror::Error)]
 pub enum UploadError {
     #[error("the upload is over the daemon's {0}-byte limit (husk serve --max-upload-mib)")]
+    /// Over the limit.
     TooLarge(u64),
     #[error(
         "no upload `{0}`: an upload is used by one build and kept for an hour (upload it again)"
     )]
+    /// No such upload (or used already).
     NotFound(String),
     #[error("the upload broke off: {0}")]
+    /// The client's body broke off.
     Body(#[source] std::io::Error),
     #[error("I/O error on {0}: {1}")]
+    /// A file operation failed.
     Io(PathBuf, #[source] std::io::Error),
 }
 

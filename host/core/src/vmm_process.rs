@@ -15,8 +15,11 @@ use husk_jailer::{Bind, Jail};
 
 /// A VMM's files in its run directory.
 pub const VSOCK: &str = "vsock";
+/// The control socket in a sandbox's run directory.
 pub const API: &str = "api";
+/// The serial console's file in a sandbox's run directory.
 pub const CONSOLE: &str = "console";
+/// The VMM's log in a sandbox's run directory.
 pub const LOG: &str = "vmm.log";
 
 /// The guest's vsock CID. Every VMM has its own vsock device and socket,
@@ -29,7 +32,9 @@ const GUEST_CID: u32 = 3;
 /// and the guest's MAC address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Nic {
+    /// The TAP device's name.
     pub tap: String,
+    /// The guest's MAC address.
     pub mac: [u8; 6],
 }
 
@@ -45,6 +50,7 @@ impl Nic {
         })
     }
 
+    /// The MAC as `aa:bb:cc:dd:ee:ff`.
     pub fn mac_text(&self) -> String {
         mac_text(&self.mac)
     }
@@ -70,17 +76,25 @@ pub fn mac_text(mac: &[u8; 6]) -> String {
 pub enum Launch {
     /// Boot a kernel.
     Boot {
+        /// The kernel (an uncompressed vmlinux or a bzImage).
         kernel: PathBuf,
+        /// The initramfs, if any.
         initramfs: Option<PathBuf>,
         /// `--drive` specs (the first is the root when `cmdline` says so).
         drives: Vec<String>,
+        /// The guest command line's additions.
         cmdline: Option<String>,
+        /// vCPUs.
         vcpus: u8,
+        /// Guest memory, in MiB.
         mem_mib: u32,
     },
     /// Restore a snapshot; each writable drive gets an overlay in the run
     /// directory.
-    Restore { snapshot: PathBuf },
+    Restore {
+        /// The snapshot's directory.
+        snapshot: PathBuf,
+    },
 }
 
 /// Runs the VMM in a jail (see [`husk_jailer`]).
@@ -100,12 +114,17 @@ pub struct Jailing {
 pub struct VmSpawn<'a> {
     /// The husk-vmm binary.
     pub vmm: &'a Path,
+    /// The sandbox's id.
     pub id: &'a str,
     /// Its files (must exist).
     pub run_dir: &'a Path,
+    /// Boot or restore.
     pub launch: &'a Launch,
+    /// The cgroup it joins, if any.
     pub cgroup: Option<&'a Cgroup>,
+    /// Its network device, if any.
     pub nic: Option<&'a Nic>,
+    /// Its jail, if any.
     pub jail: Option<&'a Jailing>,
     /// `--block-limit` and `--net-limit`, if any.
     pub limits: (Option<&'a str>, Option<&'a str>),

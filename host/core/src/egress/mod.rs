@@ -165,6 +165,7 @@ impl Allowlist {
         Ok(Allowlist { rules })
     }
 
+    /// Whether it allows nothing.
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
     }
@@ -294,8 +295,11 @@ fn refusal_v4(ip: Ipv4Addr) -> Option<&'static str> {
 /// One decision, for the audit log.
 #[derive(Debug, Clone)]
 pub struct Decision {
+    /// The sandbox that asked.
     pub sandbox: String,
+    /// Whether the connection was carried.
     pub allowed: bool,
+    /// What was asked and why it was decided so.
     pub detail: String,
 }
 
@@ -313,7 +317,9 @@ pub struct Egress {
 /// (`intercept`).
 #[derive(Debug)]
 pub struct Tls {
+    /// The CA that signs the certificates the proxy shows guests.
     pub ca: crate::egress::intercept::Ca,
+    /// How the proxy checks the real hosts' certificates.
     pub upstream: Arc<rustls::ClientConfig>,
 }
 
