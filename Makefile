@@ -51,6 +51,8 @@ test-hostile:
 lint:
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --locked -- -D warnings
+	# The embedding library's documentation, every public item of it.
+	RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked -p husk-core -p husk-types
 	# guest-init ships as a static musl binary: lint it as built.
 	cargo clippy -p guest-init --target x86_64-unknown-linux-musl --locked -- -D warnings
 
