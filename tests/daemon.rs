@@ -1649,7 +1649,23 @@ fn the_e2b_python_sdk_drives_husk_unchanged() {
     let left: Vec<SandboxInfo> = api()
         .call("GET", "/v1/sandboxes?label=e2b%3D1", None)
         .expect("list");
+    let audit: Vec<AuditEntry> = api()
+        .call("GET", "/v1/audit?limit=10000", None)
+        .expect("audit");
+    let by_envd = |action: &str| {
+        audit
+            .iter()
+            .any(|e| e.who == "e2b envd" && e.action == action)
+    };
+
     assert!(left.is_empty(), "{left:?}");
+    // What the SDK did in its sandboxes is audited as the REST API's is.
+    for action in ["exec", "upload", "download"] {
+        assert!(
+            by_envd(action),
+            "no `{action}` through envd in the audit log"
+        );
+    }
 }
 
 #[test]

@@ -1036,6 +1036,34 @@ impl Daemon {
         )?)
     }
 
+    /// A connection to a running sandbox's agent for one operation of
+    /// `who`'s, audited (`action`, `detail`) as it is made: how front-ends
+    /// reach a guest for a caller, so that every front-end's operations
+    /// are in the audit log alike.
+    pub fn agent_for(
+        &self,
+        id: &str,
+        who: &str,
+        action: &str,
+        detail: &str,
+    ) -> Result<AgentClient, DaemonError> {
+        let client = self.agent(id)?;
+        self.audit(who, action, id, detail)?;
+        Ok(client)
+    }
+
+    /// Records in the audit log that `who` did `action` to sandbox `id`
+    /// (for an operation on a connection a front-end already holds).
+    pub fn audit(
+        &self,
+        who: &str,
+        action: &str,
+        id: &str,
+        detail: &str,
+    ) -> Result<(), DaemonError> {
+        Ok(self.store.audit(who, action, Some(id), None, detail)?)
+    }
+
     /// Where a sandbox's console is.
     pub fn console_path(&self, id: &str) -> Result<PathBuf, DaemonError> {
         Ok(self.record(id)?.run_dir.join(vmm_process::CONSOLE))

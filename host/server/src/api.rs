@@ -735,11 +735,10 @@ async fn exec(
     let (started_tx, started_rx) = oneshot::channel::<Result<i32, DaemonError>>();
     let (tx, rx) = mpsc::channel(32);
     tokio::task::spawn_blocking(move || {
-        let mut client = match d.agent(&id) {
+        let mut client = match d.agent_for(&id, &who.0, "exec", &detail) {
             Ok(c) => c,
             Err(e) => return drop(started_tx.send(Err(e))),
         };
-        let _ = d.store().audit(&who.0, "exec", Some(&id), None, &detail);
         let mut running = match client.start(req) {
             Ok(r) => r,
             Err(e) => return drop(started_tx.send(Err(e.into()))),
@@ -843,10 +842,8 @@ async fn list_dir(
 ) -> ApiResult<Response> {
     let q = file_query(q)?;
     let entries = blocking(move || {
-        let mut client = d.agent(&id)?;
-        let entries = client.list(&q.path)?;
-        d.store().audit(&who.0, "list", Some(&id), None, &q.path)?;
-        Ok(entries)
+        let mut client = d.agent_for(&id, &who.0, "list", &q.path)?;
+        Ok(client.list(&q.path)?)
     })
     .await?;
     Ok(ok(StatusCode::OK, entries))
@@ -861,7 +858,7 @@ async fn download(
     let q = file_query(q)?;
     let (size, body) = stream_guest_file(
         move || {
-            let mut client = d.agent(&id)?;
+            let mut client = d.agent_for(&id, &who.0, "download", &q.path)?;
             // Not found, or not a file: an HTTP error before any byte.
             let st = client.stat(&q.path)?;
             if st.kind != husk_protocol::FileKind::File {
@@ -870,8 +867,6 @@ async fn download(
                     q.path
                 )));
             }
-            d.store()
-                .audit(&who.0, "download", Some(&id), None, &q.path)?;
             Ok((client, q.path, st.size))
         },
         || DaemonError::Failed("the file worker ended".into()),
@@ -997,10 +992,8 @@ async fn upload(
     };
     let path = q.path.clone();
     let size = with_body(body, move |reader| {
-        let mut client = d.agent(&id)?;
-        let size = client.write_file(&path, mode, reader)?;
-        d.store().audit(&who.0, "upload", Some(&id), None, &path)?;
-        Ok(size)
+        let mut client = d.agent_for(&id, &who.0, "upload", &path)?;
+        Ok(client.write_file(&path, mode, reader)?)
     })
     .await?;
     Ok(ok(

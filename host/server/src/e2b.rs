@@ -59,6 +59,10 @@ const KEEPALIVE: Duration = Duration::from_secs(30);
 /// The label that marks a metadata entry.
 const META: &str = "e2b.meta/";
 
+/// Who the audit log names for what comes through envd (its callers hold
+/// the sandbox's access token, not an API key).
+const ENVD_WHO: &str = "e2b envd";
+
 /// The gateway's state.
 pub struct E2b {
     daemon: Arc<Daemon>,
@@ -1010,6 +1014,7 @@ async fn process_rpc(
                     .and_then(|user| start_program(&mut agent, &msg, &user, envs, timeout_ms));
                 match started {
                     Ok(pid) => {
+                        let _ = e.daemon.audit(ENVD_WHO, "exec", &id, &command_line(&msg));
                         let pty = !msg["pty"].is_null();
                         if pty {
                             lock(&e.ptys).insert((id.clone(), pid));
@@ -1111,6 +1116,16 @@ async fn process_rpc(
         )
         .into_response(),
     }
+}
+
+/// A Start request's program and arguments, for the audit log.
+fn command_line(msg: &Value) -> String {
+    let p = &msg["process"];
+    let mut words: Vec<&str> = p["cmd"].as_str().into_iter().collect();
+    if let Some(args) = p["args"].as_array() {
+        words.extend(args.iter().filter_map(Value::as_str));
+    }
+    words.join(" ")
 }
 
 fn start_program(
@@ -1248,6 +1263,7 @@ async fn filesystem_rpc(
                 }
                 "MakeDir" => {
                     let p = path("path")?;
+                    e.daemon.audit(ENVD_WHO, "mkdir", &id, &p)?;
                     if agent.stat(&p).is_ok() {
                         return Err(RpcError("already_exists", format!("{p} already exists")));
                     }
@@ -1257,6 +1273,7 @@ async fn filesystem_rpc(
                 }
                 "ListDir" => {
                     let p = path("path")?;
+                    e.daemon.audit(ENVD_WHO, "list", &id, &p)?;
                     let depth = msg["depth"].as_u64().unwrap_or(1).clamp(1, 16);
                     let mut entries = Vec::new();
                     let mut todo = vec![(p.trim_end_matches('/').to_owned(), 1)];
@@ -1286,12 +1303,15 @@ async fn filesystem_rpc(
                 }
                 "Move" => {
                     let (from, to) = (path("source")?, path("destination")?);
+                    e.daemon
+                        .audit(ENVD_WHO, "rename", &id, &format!("{from} -> {to}"))?;
                     agent.rename(&from, &to).map_err(RpcError::from)?;
                     let st = agent.stat(&to).map_err(RpcError::from)?;
                     Ok(json!({ "entry": entry_info(&to, &st) }))
                 }
                 "Remove" => {
                     let p = path("path")?;
+                    e.daemon.audit(ENVD_WHO, "remove", &id, &p)?;
                     agent.remove(&p, true).map_err(RpcError::from)?;
                     Ok(json!({}))
                 }
@@ -1481,6 +1501,7 @@ async fn download(
             let mut agent = e.daemon.agent(&id).map_err(RpcError::from)?;
             let user = e.user(&id, &mut agent, &name)?;
             let path = resolve(&user, q.path.as_deref().unwrap_or_default());
+            e.daemon.audit(ENVD_WHO, "download", &id, &path)?;
             let st = agent.stat(&path).map_err(RpcError::from)?;
             if st.kind != husk_protocol::FileKind::File {
                 return Err(RpcError(
@@ -1607,6 +1628,7 @@ async fn upload(
             let path =
                 path.ok_or_else(|| RpcError("invalid_argument", "no path for the file".into()))?;
             let path = resolve(&user, &path);
+            e.daemon.audit(ENVD_WHO, "upload", &id, &path)?;
             if let Some((dir, _)) = path.rsplit_once('/').filter(|(d, _)| !d.is_empty()) {
                 agent.mkdir(dir).map_err(RpcError::from)?;
             }
