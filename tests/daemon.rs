@@ -2043,28 +2043,20 @@ fn https_from_guest(
     }
 }
 
-/// A TLS ClientHello record naming `server` (structure only: enough for
-/// the proxy's server-name check).
+/// The first flight of a real TLS client (rustls) for `server`: its
+/// ClientHello, which the proxy reads as a TLS server would.
 fn client_hello(server: &str) -> Vec<u8> {
-    let n = server.len() as u16;
-    let mut ext = vec![0, 0];
-    ext.extend_from_slice(&(n + 5).to_be_bytes());
-    ext.extend_from_slice(&(n + 3).to_be_bytes());
-    ext.push(0);
-    ext.extend_from_slice(&n.to_be_bytes());
-    ext.extend_from_slice(server.as_bytes());
-    let mut body = vec![3, 3];
-    body.extend_from_slice(&[7; 32]);
-    body.extend_from_slice(&[0, 0, 2, 0x13, 0x01, 1, 0]);
-    body.extend_from_slice(&(ext.len() as u16).to_be_bytes());
-    body.extend_from_slice(&ext);
-    let mut hs = vec![1, 0];
-    hs.extend_from_slice(&(body.len() as u16).to_be_bytes());
-    hs.extend_from_slice(&body);
-    let mut record = vec![0x16, 3, 1];
-    record.extend_from_slice(&(hs.len() as u16).to_be_bytes());
-    record.extend_from_slice(&hs);
-    record
+    let cfg = rustls::ClientConfig::builder_with_provider(tls_provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    let name = rustls::pki_types::ServerName::try_from(server.to_owned()).expect("name");
+    let mut client =
+        rustls::ClientConnection::new(std::sync::Arc::new(cfg), name).expect("a TLS client");
+    let mut hello = Vec::new();
+    client.write_tls(&mut hello).expect("its ClientHello");
+    hello
 }
 
 #[test]
