@@ -14,9 +14,9 @@ use serde_json::json;
 use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
 use husk_client::{encode, ApiClient, Endpoint, Payload};
+use husk_types::TemplateSpec;
 use husk_types::{BuildEvent, ExecEvent};
 use husk_types::{Created, PoolInfo};
-use husk_types::{RootfsSource, TemplateSpec};
 
 /// The template's name in the private daemon.
 const TEMPLATE: &str = "bench";
@@ -95,15 +95,9 @@ pub fn start(
     }
     progress("pooled: building the daemon's template (one cold boot and a snapshot)");
     let spec = TemplateSpec {
-        name: TEMPLATE.to_owned(),
         vcpus: config.vcpus,
         mem_mib: config.mem_mib,
-        rootfs: RootfsSource::Default,
-        warmup: Vec::new(),
-        kernel: None,
-        network: false,
-        block_limit: None,
-        net_limit: None,
+        ..TemplateSpec::new(TEMPLATE)
     };
     let body = serde_json::to_vec(&spec).map_err(|e| BenchError::Daemon(e.to_string()))?;
     let failed = |e: husk_client::ApiClientError| BenchError::Daemon(e.to_string());

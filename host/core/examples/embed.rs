@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use husk_core::config::DaemonConfig;
 use husk_core::daemon::Daemon;
-use husk_types::{CreateRequest, RootfsSource, TemplateSpec};
+use husk_types::{CreateRequest, TemplateSpec};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let state_dir = std::env::temp_dir().join(format!("husk-embed-{}", std::process::id()));
@@ -47,17 +47,7 @@ pub fn run(state_dir: &std::path::Path) -> Result<String, Box<dyn std::error::Er
 
 fn claim_and_run(host: &std::sync::Arc<Daemon>) -> Result<String, Box<dyn std::error::Error>> {
     // One boot, then a snapshot: every sandbox of "base" restores it.
-    let spec = TemplateSpec {
-        name: "base".into(),
-        vcpus: 1,
-        mem_mib: 128,
-        rootfs: RootfsSource::Default,
-        warmup: Vec::new(),
-        kernel: None,
-        network: false,
-        block_limit: None,
-        net_limit: None,
-    };
+    let spec = TemplateSpec::new("base");
     host.build_template(spec, "embed-example", &mut |step| {
         eprintln!("build: {step}")
     })?;

@@ -353,7 +353,6 @@ impl Inner {
                 return Ok(name);
             }
             let spec = husk_types::TemplateSpec {
-                name: name.clone(),
                 vcpus,
                 mem_mib,
                 // The daemon reads no host path a client names: the
@@ -361,11 +360,7 @@ impl Inner {
                 rootfs: husk_types::RootfsSource::Upload {
                     upload: self.daemon.upload_dir(dir)?,
                 },
-                warmup: Vec::new(),
-                kernel: None,
-                network: false,
-                block_limit: None,
-                net_limit: None,
+                ..husk_types::TemplateSpec::new(name.clone())
             };
             tracing::info!(template = %name, rootfs = %dir.display(), "building the task's template");
             match self.build(&spec) {

@@ -103,6 +103,25 @@ pub struct TemplateSpec {
     pub net_limit: Option<String>,
 }
 
+impl TemplateSpec {
+    /// A template named `name` with the defaults a build request gets:
+    /// 1 vCPU, 128 MiB, husk's own root file system, the daemon's kernel,
+    /// no warm-up, no network, no rate limits.
+    pub fn new(name: impl Into<String>) -> Self {
+        TemplateSpec {
+            name: name.into(),
+            vcpus: default_vcpus(),
+            mem_mib: default_mem_mib(),
+            rootfs: RootfsSource::Default,
+            warmup: Vec::new(),
+            kernel: None,
+            network: false,
+            block_limit: None,
+            net_limit: None,
+        }
+    }
+}
+
 fn default_vcpus() -> u8 {
     1
 }
