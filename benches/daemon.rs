@@ -31,8 +31,7 @@ use std::time::{Duration, Instant};
 
 use common::{kill_everything_under, percentile, Load};
 use husk_client::{ApiClient, Endpoint, Payload};
-use husk_types::ExecEvent;
-use husk_types::{Created, PoolInfo};
+use husk_types::{Created, ExecEvent, PoolInfo};
 use serde_json::{json, Value};
 
 fn env_count(var: &str, default: usize) -> usize {

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 
 use base64::Engine;
 use husk_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
-use husk_types::ExecEvent;
-use husk_types::{AuditEntry, SandboxState, TemplateRecord};
-use husk_types::{Created, PoolInfo, SandboxInfo};
+use husk_types::{
+    AuditEntry, Created, ExecEvent, PoolInfo, SandboxInfo, SandboxState, TemplateRecord,
+};
 use serde_json::{json, Value};
 
 /// How long a guest-side step may take here before a test gives up.

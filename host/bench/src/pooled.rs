@@ -14,9 +14,7 @@ use serde_json::json;
 use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
 use husk_client::{encode, ApiClient, Endpoint, Payload};
-use husk_types::TemplateSpec;
-use husk_types::{BuildEvent, ExecEvent};
-use husk_types::{Created, PoolInfo};
+use husk_types::{BuildEvent, Created, ExecEvent, PoolInfo, TemplateSpec};
 
 /// The template's name in the private daemon.
 const TEMPLATE: &str = "bench";

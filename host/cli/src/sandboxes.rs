@@ -9,10 +9,10 @@ use std::path::PathBuf;
 
 use base64::Engine;
 use husk_client::{encode, ApiClient, ApiClientError, Payload};
-use husk_types::{AuditEntry, TemplateRecord};
-use husk_types::{BuildEvent, ExecEvent, ExecSpec};
-use husk_types::{Created, PoolInfo, SandboxInfo};
-use husk_types::{KernelSource, RootfsSource, TemplateSpec};
+use husk_types::{
+    AuditEntry, BuildEvent, Created, ExecEvent, ExecSpec, KernelSource, PoolInfo, RootfsSource,
+    SandboxInfo, TemplateRecord, TemplateSpec,
+};
 use serde_json::json;
 
 /// Exit status for husk's own failures (as docker uses 125).

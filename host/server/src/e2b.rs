@@ -41,8 +41,7 @@ use tokio::sync::mpsc;
 
 use husk_agent_client::{AgentClient, ClientError, Event};
 use husk_core::daemon::{Daemon, DaemonError};
-use husk_types::SandboxState;
-use husk_types::{CreateRequest, SandboxInfo, SandboxUpdate};
+use husk_types::{CreateRequest, SandboxInfo, SandboxState, SandboxUpdate};
 
 /// What husk's envd speaks (see the module docs).
 pub const ENVD_VERSION: &str = "0.5.7";

@@ -23,8 +23,7 @@ use base64::Engine;
 use serde_json::{json, Value};
 
 use husk_client::{encode, ApiClient, ApiClientError, Payload};
-use husk_types::Created;
-use husk_types::{ExecEvent, ExecSpec};
+use husk_types::{Created, ExecEvent, ExecSpec};
 
 /// Protocol versions this server speaks (its tools are the same in each).
 const VERSIONS: &[&str] = &["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
