@@ -1640,7 +1640,7 @@ fn the_e2b_python_sdk_drives_husk_unchanged() {
     let Some(python) = client_from_env("HUSK_TEST_PYTHON", PYTHON_CLIENTS) else {
         return;
     };
-    let tests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/test_e2b.py");
+    let tests = common::repo_root().join("tests/py/test_e2b.py");
     let mut cmd = e2b_client(python, d);
     cmd.args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
         .arg(tests);
@@ -1689,7 +1689,7 @@ fn the_official_mcp_client_lists_and_calls_every_tool() {
     let Some(python) = client_from_env("HUSK_TEST_PYTHON", PYTHON_CLIENTS) else {
         return;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/mcp_client.py");
+    let script = common::repo_root().join("tests/py/mcp_client.py");
     let mut cmd = Command::new(python);
     cmd.arg(script)
         .env("HUSK_BIN", common::husk_binary())

@@ -30,8 +30,9 @@ const MAX_INPUT: usize = 16 << 10;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("repo root")
+        .ancestors()
+        .find(|d| d.join("rust-toolchain.toml").exists())
+        .expect("the repository root holds rust-toolchain.toml")
         .to_owned()
 }
 

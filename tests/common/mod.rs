@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 /// boot takes 30 to 90 seconds; on hardware KVM it takes well under one.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(900);
 
+/// The repository's root (the tests run from vmm/ and from host/cli/).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("vmm/ has a parent")
+        .ancestors()
+        .find(|d| d.join("rust-toolchain.toml").exists())
+        .expect("the repository root holds rust-toolchain.toml")
         .to_path_buf()
 }
 
@@ -81,8 +83,23 @@ pub fn disk_guest_command(root_drive: &str, extra_drives: &[&str], cmdline: &str
     cmd
 }
 
+/// The husk-vmm binary: cargo's, in husk-vmm's own tests; else the one
+/// built beside the `husk` binary (make test builds every binary first).
 pub fn vmm_binary() -> &'static str {
-    env!("CARGO_BIN_EXE_husk-vmm")
+    static VMM: OnceLock<String> = OnceLock::new();
+    VMM.get_or_init(|| {
+        option_env!("CARGO_BIN_EXE_husk-vmm")
+            .map(str::to_owned)
+            .or_else(|| {
+                option_env!("CARGO_BIN_EXE_husk").map(|husk| {
+                    Path::new(husk)
+                        .with_file_name("husk-vmm")
+                        .display()
+                        .to_string()
+                })
+            })
+            .expect("run from husk-vmm's or husk-cli's tests")
+    })
 }
 
 /// The `husk` CLI (package husk-cli), built next to husk-vmm by
