@@ -122,7 +122,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     // The defaults are the core's (one place); the flags change them.
     let mut cfg = DaemonConfig::new(&state_dir);
     if let Some(vmm) = args.vmm {
-        cfg.vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
+        cfg.set_vmm(vmm);
     }
     if !cfg.vmm.is_file() {
         return Err(format!(
@@ -131,32 +131,27 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             cfg.vmm.display()
         ));
     }
-    cfg.jail = if args.no_jail {
+    if args.no_jail {
         tracing::warn!(
             "THE JAIL IS OFF (--no-jail): every VMM runs with this daemon's privileges and sees the host's files"
         );
-        None
+        cfg.jail = None;
     } else {
-        // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } != 0 {
+        // The defaults jail every VMM when this runs as root.
+        let Some(jail) = &cfg.jail else {
             return Err(
                 "each VMM runs in a jail, which needs root: run husk serve as root (or, to debug \
                  without the jail, pass --no-jail)"
                     .into(),
             );
-        }
-        let jailer = cfg.vmm.with_file_name("husk-jailer");
-        if !jailer.is_file() {
+        };
+        if !jail.jailer.is_file() {
             return Err(format!(
                 "the jailer {} does not exist: build it (cargo build --release -p husk-jailer)",
-                jailer.display()
+                jail.jailer.display()
             ));
         }
-        Some(husk_jailer::JailConfig {
-            jailer,
-            uids: Default::default(),
-        })
-    };
+    }
     cfg.template_sources = args
         .template_sources
         .iter()

@@ -32,10 +32,7 @@ pub fn run(state_dir: &std::path::Path) -> Result<String, Box<dyn std::error::Er
     cfg.kernel = Some(path_from_env("HUSK_KERNEL")?);
     cfg.initramfs = Some(path_from_env("HUSK_INITRAMFS")?);
     if let Some(vmm) = std::env::var_os("HUSK_VMM") {
-        cfg.vmm = std::fs::canonicalize(vmm)?;
-        if let Some(jail) = &mut cfg.jail {
-            jail.jailer = cfg.vmm.with_file_name("husk-jailer");
-        }
+        cfg.set_vmm(vmm.into());
     }
     // What this program started goes with it, whatever fails on the way.
     cfg.destroy_on_stop = true;

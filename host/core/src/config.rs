@@ -68,16 +68,11 @@ impl DaemonConfig {
         let vmm = std::env::current_exe()
             .map(|exe| exe.with_file_name("husk-vmm"))
             .unwrap_or_else(|_| PathBuf::from("husk-vmm"));
-        let vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
         // SAFETY: geteuid cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
-        let jail = root.then(|| husk_jailer::JailConfig {
-            jailer: vmm.with_file_name("husk-jailer"),
-            uids: Default::default(),
-        });
-        DaemonConfig {
+        let mut cfg = DaemonConfig {
             state_dir: state_dir.into(),
-            vmm,
+            vmm: PathBuf::new(),
             kernel: None,
             initramfs: None,
             guest_init: None,
@@ -87,12 +82,26 @@ impl DaemonConfig {
             restore_wait: Duration::from_secs(120),
             boot_wait: Duration::from_secs(900),
             cgroups: Hierarchy::detect(),
-            jail,
+            jail: root.then(|| husk_jailer::JailConfig {
+                jailer: PathBuf::new(),
+                uids: Default::default(),
+            }),
             egress_netns: None,
             egress_upstream_ca: None,
             template_sources: Vec::new(),
             max_upload_bytes: 8 << 30,
             destroy_on_stop: false,
+        };
+        cfg.set_vmm(vmm);
+        cfg
+    }
+
+    /// Runs VMMs from `vmm` (its real path when it has one), each through
+    /// the `husk-jailer` beside it when jailed.
+    pub fn set_vmm(&mut self, vmm: PathBuf) {
+        self.vmm = std::fs::canonicalize(&vmm).unwrap_or(vmm);
+        if let Some(jail) = &mut self.jail {
+            jail.jailer = self.vmm.with_file_name("husk-jailer");
         }
     }
 }

@@ -7,7 +7,7 @@
 //! (a paused VMM uses no CPU), so a create from a pool is a resume and one
 //! guest round trip that gives the clone its identity.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -210,13 +210,7 @@ fn audit_egress(daemon: &std::sync::Weak<Daemon>, decided: &std::sync::mpsc::Rec
 
 /// A new id: `prefix` and 12 hex digits from the kernel's randomness.
 fn new_id(prefix: &str) -> String {
-    let mut bytes = [0u8; 6];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut bytes);
-    }
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    format!("{prefix}-{hex}")
+    crate::ids::random_id(prefix, 6).unwrap_or_else(|_| format!("{prefix}-000000000000"))
 }
 
 fn info(rec: &SandboxRecord) -> SandboxInfo {
@@ -373,9 +367,7 @@ impl Daemon {
         if self.cfg.destroy_on_stop {
             for rec in self.store.sandboxes().unwrap_or_default() {
                 self.destroy_quietly(&rec.id);
-                let _ =
-                    self.store
-                        .audit("host", "destroy", Some(&rec.id), None, "the host stopped");
+                let _ = self.audit("host", "destroy", &rec.id, "the host stopped");
             }
         }
     }
@@ -504,8 +496,7 @@ impl Daemon {
         body: &mut dyn std::io::Read,
         who: &str,
     ) -> Result<husk_types::UploadInfo, DaemonError> {
-        let dir = self.cfg.state_dir.join(template::UPLOADS);
-        let up = crate::upload::receive(&dir, body, self.cfg.max_upload_bytes)?;
+        let up = crate::upload::receive(&self.cfg.state_dir, body, self.cfg.max_upload_bytes)?;
         self.store.audit(
             who,
             "template-upload",
@@ -987,6 +978,20 @@ impl Daemon {
         }
     }
 
+    /// Which of `ids` name no sandbox (any more): one look under one lock,
+    /// for front-ends that keep state per sandbox.
+    pub fn missing(&self, ids: impl IntoIterator<Item = String>) -> HashSet<String> {
+        let inner = self.lock();
+        ids.into_iter()
+            .filter(|id| {
+                !inner
+                    .sandboxes
+                    .get(id)
+                    .is_some_and(|live| live.rec.state != SandboxState::Pooled)
+            })
+            .collect()
+    }
+
     /// Sandboxes (not pool clones) whose labels include all of `labels`,
     /// in `state` if given.
     pub fn list(
@@ -1445,6 +1450,7 @@ impl Daemon {
                 // The pool shrank while this clone restored.
                 drop(inner);
                 self.destroy_quietly(&rec.id);
+                let _ = self.audit("host", "destroy", &rec.id, "the host stopped");
             }
             Ok((mut rec, agent)) => {
                 rec.state = SandboxState::Pooled;

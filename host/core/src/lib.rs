@@ -30,6 +30,7 @@ pub mod daemon;
 pub mod egress;
 #[doc(hidden)]
 pub mod fuzz;
+mod ids;
 pub mod metrics;
 pub mod rootfs;
 pub mod sandbox;

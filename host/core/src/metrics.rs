@@ -57,10 +57,6 @@ struct Decision {
     decision: String,
 }
 
-fn label<L>(make: impl FnOnce(String) -> L, value: &str) -> L {
-    make(value.to_owned())
-}
-
 /// A value for a gauge (they are signed).
 fn level(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
@@ -91,7 +87,7 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let m = Metrics {
+        let mut m = Metrics {
             registry: Registry::default(),
             rendering: Mutex::new(()),
             create: Family::new_with_constructor(latency as fn() -> Histogram),
@@ -111,16 +107,15 @@ impl Default for Metrics {
         };
         // Both kinds of create and decision show from the start.
         for pooled in ["true", "false"] {
-            let _ = m
-                .create
-                .get_or_create(&label(|pooled| Pooled { pooled }, pooled));
+            let _ = m.create.get_or_create(&Pooled {
+                pooled: pooled.to_owned(),
+            });
         }
         for decision in ["allow", "deny"] {
-            let _ = m
-                .egress
-                .get_or_create(&label(|decision| Decision { decision }, decision));
+            let _ = m.egress.get_or_create(&Decision {
+                decision: decision.to_owned(),
+            });
         }
-        let mut m = m;
         let r = &mut m.registry;
         r.register("husk_sandboxes", "Sandboxes by state", m.sandboxes.clone());
         r.register(
@@ -197,7 +192,9 @@ impl Metrics {
     pub fn observe_create(&self, pooled: bool, seconds: f64) {
         let pooled = if pooled { "true" } else { "false" };
         self.create
-            .get_or_create(&label(|pooled| Pooled { pooled }, pooled))
+            .get_or_create(&Pooled {
+                pooled: pooled.to_owned(),
+            })
             .observe(seconds);
     }
 
@@ -220,7 +217,9 @@ impl Metrics {
     pub fn egress(&self, allowed: bool) {
         let decision = if allowed { "allow" } else { "deny" };
         self.egress
-            .get_or_create(&label(|decision| Decision { decision }, decision))
+            .get_or_create(&Decision {
+                decision: decision.to_owned(),
+            })
             .inc();
     }
 
@@ -241,13 +240,17 @@ impl Metrics {
         self.sandboxes.clear();
         for (state, n) in &gauges.by_state {
             self.sandboxes
-                .get_or_create(&label(|state| State { state }, state))
+                .get_or_create(&State {
+                    state: (*state).to_owned(),
+                })
                 .set(level(*n));
         }
         self.pool_target.clear();
         self.pool_ready.clear();
         for p in pools {
-            let t = label(|template| Template { template }, &p.template_name);
+            let t = Template {
+                template: p.template_name.clone(),
+            };
             self.pool_target.get_or_create(&t).set(i64::from(p.target));
             self.pool_ready.get_or_create(&t).set(i64::from(p.ready));
         }

@@ -202,9 +202,7 @@ impl Sandbox {
             Some(agent) => agent,
             empty => empty.insert(self.host.agent(&self.id)?),
         };
-        self.host
-            .store()
-            .audit(&self.who, action, Some(&self.id), None, detail)?;
+        self.host.audit(&self.who, action, &self.id, detail)?;
         let result = op(agent);
         if let Err(e) = &result {
             // The guest's own refusal (no such file) leaves the connection

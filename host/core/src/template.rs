@@ -25,9 +25,6 @@ use crate::vmm_process::{self, Launch};
 use husk_agent_client::readiness::WaitBudget;
 use husk_agent_client::{AgentClient, ClientError};
 
-/// Where uploads wait for a build, under the state dir.
-pub const UPLOADS: &str = "uploads";
-
 impl From<crate::rootfs::RootfsError> for TemplateError {
     fn from(e: crate::rootfs::RootfsError) -> Self {
         use crate::rootfs::RootfsError;
@@ -118,7 +115,7 @@ fn build_in(
         Some(KernelSource::Path(path)) => path.clone(),
         Some(KernelSource::Upload { upload }) => {
             let kernel = dir.join("vmlinux");
-            crate::upload::take(&cfg.state_dir.join(UPLOADS), upload, &kernel)?;
+            crate::upload::take(&cfg.state_dir, upload, &kernel)?;
             // A jailed VMM reads it as its own uid.
             std::fs::set_permissions(&kernel, std::fs::Permissions::from_mode(0o644))
                 .map_err(io(&kernel))?;
@@ -144,7 +141,7 @@ fn build_in(
             let source = match &spec.rootfs {
                 RootfsSource::Upload { upload } => {
                     let archive = dir.join("rootfs.tar");
-                    crate::upload::take(&cfg.state_dir.join(UPLOADS), upload, &archive)?;
+                    crate::upload::take(&cfg.state_dir, upload, &archive)?;
                     let from = RootfsSource::Tar {
                         path: archive.clone(),
                     };
@@ -532,8 +529,9 @@ pub fn verify(t: &TemplateRecord) -> Result<Vec<String>, TemplateError> {
 /// daemon's defaults need no check.
 pub fn check_sources(sources: &[PathBuf], spec: &mut TemplateSpec) -> Result<(), TemplateError> {
     match &mut spec.rootfs {
-        RootfsSource::Dir { path } => *path = allowed_source(sources, path, "root file system")?,
-        RootfsSource::Tar { path } => *path = allowed_source(sources, path, "root file system")?,
+        RootfsSource::Dir { path } | RootfsSource::Tar { path } => {
+            *path = allowed_source(sources, path, "root file system")?
+        }
         RootfsSource::Default | RootfsSource::Upload { .. } => {}
     }
     if let Some(KernelSource::Path(path)) = &mut spec.kernel {

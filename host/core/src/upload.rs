@@ -16,6 +16,9 @@ use std::time::{Duration, SystemTime};
 use husk_types::UploadInfo;
 use sha2::{Digest, Sha256};
 
+/// Where uploads wait, under the state directory.
+const DIR: &str = "uploads";
+
 /// How long an upload no build took is kept.
 pub const KEEP: Duration = Duration::from_secs(3600);
 
@@ -42,12 +45,14 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> UploadError + '_ {
     move |e| UploadError::Io(path.to_owned(), e)
 }
 
-/// Writes `body` to a new upload in `dir`, refusing more than `max` bytes
-/// (nothing is left of a refused or broken upload).
-pub fn receive(dir: &Path, body: &mut dyn Read, max: u64) -> Result<UploadInfo, UploadError> {
+/// Writes `body` to a new upload of the host whose state is in
+/// `state_dir`, refusing more than `max` bytes (nothing is left of a
+/// refused or broken upload).
+pub fn receive(state_dir: &Path, body: &mut dyn Read, max: u64) -> Result<UploadInfo, UploadError> {
+    let dir = &state_dir.join(DIR);
     create_dir(dir)?;
     sweep(dir, KEEP);
-    let id = new_id().map_err(io(Path::new("/dev/urandom")))?;
+    let id = crate::ids::random_id("up", 16).map_err(io(Path::new("/dev/urandom")))?;
     let part = dir.join(format!(".{id}.part"));
     let result = write_part(&part, body, max);
     let (bytes, sha256) = match result {
@@ -101,12 +106,13 @@ fn write_part(part: &Path, body: &mut dyn Read, max: u64) -> Result<(u64, String
     Ok((total, sha256))
 }
 
-/// Moves upload `id` out of `dir` to `to` (the caller owns it then).
-pub fn take(dir: &Path, id: &str, to: &Path) -> Result<(), UploadError> {
+/// Moves upload `id` of the host whose state is in `state_dir` to `to`
+/// (the caller owns it then).
+pub fn take(state_dir: &Path, id: &str, to: &Path) -> Result<(), UploadError> {
     if !is_id(id) {
         return Err(UploadError::NotFound(id.to_owned()));
     }
-    match std::fs::rename(dir.join(id), to) {
+    match std::fs::rename(state_dir.join(DIR).join(id), to) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             Err(UploadError::NotFound(id.to_owned()))
@@ -116,7 +122,7 @@ pub fn take(dir: &Path, id: &str, to: &Path) -> Result<(), UploadError> {
 }
 
 /// Removes uploads (and parts of broken ones) older than `age`.
-pub fn sweep(dir: &Path, age: Duration) {
+fn sweep(dir: &Path, age: Duration) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
@@ -142,15 +148,6 @@ fn is_id(id: &str) -> bool {
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     })
-}
-
-fn new_id() -> std::io::Result<String> {
-    let mut bytes = [0u8; 16];
-    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    Ok(format!(
-        "up-{}",
-        bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
-    ))
 }
 
 #[cfg(test)]
@@ -189,15 +186,15 @@ mod tests {
             matches!(refused, Err(UploadError::TooLarge(99))),
             "{refused:?}"
         );
-        assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 0);
+        assert_eq!(std::fs::read_dir(dir.join(DIR)).expect("dir").count(), 0);
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]
     fn ids_that_are_not_upload_ids_name_no_file() {
         let dir = scratch("ids");
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::write(dir.join("secret"), b"x").expect("file");
+        std::fs::create_dir_all(dir.join(DIR)).expect("dir");
+        std::fs::write(dir.join(DIR).join("secret"), b"x").expect("file");
 
         for id in [
             "secret",
@@ -212,7 +209,7 @@ mod tests {
                 "{id}: {taken:?}"
             );
         }
-        assert!(dir.join("secret").exists());
+        assert!(dir.join(DIR).join("secret").exists());
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

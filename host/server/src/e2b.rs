@@ -21,7 +21,7 @@
 //! file metadata headers; the SDK is told envd [`ENVD_VERSION`], the
 //! lowest version whose features these are.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -76,7 +76,7 @@ pub struct E2b {
     /// every command).
     passwd: Mutex<HashMap<String, Arc<String>>>,
     /// Programs started on a terminal: (sandbox, pid).
-    ptys: Mutex<std::collections::HashSet<(String, i32)>>,
+    ptys: Mutex<HashSet<(String, i32)>>,
 }
 
 impl std::fmt::Debug for E2b {
@@ -131,26 +131,30 @@ impl E2b {
         }))
     }
 
-    /// Drops what the gateway keeps for each sandbox `gone` says is gone
-    /// (its environment, cached users, terminals), and stops its watches.
-    fn forget(&self, gone: impl Fn(&str) -> bool) {
+    /// Drops what the gateway keeps for sandboxes that are gone since (their
+    /// time to live ran out, or another API destroyed them).
+    fn forget_gone(&self) {
         // One lock at a time: no order to keep with the handlers.
-        let mut ids: Vec<String> = lock(&self.envs).keys().cloned().collect();
+        let mut ids: HashSet<String> = lock(&self.envs).keys().cloned().collect();
         ids.extend(lock(&self.passwd).keys().cloned());
         ids.extend(lock(&self.ptys).iter().map(|(s, _)| s.clone()));
         ids.extend(lock(&self.watchers).values().map(|w| w.sandbox.clone()));
-        ids.sort();
-        ids.dedup();
-        let gone: Vec<String> = ids.into_iter().filter(|id| gone(id)).collect();
+        if !ids.is_empty() {
+            self.forget(&self.daemon.missing(ids));
+        }
+    }
+
+    /// Drops what the gateway keeps for the `gone` sandboxes (their
+    /// environment, cached users, terminals), and stops their watches.
+    fn forget(&self, gone: &HashSet<String>) {
         if gone.is_empty() {
             return;
         }
-        let is_gone = |id: &str| gone.iter().any(|g| g == id);
-        lock(&self.envs).retain(|id, _| !is_gone(id));
-        lock(&self.passwd).retain(|id, _| !is_gone(id));
-        lock(&self.ptys).retain(|(id, _)| !is_gone(id));
+        lock(&self.envs).retain(|id, _| !gone.contains(id));
+        lock(&self.passwd).retain(|id, _| !gone.contains(id));
+        lock(&self.ptys).retain(|(id, _)| !gone.contains(id));
         lock(&self.watchers).retain(|_, w| {
-            let keep = !is_gone(&w.sandbox);
+            let keep = !gone.contains(&w.sandbox);
             if !keep {
                 w.stop.store(true, Ordering::SeqCst);
             }
@@ -432,7 +436,7 @@ async fn create(
         // live ran out, or another API destroyed them) goes now: its
         // maps hold no more than the live sandboxes and those of one
         // create's interval.
-        e.forget(|id| e.daemon.sandbox(id).is_err());
+        e.forget_gone();
         let t = e.daemon.template(&req.template)?;
         let created = e.daemon.create(req, "e2b")?;
         Ok::<_, RestError>((created, t.name))
@@ -553,7 +557,7 @@ async fn kill(
     let e = e2b.clone();
     let sid = id.clone();
     blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
-    e2b.forget(|s| s == id);
+    e2b.forget(&HashSet::from([id]));
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
