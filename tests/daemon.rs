@@ -516,9 +516,14 @@ fn a_pooled_create_hands_out_a_parked_clone_with_its_own_identity() {
         .expect("set pool");
     assert_eq!(p.target, 2);
     wait_until("the pool to fill", || pool("pooled").ready == 2);
+    // Parked clones' clocks stand still: long enough parked that a clock
+    // left unset would show.
+    std::thread::sleep(CLOCK_LAG);
 
     let a = create("pooled");
     let b = create("pooled");
+    // The first request after the claim set the clock before it ran.
+    assert_clock_is_now(&a.sandbox.id);
     let hostnames = (
         sh(&a.sandbox.id, "hostname").stdout,
         sh(&b.sandbox.id, "hostname").stdout,
@@ -654,6 +659,29 @@ fn a_fork_copies_a_running_sandbox_and_its_template_creates_more() {
         .expect("remove template");
 }
 
+/// Longer than [`assert_clock_is_now`] allows: a guest clock that stood
+/// still this long and was not set fails it.
+const CLOCK_LAG: Duration = Duration::from_secs(4);
+
+/// The guest's wall clock, read by the sandbox's next command, lies
+/// between the host's clock before and after that command (to the second).
+fn assert_clock_is_now(id: &str) {
+    let unix_s = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs()
+    };
+    let before = unix_s();
+    let ran = sh(id, "date +%s");
+    let after = unix_s();
+    let guest: u64 = ran.stdout.trim().parse().expect("date +%s");
+    assert!(
+        (before.saturating_sub(1)..=after + 1).contains(&guest),
+        "guest clock {guest}, host {before}..{after}: {ran:?}"
+    );
+}
+
 #[test]
 fn a_paused_sandbox_refuses_exec_until_resumed() {
     let (_d, _g) = shared();
@@ -663,9 +691,11 @@ fn a_paused_sandbox_refuses_exec_until_resumed() {
         .call("POST", &format!("/v1/sandboxes/{}/pause", s.id), None)
         .expect("pause");
     let refused = status(exec(&s.id, &["true"]));
+    std::thread::sleep(CLOCK_LAG);
     let resumed: SandboxInfo = api()
         .call("POST", &format!("/v1/sandboxes/{}/resume", s.id), None)
         .expect("resume");
+    assert_clock_is_now(&s.id);
     let ran = sh(&s.id, "echo back");
 
     assert_eq!(paused.state, SandboxState::Paused);

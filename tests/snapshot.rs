@@ -674,7 +674,7 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
 
     assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
     assert_eq!(stdout.lines().count(), 2, "{stdout}");
-    assert!(stdout.contains("first_kvm_run_ms="), "{stdout}");
+    assert!(stdout.contains("spawn_to_first_kvm_run_ms="), "{stdout}");
     assert_eq!(seen, ["cli-0\nbase-disk", "cli-1\nbase-disk"]);
     for i in 0..2 {
         let overlay = run.as_path().join(format!("cli-{i}.{DRIVE}.overlay"));

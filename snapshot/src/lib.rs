@@ -43,7 +43,8 @@ pub trait Persist: Sized {
 /// File magic.
 pub const MAGIC: [u8; 8] = *b"HUSKSNAP";
 /// Major version written by this build; files of other majors are refused.
-pub const MAJOR: u16 = 1;
+/// 2: the VM state has no PIT (husk-vmm creates none).
+pub const MAJOR: u16 = 2;
 /// Minor version written by this build.
 pub const MINOR: u16 = 0;
 const HEADER_LEN: usize = 20;
@@ -222,13 +223,13 @@ mod tests {
     #[test]
     fn other_major_version_is_refused() {
         let mut bytes = snapshot(b"state");
-        bytes[8] = 2;
+        bytes[8] = 1;
 
         let err = read_snapshot(&mut bytes.as_slice()).expect_err("version");
 
         assert!(matches!(
             err,
-            SnapshotError::UnsupportedVersion { found: 2 }
+            SnapshotError::UnsupportedVersion { found: 1 }
         ));
     }
 

@@ -27,10 +27,11 @@ use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::VsockDevice;
 use crate::persist::{self, PersistError, SavedDevice};
 use crate::rate_limiter::{Limits, RateLimiter};
+use crate::seccomp::Filters;
 use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
-use crate::vstate::vcpu::{Vcpu, VcpuError};
+use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuThread};
 use crate::vstate::vcpu_state::msrs_to_save;
 use crate::vstate::vm::{Vm, VmError};
 use crate::Vmm;
@@ -79,10 +80,16 @@ pub enum BuildError {
     Restore(String),
 }
 
-/// Builds a VM ready to boot `config.kernel`, marking host phases on `timeline`.
-pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
+/// Builds a VM ready to boot `config.kernel`, marking host phases on
+/// `timeline`; its threads will run under `filters`.
+pub fn build_vm(
+    config: &VmConfig,
+    timeline: Arc<Timeline>,
+    filters: Arc<Filters>,
+) -> Result<Vmm, BuildError> {
     config.validate()?;
     let pvm = kvm::is_pvm_host();
+    let threads = vcpu_threads(config.vcpus, &filters, pvm)?;
     let mut cmdline = config.kernel_cmdline(pvm)?;
     let mut kernel = config.open_kernel()?;
     let mut initramfs = config.open_initramfs()?;
@@ -135,6 +142,7 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let devices = std::mem::take(&mut mmio.devices);
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
+    timeline.mark(Phase::DevicesReady);
 
     let supported = Vcpu::supported_cpuid(&kvm)?;
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
@@ -157,6 +165,8 @@ pub fn build_vm(config: &VmConfig, timeline: Arc<Timeline>) -> Result<Vmm, Build
         buses,
         msr_indices,
         timeline,
+        threads,
+        filters,
     };
     Ok(machine.into_vmm(platform, None, false))
 }
@@ -330,7 +340,11 @@ fn net_device(tap: Tap, mac: [u8; 6], limits: Limits) -> Result<NetDevice, Build
 /// KVM, device and vCPU state restored, ready to resume where it paused.
 /// Every check (format, checksum, memory size, device set, host kind) is
 /// done before a vCPU exists.
-pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm, BuildError> {
+pub fn restore_vm(
+    config: &RestoreConfig,
+    timeline: Arc<Timeline>,
+    filters: Arc<Filters>,
+) -> Result<Vmm, BuildError> {
     let (state, layers) = persist::read(&config.snapshot)?;
     let pvm = kvm::is_pvm_host();
     if state.pvm != pvm {
@@ -360,6 +374,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
             BuildError::Restore(format!("the snapshot has {} vCPUs", state.vcpus.len()))
         })?;
     kvm::check_vcpu_count(&kvm, vcpu_count)?;
+    let threads = vcpu_threads(vcpu_count, &filters, pvm)?;
     let vm = Vm::new(&kvm)?;
     timeline.mark(Phase::VmCreated);
 
@@ -384,6 +399,7 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
     }
     let devices = std::mem::take(&mut mmio.devices);
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
+    timeline.mark(Phase::DevicesReady);
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
         vcpus.push(Vcpu::restore(&vm, index as u8, buses.clone(), vcpu_state)?);
@@ -414,8 +430,23 @@ pub fn restore_vm(config: &RestoreConfig, timeline: Arc<Timeline>) -> Result<Vmm
         buses,
         msr_indices,
         timeline,
+        threads,
+        filters,
     };
     Ok(machine.into_vmm(platform, last_snapshot, config.dirty_log))
+}
+
+/// The threads of `count` vCPUs, started now so that each installs its
+/// seccomp filter while the VM is built (see [`VcpuThread`]).
+fn vcpu_threads(
+    count: u8,
+    filters: &Arc<Filters>,
+    pvm: bool,
+) -> Result<Vec<VcpuThread>, BuildError> {
+    let slice = pvm.then_some(crate::vstate::vcpu::PVM_VCPU_SLICE);
+    (0..count)
+        .map(|index| VcpuThread::spawn(index, filters.clone(), slice).map_err(BuildError::from))
+        .collect()
 }
 
 /// What every VM has besides its memory, vCPUs and virtio devices.
@@ -469,6 +500,8 @@ struct Machine {
     buses: (Arc<Bus>, Arc<Bus>),
     msr_indices: Arc<Vec<u32>>,
     timeline: Arc<Timeline>,
+    threads: Vec<VcpuThread>,
+    filters: Arc<Filters>,
 }
 
 impl Machine {
@@ -493,6 +526,8 @@ impl Machine {
             handles: Vec::new(),
             paused: false,
             msr_indices: self.msr_indices,
+            vcpu_threads: self.threads,
+            filters: self.filters,
             serial: platform.serial,
             devices: self.devices,
             reset_evt: platform.reset_evt,

@@ -16,6 +16,7 @@ pub mod log_budget;
 pub mod persist;
 pub mod rate_limiter;
 pub mod resident;
+pub mod sched;
 pub mod seccomp;
 pub mod timeline;
 pub mod vstate;
@@ -114,6 +115,10 @@ pub struct Vmm {
     pub(crate) pvm: bool,
     /// Built, not yet started.
     pub(crate) vcpus: Vec<Vcpu>,
+    /// Their threads, started during the build with their filters on.
+    pub(crate) vcpu_threads: Vec<vstate::vcpu::VcpuThread>,
+    /// The seccomp filters of every thread kind.
+    pub(crate) filters: Arc<seccomp::Filters>,
     /// Started.
     pub(crate) handles: Vec<VcpuHandle>,
     pub(crate) paused: bool,
@@ -336,6 +341,7 @@ impl Vmm {
                     .into_iter()
                     .map(|(name, us)| (name.to_owned(), us))
                     .collect(),
+                main_monotonic_ns: self.timeline.start_monotonic_ns(),
             }),
             api::Request::Pause => self.pause().map(|()| api::Reply::Paused {
                 id,
@@ -375,13 +381,13 @@ impl Vmm {
 
     /// Boots the guest and serves events until it ends. SIGTERM and SIGINT
     /// stop the VM; they are blocked in every thread and read from a signalfd.
-    pub fn run(&mut self, seccomp: seccomp::SeccompPolicy) -> Result<Outcome, VmmError> {
-        let filters = Arc::new(seccomp::Filters::new(seccomp)?);
+    pub fn run(&mut self) -> Result<Outcome, VmmError> {
+        let filters = self.filters.clone();
         let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
         let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let (tx, rx) = mpsc::channel();
-        let slice = self.pvm.then_some(vstate::vcpu::PVM_VCPU_SLICE);
-        for vcpu in self.vcpus.drain(..) {
+        let threads = std::mem::take(&mut self.vcpu_threads);
+        for (vcpu, thread) in self.vcpus.drain(..).zip(threads) {
             let reporter = StopReporter {
                 tx: tx.clone(),
                 evt: stop_evt.try_clone().map_err(VmmError::EventFd)?,
@@ -389,11 +395,10 @@ impl Vmm {
             // vCPU threads are never joined: they sit in KVM_RUN until the
             // process exits, which tears the VM down with them.
             let handle = vcpu.start(
+                thread,
                 reporter,
                 self.timeline.clone(),
                 self.msr_indices.clone(),
-                filters.clone(),
-                slice,
             )?;
             self.handles.push(handle);
         }

@@ -14,8 +14,8 @@ use std::collections::BTreeMap;
 
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_irqchip, kvm_lapic_state,
-    kvm_mp_state, kvm_msrs, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_userspace_memory_region,
-    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    kvm_mp_state, kvm_msrs, kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events,
+    kvm_xcrs, kvm_xsave,
 };
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -40,7 +40,6 @@ ioctl_io_nr!(KVM_KVMCLOCK_CTRL, KVMIO, 0xad);
 ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
 ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
 ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
-ioctl_ior_nr!(KVM_GET_PIT2, KVMIO, 0x9f, kvm_pit_state2);
 ioctl_iow_nr!(
     KVM_SET_USER_MEMORY_REGION,
     KVMIO,
@@ -212,7 +211,6 @@ fn ioctls(kind: ThreadKind) -> Vec<(u64, &'static str)> {
         ThreadKind::Control => list.extend([
             (KVM_GET_CLOCK(), "snapshot: the VM's clock"),
             (KVM_GET_IRQCHIP(), "snapshot: the interrupt controllers"),
-            (KVM_GET_PIT2(), "snapshot: the timer"),
             (KVM_GET_DIRTY_LOG(), "diff snapshots: pages written"),
             (
                 KVM_SET_USER_MEMORY_REGION(),

@@ -7,6 +7,9 @@ use std::time::Instant;
 /// Phases in the order they happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
+    /// The seccomp filters of every thread kind compiled: first, so that
+    /// vCPU threads started early in the build install theirs meanwhile.
+    FiltersReady,
     /// Restore only: the snapshot's state read, checked and decoded.
     StateLoaded,
     /// KVM opened and checked, VM created.
@@ -15,7 +18,11 @@ pub enum Phase {
     MemoryReady,
     /// Kernel, initramfs, command line, zero page and MP table in memory.
     KernelLoaded,
-    /// Devices attached and all vCPUs created and configured.
+    /// The VM's own state restored (restore only: irqchip, PIT, clock),
+    /// COM1 and the i8042 made and every virtio device attached (its MMIO
+    /// range, ioeventfds and irqfd registered with KVM).
+    DevicesReady,
+    /// All vCPUs created and configured (restore: their saved state set).
     VcpusReady,
     /// vCPU 0 is about to enter KVM_RUN for the first time.
     FirstKvmRun,
@@ -42,11 +49,13 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in order.
-    pub const ALL: [Phase; 13] = [
+    pub const ALL: [Phase; 15] = [
+        Phase::FiltersReady,
         Phase::StateLoaded,
         Phase::VmCreated,
         Phase::MemoryReady,
         Phase::KernelLoaded,
+        Phase::DevicesReady,
         Phase::VcpusReady,
         Phase::FirstKvmRun,
         Phase::InitStarted,
@@ -65,7 +74,9 @@ impl Phase {
             Phase::VmCreated => "vm_created",
             Phase::MemoryReady => "memory_ready",
             Phase::KernelLoaded => "kernel_loaded",
+            Phase::DevicesReady => "devices_ready",
             Phase::VcpusReady => "vcpus_ready",
+            Phase::FiltersReady => "filters_ready",
             Phase::FirstKvmRun => "first_kvm_run",
             Phase::InitStarted => "init_started",
             Phase::GuestReady => "guest_ready",

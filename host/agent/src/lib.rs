@@ -9,7 +9,7 @@ pub mod readiness;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -21,6 +21,15 @@ use husk_protocol::{
 
 /// Longest wait for the guest to accept a connection and shake hands.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// `time` in ns since the Unix epoch, as the agent takes it.
+fn unix_ns(time: SystemTime) -> Result<i64, ClientError> {
+    let invalid = || std::io::Error::from(std::io::ErrorKind::InvalidInput);
+    let since = time
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_err(|_| invalid())?;
+    Ok(i64::try_from(since.as_nanos()).map_err(|_| invalid())?)
+}
 
 /// Whether `stream` has data (or an end) to read within `within`.
 fn readable(stream: &UnixStream, within: Duration) -> std::io::Result<bool> {
@@ -61,6 +70,10 @@ pub enum ClientError {
     Protocol(#[from] ProtocolError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
+    /// The wall clock sent ahead of the request (see [`ClockGate`]) was
+    /// not set: the request was not answered.
+    #[error("the guest's clock could not be set: {0}")]
+    Clock(String),
 }
 
 impl ClientError {
@@ -212,11 +225,81 @@ impl Watch<'_> {
     }
 }
 
+/// Whether a woken guest's wall clock has been set since it woke, shared
+/// by every connection to it.
+///
+/// A parked clone is handed out as soon as its vCPUs run again: its clock,
+/// which stood still while it was parked, is set by the first request that
+/// reaches it instead of by a round trip of its own. Each connection given
+/// the gate ([`AgentClient::carry_clock`]) while it is pending sends
+/// `SetClock(now)` ahead of its next request; the agent answers it before
+/// it reads that request, so nothing runs in the guest on the old clock,
+/// and the request's answer is only returned once the clock's is read.
+/// The first acknowledgement opens the gate; a refusal closes it for good
+/// (the request fails with [`ClientError::Clock`], and so does every later
+/// one: the guest is never used with a wrong clock).
+#[derive(Debug, Default)]
+pub struct ClockGate {
+    state: AtomicU8,
+    failure: Mutex<Option<String>>,
+}
+
+const CLOCK_PENDING: u8 = 0;
+const CLOCK_SET: u8 = 1;
+const CLOCK_FAILED: u8 = 2;
+
+impl ClockGate {
+    /// A gate whose clock is still to be set.
+    pub fn new() -> Arc<Self> {
+        Arc::new(ClockGate::default())
+    }
+
+    /// Whether the clock was set.
+    pub fn is_set(&self) -> bool {
+        self.state.load(Ordering::SeqCst) == CLOCK_SET
+    }
+
+    /// Why the clock could not be set, once it could not.
+    pub fn failure(&self) -> Option<String> {
+        match self.state.load(Ordering::SeqCst) {
+            CLOCK_FAILED => self
+                .failure
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            _ => None,
+        }
+    }
+
+    fn acknowledged(&self) {
+        let _ = self.state.compare_exchange(
+            CLOCK_PENDING,
+            CLOCK_SET,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+    }
+
+    fn refused(&self, why: &str) {
+        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_owned());
+        self.state.store(CLOCK_FAILED, Ordering::SeqCst);
+    }
+}
+
+/// The clock a connection carries: to send with its next request, or sent
+/// (request id) and its answer not read yet.
+#[derive(Debug)]
+enum Carried {
+    ToSend(Arc<ClockGate>),
+    Sent(u64, Arc<ClockGate>),
+}
+
 /// A connection to the agent of one VM.
 #[derive(Debug)]
 pub struct AgentClient {
     reader: BufReader<UnixStream>,
     sender: Arc<Sender>,
+    clock: Option<Carried>,
 }
 
 impl AgentClient {
@@ -259,6 +342,7 @@ impl AgentClient {
                 stream: Mutex::new(stream),
                 next_id: AtomicU64::new(1),
             }),
+            clock: None,
         };
         let id = client.send(Body::Hello { version: VERSION })?;
         if !ready(client.reader.get_ref())? {
@@ -358,12 +442,83 @@ impl AgentClient {
         Ok(())
     }
 
+    /// Makes the next request on this connection carry the wall clock
+    /// ahead of it while `gate` is pending (see [`ClockGate`]).
+    pub fn carry_clock(&mut self, gate: Arc<ClockGate>) -> Result<(), ClientError> {
+        if let Some(why) = gate.failure() {
+            return Err(ClientError::Clock(why));
+        }
+        if !gate.is_set() {
+            self.clock = Some(Carried::ToSend(gate));
+        }
+        Ok(())
+    }
+
+    /// Whether the peer closed this connection (checked without waiting:
+    /// for a connection kept while its guest was parked).
+    pub fn is_closed(&self) -> bool {
+        let mut byte = 0u8;
+        // SAFETY: a one-byte peek into a live buffer; MSG_DONTWAIT never
+        // blocks.
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(self.reader.get_ref()),
+                (&mut byte as *mut u8).cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n == 0
+            || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
+    }
+
     fn send(&mut self, body: Body) -> Result<u64, ClientError> {
+        if let Some(Carried::ToSend(gate)) = self.clock.take() {
+            if !gate.is_set() {
+                let unix_ns = unix_ns(SystemTime::now())?;
+                let id = self.sender.send(Body::SetClock { unix_ns })?;
+                self.clock = Some(Carried::Sent(id, gate));
+            }
+        }
         self.sender.send(body)
+    }
+
+    /// Reads the answer to the clock sent ahead of a request, if one is
+    /// due: it comes before anything of the request's.
+    fn clock_answer(&mut self) -> Result<(), ClientError> {
+        let Some(Carried::Sent(id, gate)) = self.clock.take() else {
+            return Ok(());
+        };
+        let answer = read_frame(&mut self.reader);
+        match answer {
+            Ok(Frame {
+                id: got,
+                body: Body::Done,
+            }) if got == id => {
+                gate.acknowledged();
+                Ok(())
+            }
+            Ok(Frame {
+                body: Body::Error { message, .. },
+                ..
+            }) => {
+                gate.refused(&message);
+                Err(ClientError::Clock(message))
+            }
+            Ok(other) => {
+                let why = format!("unexpected answer {:?}", other.body);
+                gate.refused(&why);
+                Err(ClientError::Clock(why))
+            }
+            // The connection failed, not the clock: another connection may
+            // still set it.
+            Err(e) => Err(ClientError::Clock(e.to_string())),
+        }
     }
 
     /// Reads the next frame of request `id`; an agent error ends the request.
     fn reply(&mut self, id: u64) -> Result<Body, ClientError> {
+        self.clock_answer()?;
         let frame = read_frame(&mut self.reader)?;
         match frame.body {
             Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
@@ -412,11 +567,7 @@ impl AgentClient {
 
     /// Sets the guest's wall clock.
     pub fn set_clock(&mut self, time: SystemTime) -> Result<(), ClientError> {
-        let since = time
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-        let unix_ns = i64::try_from(since.as_nanos())
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let unix_ns = unix_ns(time)?;
         self.expect_done(Body::SetClock { unix_ns })
     }
 

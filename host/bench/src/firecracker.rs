@@ -29,13 +29,29 @@ use super::{monotonic_ns, watch_console, BenchConfig};
 use husk_agent_client::AgentClient;
 use husk_client::{ApiClient, ApiClientError, Endpoint, Payload};
 
-/// The Firecracker binary the user gave, or why it is skipped: it must
-/// answer `--version` with a Firecracker version line.
+/// Where a Firecracker built from source is kept beside a husk checkout:
+/// `../shared/peers/firecracker`, from the current directory or from the
+/// checkout `husk` was built in (`<checkout>/target/<profile>/husk`).
+pub fn default_binary() -> Option<PathBuf> {
+    const PEER: &str = "../shared/peers/firecracker";
+    let from_exe = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.join(PEER)));
+    [Some(PathBuf::from(PEER)), from_exe]
+        .into_iter()
+        .flatten()
+        .find(|p| p.is_file())
+}
+
+/// The Firecracker binary the user gave (else [`default_binary`]), or why
+/// it is skipped: it must answer `--version` with a Firecracker version
+/// line.
 pub fn probe(binary: Option<&Path>) -> Result<PathBuf, String> {
-    let Some(binary) = binary else {
+    let found = default_binary();
+    let Some(binary) = binary.or(found.as_deref()) else {
         return Err(
-            "no Firecracker binary given (--firecracker PATH or HUSK_FIRECRACKER; \
-                    Firecracker is not packaged for Debian)"
+            "no Firecracker binary given (--firecracker PATH or HUSK_FIRECRACKER) or found at \
+             ../shared/peers/firecracker (Firecracker is not packaged for Debian)"
                 .into(),
         );
     };

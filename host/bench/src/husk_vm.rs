@@ -251,11 +251,13 @@ pub fn sample(
     let t = |p: &str| timeline.at(p);
     let points = [
         ("process_start", Side::Host, Some(timeline.main_ns)),
+        ("seccomp_filters", Side::Host, t("filters_ready")),
         ("state_load", Side::Host, t("state_loaded")),
         ("vm_create", Side::Host, t("vm_created")),
         ("memory", Side::Host, t("memory_ready")),
         ("kernel_load", Side::Host, t("kernel_loaded")),
-        ("vcpus_and_devices", Side::Host, t("vcpus_ready")),
+        ("devices", Side::Host, t("devices_ready")),
+        ("vcpus", Side::Host, t("vcpus_ready")),
         ("to_first_kvm_run", Side::Host, t("first_kvm_run")),
         // A cold boot only: the kernel's boot until guest-init starts.
         // guest-init's readiness line is no boundary: it may come before or

@@ -1,7 +1,8 @@
 //! The pooled path, through the daemon as a user meets it: a private
 //! `husk serve` builds a template of the same guest and keeps a warm pool
 //! of one clone; each run is `POST /v1/sandboxes` (a claim: the clone is
-//! resumed and given its identity) and an exec through the API to the
+//! resumed; it got its identity when it was parked, and its clock is set
+//! ahead of the first request) and an exec through the API to the
 //! program's first output. The sandbox is then destroyed and the pool
 //! refilled before the next run, so every run is a pool hit.
 
@@ -168,7 +169,9 @@ impl Daemon {
             return Err("a pool miss: the daemon restored a clone instead of claiming one".into());
         }
         let points = [
-            ("claim_resume_and_identity", Side::Guest, Some(created_ns)),
+            // Host work only: the clone's vCPUs resumed, no guest round
+            // trip (its clock is set ahead of the exec).
+            ("claim_and_resume", Side::Host, Some(created_ns)),
             ("first_exec_output", Side::Guest, Some(output_ns)),
         ];
         Ok(Sample::from_points(iteration, started_ns, &points, memory))

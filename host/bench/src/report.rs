@@ -438,9 +438,14 @@ impl Report {
         if !self.ratios.is_empty() {
             let _ = writeln!(out);
             for r in &self.ratios {
+                let verdict = if r.p50_over_husk >= 1.0 {
+                    format!("husk {:.2}x faster", r.p50_over_husk)
+                } else {
+                    format!("husk {:.2}x slower", 1.0 / r.p50_over_husk)
+                };
                 let _ = writeln!(
                     out,
-                    "{} {}: p50 {:.2}x husk's ({})",
+                    "{} {}: p50 {:.2}x husk's: {verdict} ({})",
                     r.contender, r.mode, r.p50_over_husk, r.endpoint
                 );
             }

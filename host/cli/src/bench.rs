@@ -36,8 +36,8 @@ pub struct BenchArgs {
     /// Leave QEMU out.
     #[arg(long, conflicts_with = "qemu")]
     no_qemu: bool,
-    /// A Firecracker binary to run the same guest under (skipped without
-    /// one).
+    /// A Firecracker binary to run the same guest under (default:
+    /// ../shared/peers/firecracker where it exists; skipped without one).
     #[arg(long, env = "HUSK_FIRECRACKER")]
     firecracker: Option<PathBuf>,
     /// Leave the pooled path (a private daemon and its template build) out.

@@ -164,9 +164,15 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             Err(e) => Err(format!("--template-source {}: {e}", dir.display())),
         })
         .collect::<Result<Vec<_>, _>>()?;
-    cfg.kernel = args.kernel;
-    cfg.initramfs = args.initramfs;
-    cfg.guest_init = args.guest_init;
+    // Real paths: builds run in jails that bind them by absolute path, and
+    // the daemon's working directory is nobody's business.
+    let real = |flag: &str, path: Option<PathBuf>| {
+        path.map(|p| std::fs::canonicalize(&p).map_err(|e| format!("{flag} {}: {e}", p.display())))
+            .transpose()
+    };
+    cfg.kernel = real("--kernel", args.kernel)?;
+    cfg.initramfs = real("--initramfs", args.initramfs)?;
+    cfg.guest_init = real("--guest-init", args.guest_init)?;
     cfg.max_sandboxes = args.max_sandboxes.unwrap_or(cfg.max_sandboxes);
     cfg.memory_mib = args.memory_mib.unwrap_or(cfg.memory_mib);
     cfg.restore_parallel = args.restore_parallel.unwrap_or(cfg.restore_parallel);

@@ -27,7 +27,7 @@ use crate::store::{now_unix_ms, SandboxRecord, Store, StoreError};
 use crate::template::{self, TemplateError};
 use crate::vmm_process::{self, Launch};
 use husk_agent_client::readiness::WaitBudget;
-use husk_agent_client::{AgentClient, ClientError};
+use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
 /// Egress decisions waiting for the audit log.
 const EGRESS_AUDIT_QUEUE: usize = 4096;
@@ -83,6 +83,24 @@ struct Live {
     child: Option<Child>,
     /// Its egress proxy, while it is handed out (not while pooled).
     proxy: Option<Proxy>,
+    /// The agent connection kept from its pool days, for its first
+    /// request.
+    agent: Option<AgentClient>,
+    /// Set while its guest's clock has to be set by the next request (it
+    /// was woken from a pool or a pause, or adopted by this daemon).
+    clock: Option<Arc<ClockGate>>,
+}
+
+impl Live {
+    fn new(rec: SandboxRecord, child: Option<Child>) -> Self {
+        Live {
+            rec,
+            child,
+            proxy: None,
+            agent: None,
+            clock: None,
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -440,14 +458,11 @@ impl Daemon {
             if alive && matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
                 handed_out.push(rec.clone());
             }
-            inner.sandboxes.insert(
-                rec.id.clone(),
-                Live {
-                    rec,
-                    child: None,
-                    proxy: None,
-                },
-            );
+            // Whether its clock was set before the last daemon stopped is
+            // not known: the next request sets it again.
+            let mut live = Live::new(rec, None);
+            live.clock = Some(ClockGate::new());
+            inner.sandboxes.insert(live.rec.id.clone(), live);
         }
         drop(inner);
         for rec in handed_out {
@@ -694,7 +709,11 @@ impl Daemon {
         }
     }
 
-    /// Resumes a parked clone and gives it its identity.
+    /// Resumes a parked clone: host work only. Its hostname and randomness
+    /// are its own since the refill; its clock, which stood still while it
+    /// was parked, is set by the first request that reaches it (see
+    /// [`ClockGate`]), on the agent connection kept from the refill when
+    /// that is still open.
     fn wake(&self, rec: &SandboxRecord, agent: Option<AgentClient>) -> Result<(), DaemonError> {
         let t0 = Instant::now();
         if let Some(h) = &self.cfg.cgroups {
@@ -703,26 +722,13 @@ impl Daemon {
             }
         }
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
-        let t1 = Instant::now();
-        let vsock = rec.run_dir.join(vmm_process::VSOCK);
-        let mut client = match agent {
-            Some(client) => client,
-            None => AgentClient::connect(&vsock, AGENT_TIMEOUT)?,
-        };
-        let t2 = Instant::now();
-        // Its hostname and randomness are its own since the refill; only
-        // its clock stood still while it was parked.
-        if let Err(e) = client.set_clock(std::time::SystemTime::now()) {
-            // The parked connection may not have survived (a daemon
-            // restart does not keep it): one new connection, one retry.
-            tracing::debug!(sandbox = %rec.id, "parked agent connection failed: {e}");
-            AgentClient::connect(&vsock, AGENT_TIMEOUT)?.set_clock(std::time::SystemTime::now())?;
+        if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
+            live.agent = agent;
+            live.clock = Some(ClockGate::new());
         }
         tracing::debug!(
             sandbox = %rec.id,
-            resume_ms = (t1 - t0).as_secs_f64() * 1000.0,
-            connect_ms = (t2 - t1).as_secs_f64() * 1000.0,
-            identity_ms = t2.elapsed().as_secs_f64() * 1000.0,
+            resume_ms = t0.elapsed().as_secs_f64() * 1000.0,
             "woke a pool clone"
         );
         Ok(())
@@ -890,14 +896,9 @@ impl Daemon {
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
         self.store.put_sandbox(&rec)?;
-        self.lock().sandboxes.insert(
-            id.clone(),
-            Live {
-                rec: rec.clone(),
-                child: Some(child),
-                proxy: None,
-            },
-        );
+        self.lock()
+            .sandboxes
+            .insert(id.clone(), Live::new(rec.clone(), Some(child)));
         // The sandbox now counts itself.
         drop(room);
         let result = self.bring_up(&rec, nic.map(|n| n.mac));
@@ -1013,9 +1014,20 @@ impl Daemon {
         out
     }
 
-    /// A connection to a running sandbox's agent.
+    /// A connection to a running sandbox's agent. The first after a wake
+    /// carries the guest's clock ahead of its request (see [`ClockGate`]);
+    /// a sandbox whose clock could not be set is marked failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
-        let rec = self.record(id)?;
+        let (rec, kept, clock) = {
+            let mut inner = self.lock();
+            let live = inner
+                .sandboxes
+                .get_mut(id)
+                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
+            let usable = live.rec.state == SandboxState::Running;
+            let kept = if usable { live.agent.take() } else { None };
+            (live.rec.clone(), kept, live.clock.clone())
+        };
         match rec.state {
             SandboxState::Running => {}
             SandboxState::Paused => {
@@ -1035,10 +1047,36 @@ impl Daemon {
                 )))
             }
         }
-        Ok(AgentClient::connect(
-            &rec.run_dir.join(vmm_process::VSOCK),
-            AGENT_TIMEOUT,
-        )?)
+        let mut client = match kept.filter(|c| !c.is_closed()) {
+            Some(client) => client,
+            None => AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT)?,
+        };
+        if let Some(gate) = clock {
+            if let Err(e) = client.carry_clock(gate) {
+                self.fail(id, &e.to_string());
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` has failed: {e}"
+                )));
+            }
+        }
+        Ok(client)
+    }
+
+    /// Marks a handed-out sandbox failed with `why` (its VMM is left to
+    /// the caller's destroy).
+    fn fail(&self, id: &str, why: &str) {
+        let rec = {
+            let mut inner = self.lock();
+            let Some(live) = inner.sandboxes.get_mut(id) else {
+                return;
+            };
+            live.rec.state = SandboxState::Failed;
+            live.rec.error = Some(why.to_owned());
+            live.rec.clone()
+        };
+        tracing::warn!(sandbox = %id, "sandbox failed: {why}");
+        let _ = self.store.put_sandbox(&rec);
+        let _ = self.store.audit("daemon", "failed", Some(id), None, why);
     }
 
     /// A connection to a running sandbox's agent for one operation of
@@ -1125,10 +1163,12 @@ impl Daemon {
     pub fn resume(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
         let rec = self.in_state(id, SandboxState::Paused, "a paused sandbox resumes")?;
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
+        // Its clock stood still while it was paused: the next request sets
+        // it before it runs.
+        if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
+            live.clock = Some(ClockGate::new());
+        }
         self.set_state(id, SandboxState::Paused, SandboxState::Running)?;
-        // Its clock stood still while it was paused.
-        AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT)?
-            .set_clock(std::time::SystemTime::now())?;
         self.store.audit(who, "resume", Some(id), None, "")?;
         self.sandbox(id)
     }

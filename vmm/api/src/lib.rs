@@ -78,6 +78,10 @@ pub enum Reply {
         /// When each phase of the VMM's start was reached, in microseconds
         /// since its `main` (see husk-vmm's timeline).
         phases_us: BTreeMap<String, u64>,
+        /// CLOCK_MONOTONIC (ns) at the VMM's `main`: with the moment its
+        /// parent spawned it, how long the process took to start.
+        #[serde(default)]
+        main_monotonic_ns: u64,
     },
     Paused {
         id: String,

@@ -195,6 +195,8 @@ fn parse_overlay(spec: &str) -> Result<(String, PathBuf), String> {
 
 fn main() -> ExitCode {
     let timeline = Arc::new(Timeline::new());
+    // Before any thread starts: they inherit it (vCPU threads set their own).
+    husk_vmm::sched::set_slice(Some(husk_vmm::sched::VMM_SLICE));
     tracing_subscriber::fmt()
         .with_writer(husk_vmm::log_budget::LogBudget::default())
         .with_env_filter(
@@ -220,9 +222,18 @@ fn main() -> ExitCode {
     let span = tracing::info_span!("vm", id = %id);
     let _entered = span.enter();
 
+    // First: vCPU threads started during the build install theirs.
+    let filters = match husk_vmm::seccomp::Filters::new(seccomp) {
+        Ok(filters) => Arc::new(filters),
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    timeline.mark(husk_vmm::timeline::Phase::FiltersReady);
     let built = match &start {
-        Start::Boot(config) => build_vm(config, timeline.clone()),
-        Start::Restore(config) => restore_vm(config, timeline.clone()),
+        Start::Boot(config) => build_vm(config, timeline.clone(), filters),
+        Start::Restore(config) => restore_vm(config, timeline.clone(), filters),
     };
     let mut vmm = match built {
         Ok(vmm) => vmm,
@@ -242,7 +253,7 @@ fn main() -> ExitCode {
             "SECCOMP IS OFF (--no-seccomp): a guest that takes over this VMM can make any syscall"
         );
     }
-    let outcome = match vmm.run(seccomp) {
+    let outcome = match vmm.run() {
         Ok(outcome) => outcome,
         Err(e) => {
             tracing::error!("the VM failed: {e}");
@@ -269,10 +280,12 @@ fn timeline_table(report: &serde_json::Value) -> String {
     let mut out = String::from("boot timeline (ms since husk-vmm started)\n");
     let mut previous = 0u64;
     for (side, name) in [
+        ("host", "filters_ready"),
         ("host", "state_loaded"),
         ("host", "vm_created"),
         ("host", "memory_ready"),
         ("host", "kernel_loaded"),
+        ("host", "devices_ready"),
         ("host", "vcpus_ready"),
         ("host", "first_kvm_run"),
         ("guest", "init_started"),

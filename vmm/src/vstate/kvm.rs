@@ -12,7 +12,6 @@ const REQUIRED_CAPS: &[(Cap, &str)] = &[
     (Cap::Irqchip, "KVM_CAP_IRQCHIP"),
     (Cap::UserMemory, "KVM_CAP_USER_MEMORY"),
     (Cap::SetTssAddr, "KVM_CAP_SET_TSS_ADDR"),
-    (Cap::Pit2, "KVM_CAP_PIT2"),
     (Cap::Ioeventfd, "KVM_CAP_IOEVENTFD"),
     (Cap::Irqfd, "KVM_CAP_IRQFD"),
     (Cap::ExtCpuid, "KVM_CAP_EXT_CPUID"),

@@ -1,11 +1,10 @@
-//! The KVM VM: address-space layout, in-kernel interrupt controllers and the
-//! PIT, and guest memory registration.
+//! The KVM VM: address-space layout, in-kernel interrupt controllers, and
+//! guest memory registration.
 
 use crate::vstate::memory::GuestMemoryMmap;
 use kvm_bindings::{
-    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MEM_LOG_DIRTY_PAGES,
-    KVM_PIT_SPEAKER_DUMMY,
+    kvm_clock_data, kvm_irqchip, kvm_userspace_memory_region, KVM_IRQCHIP_IOAPIC,
+    KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_MEM_LOG_DIRTY_PAGES,
 };
 use kvm_ioctls::{Kvm, VmFd};
 use serde::{Deserialize, Serialize};
@@ -22,8 +21,6 @@ pub enum VmError {
     TssAddress(kvm_ioctls::Error),
     #[error("KVM_CREATE_IRQCHIP failed: {0}")]
     Irqchip(kvm_ioctls::Error),
-    #[error("KVM_CREATE_PIT2 failed: {0}")]
-    Pit(kvm_ioctls::Error),
     #[error("KVM_SET_USER_MEMORY_REGION for slot {slot} failed: {source}")]
     MemoryRegion {
         slot: u32,
@@ -35,13 +32,12 @@ pub enum VmError {
     TooManyRegions(usize, usize),
 }
 
-/// The VM-wide state KVM holds: interrupt controllers, PIT and kvmclock.
+/// The VM-wide state KVM holds: interrupt controllers and kvmclock.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VmState {
     pub pic_master: kvm_irqchip,
     pub pic_slave: kvm_irqchip,
     pub ioapic: kvm_irqchip,
-    pub pit: kvm_pit_state2,
     /// kvmclock when saved: restored as is, so the guest's clock continues
     /// from the snapshot rather than jumping by the snapshot's age.
     pub clock: kvm_clock_data,
@@ -71,17 +67,22 @@ impl Vm {
         Ok(Vm { fd })
     }
 
-    /// Creates the IOAPIC/PIC/LAPICs and the PIT (after the memory).
+    /// Creates the IOAPIC/PIC/LAPICs (after the memory).
+    ///
+    /// No PIT, as in Cloud Hypervisor: the guest keeps time with kvmclock
+    /// and the LAPIC's TSC-deadline timer (`clocksource=kvm-clock
+    /// no_timer_check` on its command line; IRQ 0 never fires in it) and
+    /// reads the TSC frequency from kvmclock, not by calibrating against
+    /// the PIT. KVM_CREATE_PIT2 starts a kernel thread (`kvm-pit/PID`) per
+    /// VM and waits until kthreadd has created it and it has run: 0.15 ms
+    /// on a quiet host, 2-13 ms with both cores of a PVM host busy, where
+    /// it was most of a restore's variance, and one more thread per parked
+    /// sandbox. Ports 0x40-0x43 read as an empty ISA bus.
     pub fn create_devices(&self) -> Result<(), VmError> {
         self.fd
             .set_tss_address(KVM_TSS_ADDRESS as usize)
             .map_err(VmError::TssAddress)?;
         self.fd.create_irq_chip().map_err(VmError::Irqchip)?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        self.fd.create_pit2(pit).map_err(VmError::Pit)?;
         Ok(())
     }
 
@@ -152,7 +153,6 @@ impl Vm {
             pic_master: chip(KVM_IRQCHIP_PIC_MASTER).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
             pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
             ioapic: chip(KVM_IRQCHIP_IOAPIC).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
-            pit: self.fd.get_pit2().map_err(|e| op("KVM_GET_PIT2", e))?,
             clock: self.fd.get_clock().map_err(|e| op("KVM_GET_CLOCK", e))?,
         })
     }
@@ -160,9 +160,6 @@ impl Vm {
     /// Restores the VM-wide state onto this (new) VM.
     pub fn restore_state(&self, state: &VmState) -> Result<(), VmStateError> {
         let op = |op, source| VmStateError { op, source };
-        self.fd
-            .set_pit2(&state.pit)
-            .map_err(|e| op("KVM_SET_PIT2", e))?;
         // Only the clock value: flags such as KVM_CLOCK_TSC_STABLE are
         // KVM's to report, not ours to set.
         let clock = kvm_clock_data {
