@@ -856,3 +856,99 @@ impl AgentClient {
         Ok(read_frame(&mut self.reader)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client connected to a scripted agent: `agent` gets the agent's
+    /// end after the VMM's `OK` and the `Hello` exchange.
+    fn scripted(
+        agent: impl FnOnce(&mut BufReader<UnixStream>, &mut UnixStream) + Send + 'static,
+    ) -> AgentClient {
+        let (ours, theirs) = UnixStream::pair().expect("socketpair");
+        std::thread::spawn(move || {
+            let mut out = theirs.try_clone().expect("clone");
+            let mut input = BufReader::new(theirs);
+            let mut line = String::new();
+            input.read_line(&mut line).expect("CONNECT");
+            out.write_all(b"OK 1\n").expect("OK");
+            let hello = read_frame(&mut input).expect("hello");
+            write_frame(&mut out, &hello).expect("hello back");
+            agent(&mut input, &mut out);
+        });
+        AgentClient::handshake(ours, Duration::from_secs(10), |_| Ok(true)).expect("handshake")
+    }
+
+    #[test]
+    fn the_clock_goes_ahead_of_the_first_request_only_and_is_answered_first() {
+        let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+        let mut client = scripted(move |input, out| {
+            for _ in 0..3 {
+                let frame = read_frame(input).expect("frame");
+                let answer = match &frame.body {
+                    Body::SetClock { .. } => Body::Done,
+                    _ => Body::Pong { uptime_ms: 7 },
+                };
+                seen_tx.send(frame.body.clone()).expect("seen");
+                write_frame(
+                    out,
+                    &Frame {
+                        id: frame.id,
+                        body: answer,
+                    },
+                )
+                .expect("answer");
+            }
+        });
+        let gate = ClockGate::new();
+        client.carry_clock(gate.clone()).expect("pending gate");
+        let before = unix_ns(SystemTime::now()).expect("now");
+
+        assert_eq!(client.ping().expect("ping"), 7);
+        assert!(gate.is_set());
+        client.carry_clock(gate.clone()).expect("set gate");
+        assert_eq!(client.ping().expect("second ping"), 7);
+
+        let seen: Vec<Body> = seen_rx.try_iter().collect();
+        assert!(
+            matches!(seen[0], Body::SetClock { unix_ns } if unix_ns >= before),
+            "{seen:?}"
+        );
+        assert!(matches!(seen[1..], [Body::Ping, Body::Ping]), "{seen:?}");
+    }
+
+    #[test]
+    fn a_refused_clock_fails_the_request_and_every_later_one() {
+        let mut client = scripted(|input, out| {
+            let clock = read_frame(input).expect("clock");
+            let _ping = read_frame(input).expect("ping");
+            let refusal = Body::Error {
+                kind: ErrorKind::Invalid,
+                message: "no clock for you".into(),
+            };
+            write_frame(
+                out,
+                &Frame {
+                    id: clock.id,
+                    body: refusal,
+                },
+            )
+            .expect("refuse");
+        });
+        let gate = ClockGate::new();
+        client.carry_clock(gate.clone()).expect("pending gate");
+
+        let err = client.ping().expect_err("the clock was refused");
+
+        assert!(
+            matches!(&err, ClientError::Clock(m) if m.contains("no clock for you")),
+            "{err}"
+        );
+        assert_eq!(gate.failure().as_deref(), Some("no clock for you"));
+        assert!(matches!(
+            client.carry_clock(gate),
+            Err(ClientError::Clock(_))
+        ));
+    }
+}
