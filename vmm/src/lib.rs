@@ -16,7 +16,6 @@ pub mod log_budget;
 pub mod persist;
 pub mod rate_limiter;
 pub mod resident;
-pub mod sched;
 pub mod seccomp;
 pub mod timeline;
 pub mod vstate;

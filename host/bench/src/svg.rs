@@ -1,24 +1,31 @@
-//! The report as an SVG chart: one row per contender, mode and phase (and
-//! the total), each run a dot on a logarithmic time axis (phases range from
-//! microseconds of host work to minutes of emulated guest boot), the
-//! min-max range as a line and the p50 as a bar. Host phases are blue,
-//! guest phases orange, totals black.
+//! The report as an SVG chart people read at a glance: one horizontal bar
+//! per contender and mode, stacked from its host phases (blue) and guest
+//! phases (orange) at their p50s, the total's min-max range as a whisker,
+//! and, next to a peer's bar, how many times faster husk is to the
+//! endpoint both reach. The time axis is logarithmic (a restore's host work
+//! is milliseconds, an emulated cold boot a minute), so a bar's host part
+//! runs from the axis's left edge to the host p50 and its guest part from
+//! there to the total. Every phase's numbers stay in the table and JSON.
 
 use std::fmt::Write as _;
 
 use super::report::{Report, Side, Status};
 
-const LEFT: f64 = 330.0;
-const PLOT: f64 = 600.0;
-const ROW: f64 = 16.0;
-const TOP: f64 = 56.0;
+const LEFT: f64 = 190.0;
+const PLOT: f64 = 560.0;
+const RIGHT: f64 = 300.0;
+const ROW: f64 = 30.0;
+const TOP: f64 = 60.0;
+const HOST: &str = "#1f77b4";
+const GUEST: &str = "#ff7f0e";
 
-/// One row: a label, a colour and the values (ms).
-struct Row {
+/// One bar: a contender and mode's p50s and the range of its totals.
+struct Bar {
     label: String,
-    colour: &'static str,
-    values: Vec<f64>,
-    p50: f64,
+    host: f64,
+    guest: f64,
+    range: (f64, f64),
+    note: String,
 }
 
 fn escape(text: &str) -> String {
@@ -29,40 +36,47 @@ fn escape(text: &str) -> String {
 
 /// Renders `report`.
 pub fn render(report: &Report) -> String {
-    let mut rows = Vec::new();
+    let mut bars = Vec::new();
     for s in report.series.iter().filter(|s| s.status != Status::Skipped) {
-        for p in &s.phases {
-            let values = s
-                .samples
+        let Some(total) = s.total else {
+            continue;
+        };
+        let side = |want: Side| -> f64 {
+            s.phases
                 .iter()
-                .flat_map(|x| &x.phases)
-                .filter(|seg| seg.name == p.name)
-                .map(|seg| seg.ms)
-                .collect();
-            rows.push(Row {
-                label: format!("{} {}: {}", s.contender, s.mode, p.name),
-                colour: match p.side {
-                    Side::Host => "#1f77b4",
-                    Side::Guest => "#ff7f0e",
-                },
-                values,
-                p50: p.stats.p50,
-            });
-        }
-        if let Some(t) = s.total {
-            rows.push(Row {
-                label: format!("{} {}: total", s.contender, s.mode),
-                colour: "#000000",
-                values: s.samples.iter().map(|x| x.total_ms).collect(),
-                p50: t.p50,
-            });
-        }
+                .filter(|p| p.side == want)
+                .map(|p| p.stats.p50)
+                .sum()
+        };
+        let ratio = report
+            .ratios
+            .iter()
+            .find(|r| r.contender == s.contender && r.mode == s.mode)
+            .map(|r| match r.p50_over_husk {
+                x if x >= 1.0 => format!("; husk {x:.1}x faster"),
+                x => format!("; husk {:.1}x slower", 1.0 / x),
+            })
+            .unwrap_or_default();
+        let shared = s
+            .comparable
+            .map(|c| format!(" (to {}: {})", short_endpoint(&s.mode), format_value(c.p50)))
+            .unwrap_or_default();
+        bars.push(Bar {
+            label: format!("{} {}", s.contender, s.mode.replace('_', " ")),
+            host: side(Side::Host),
+            guest: side(Side::Guest),
+            range: (total.min, total.max),
+            note: format!("{}{shared}{ratio}", format_value(total.p50)),
+        });
     }
-    // The axis: whole decades around every positive value.
-    let positive = rows.iter().flat_map(|r| &r.values).filter(|v| **v > 0.0);
-    let (lo, hi) = positive.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+    // The axis: whole decades around every value.
+    let values = bars
+        .iter()
+        .flat_map(|b| [b.host, b.host + b.guest, b.range.0, b.range.1])
+        .filter(|v| *v > 0.0);
+    let (lo, hi) = values.fold((f64::MAX, f64::MIN), |(lo, hi), v| (lo.min(v), hi.max(v)));
     let (lo, hi) = if lo > hi {
-        (-2, 3)
+        (-1, 3)
     } else {
         (
             lo.log10().floor() as i32,
@@ -73,8 +87,9 @@ pub fn render(report: &Report) -> String {
         let ms = ms.max(10f64.powi(lo));
         LEFT + (ms.log10() - f64::from(lo)) / f64::from(hi - lo) * PLOT
     };
-    let height = TOP + rows.len() as f64 * ROW + 40.0;
-    let width = LEFT + PLOT + 20.0;
+    let bottom = TOP + bars.len() as f64 * ROW;
+    let height = bottom + 48.0;
+    let width = LEFT + PLOT + RIGHT;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -93,9 +108,8 @@ pub fn render(report: &Report) -> String {
     );
     let _ = writeln!(
         out,
-        r##"<text x="10" y="34">ms, log scale; dots: runs, bar: p50, line: min-max; <tspan fill="#1f77b4">host</tspan>, <tspan fill="#ff7f0e">guest</tspan> phases</text>"##
+        r##"<text x="10" y="36">p50 from the spawn (pooled: the API call) to the last phase, ms, log scale: <tspan fill="{HOST}">host phases</tspan> then <tspan fill="{GUEST}">guest phases</tspan>; whisker: the total's min-max</text>"##
     );
-    let bottom = TOP + rows.len() as f64 * ROW;
     for decade in lo..=hi {
         let xd = x(10f64.powi(decade));
         let _ = writeln!(
@@ -106,43 +120,45 @@ pub fn render(report: &Report) -> String {
             format_ms(10f64.powi(decade))
         );
     }
-    for (i, row) in rows.iter().enumerate() {
+    for (i, bar) in bars.iter().enumerate() {
         let y = TOP + i as f64 * ROW + ROW / 2.0;
         let _ = writeln!(
             out,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
             LEFT - 8.0,
             y + 4.0,
-            escape(&row.label)
+            escape(&bar.label)
         );
-        let (min, max) = row
-            .values
-            .iter()
-            .fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(*v), b.max(*v)));
-        if min <= max {
-            let _ = writeln!(
-                out,
-                r#"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{}" stroke-opacity="0.5"/>"#,
-                x(min),
-                x(max),
-                row.colour
-            );
-        }
-        for v in &row.values {
-            let _ = writeln!(
-                out,
-                r#"<circle cx="{:.1}" cy="{y:.1}" r="2.5" fill="{}" fill-opacity="0.6"/>"#,
-                x(*v),
-                row.colour
-            );
-        }
+        let (x0, xh, xt) = (LEFT, x(bar.host), x(bar.host + bar.guest));
         let _ = writeln!(
             out,
-            r#"<line x1="{0:.1}" y1="{1:.1}" x2="{0:.1}" y2="{2:.1}" stroke="{3}" stroke-width="2"/>"#,
-            x(row.p50),
+            r#"<rect x="{x0:.1}" y="{:.1}" width="{:.1}" height="14" fill="{HOST}"/>"#,
+            y - 7.0,
+            (xh - x0).max(1.0)
+        );
+        if bar.guest > 0.0 {
+            let _ = writeln!(
+                out,
+                r#"<rect x="{xh:.1}" y="{:.1}" width="{:.1}" height="14" fill="{GUEST}"/>"#,
+                y - 7.0,
+                (xt - xh).max(1.0)
+            );
+        }
+        let (a, b) = (x(bar.range.0), x(bar.range.1));
+        let _ = writeln!(
+            out,
+            r#"<path d="M{a:.1} {:.1}V{:.1}M{a:.1} {y:.1}H{b:.1}M{b:.1} {:.1}V{:.1}" stroke="black" fill="none"/>"#,
             y - 5.0,
             y + 5.0,
-            row.colour
+            y - 5.0,
+            y + 5.0
+        );
+        let _ = writeln!(
+            out,
+            r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
+            LEFT + PLOT + 8.0,
+            y + 4.0,
+            escape(&bar.note)
         );
     }
     if let Some(w) = &l.warning {
@@ -155,6 +171,26 @@ pub fn render(report: &Report) -> String {
     }
     out.push_str("</svg>\n");
     out
+}
+
+/// The shared endpoint of a mode, in a word or two.
+fn short_endpoint(mode: &str) -> &'static str {
+    match mode {
+        "restore" => "running",
+        "cold_boot" => "ready",
+        _ => "endpoint",
+    }
+}
+
+/// A p50 for people: ms below 10 s, else s.
+fn format_value(ms: f64) -> String {
+    if ms >= 10_000.0 {
+        format!("{:.1} s", ms / 1000.0)
+    } else if ms >= 100.0 {
+        format!("{ms:.0} ms")
+    } else {
+        format!("{ms:.1} ms")
+    }
 }
 
 fn format_ms(ms: f64) -> String {
@@ -192,7 +228,7 @@ mod tests {
     }
 
     #[test]
-    fn every_phase_and_total_gets_a_row_with_a_dot_per_run() {
+    fn each_series_is_one_stacked_bar_with_its_whisker_and_ratio() {
         let mut series = Series::new("husk", "restore", "");
         for (i, ms) in [(0, 2.0), (1, 3000.0)] {
             let phases = vec![
@@ -214,29 +250,34 @@ mod tests {
                 memory: None,
                 snapshot_age_s: None,
                 guest_clock_offset_ms: None,
-                comparable_ms: None,
+                comparable_ms: Some(ms),
             });
         }
         series.summarize();
+        let mut peer = series.clone();
+        peer.contender = "firecracker".into();
         let report = Report {
             schema: String::new(),
             labels: labels(),
-            series: vec![series, Series::skipped("qemu", "restore", "missing")],
+            series: vec![series, peer, Series::skipped("qemu", "restore", "missing")],
             clones: Vec::new(),
-            ratios: Vec::new(),
+            ratios: vec![crate::report::Ratio {
+                contender: "firecracker".into(),
+                mode: "restore".into(),
+                endpoint: String::new(),
+                p50_over_husk: 4.25,
+            }],
         };
 
         let svg = render(&report);
 
-        for row in [
-            "husk restore: memory",
-            "husk restore: first_reply",
-            "husk restore: total",
-        ] {
-            assert!(svg.contains(&format!(">{row}</text>")), "{row}");
-        }
+        assert!(svg.contains(">husk restore</text>"));
+        assert!(svg.contains(">firecracker restore</text>"));
         assert!(!svg.contains("qemu"));
-        assert_eq!(svg.matches("<circle").count(), 6);
+        // Two bars of two parts each, two whiskers.
+        assert_eq!(svg.matches("<rect x=").count(), 4);
+        assert_eq!(svg.matches("<path").count(), 2);
+        assert!(svg.contains("husk 4.2x faster") || svg.contains("husk 4.3x faster"));
         assert!(svg.contains("CPU &lt;model&gt; &amp; co"));
         assert!(svg.contains(">1 ms</text>") && svg.contains(">10 s</text>"));
     }

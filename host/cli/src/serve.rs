@@ -111,6 +111,12 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // Before any thread starts (they inherit it): a claim is host work of
+    // a few hundred microseconds spread over several threads, and on a
+    // busy host each of them otherwise waits out a neighbour's slice.
+    if let Err(e) = husk_vmm_api::sched::set_slice(Some(husk_vmm_api::sched::SHORT_SLICE)) {
+        tracing::debug!("the host refused a short slice: {e}");
+    }
     let state_dir = args.state_dir.unwrap_or_else(default_state_dir);
     std::fs::create_dir_all(&state_dir).map_err(|e| {
         format!(

@@ -18,6 +18,7 @@
 
 pub mod cmdline;
 pub mod limits;
+pub mod sched;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -196,7 +196,7 @@ fn parse_overlay(spec: &str) -> Result<(String, PathBuf), String> {
 fn main() -> ExitCode {
     let timeline = Arc::new(Timeline::new());
     // Before any thread starts: they inherit it (vCPU threads set their own).
-    husk_vmm::sched::set_slice(Some(husk_vmm::sched::VMM_SLICE));
+    let short_slice = husk_vmm_api::sched::set_slice(Some(husk_vmm_api::sched::SHORT_SLICE));
     tracing_subscriber::fmt()
         .with_writer(husk_vmm::log_budget::LogBudget::default())
         .with_env_filter(
@@ -206,6 +206,9 @@ fn main() -> ExitCode {
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    if let Err(e) = short_slice {
+        tracing::debug!("the host refused a short slice: {e}");
+    }
     let args = Args::parse();
     let seccomp = SeccompPolicy {
         enabled: !args.no_seccomp,

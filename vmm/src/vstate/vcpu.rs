@@ -158,7 +158,9 @@ impl VcpuThread {
                 block_stop_signals();
                 // Not the VMM's short slice this thread inherited: a vCPU
                 // runs long.
-                crate::sched::set_slice(slice);
+                if let Err(e) = husk_vmm_api::sched::set_slice(slice) {
+                    tracing::debug!("the host refused a {slice:?} vCPU slice: {e}");
+                }
                 // Before the guest runs a single instruction on this vCPU.
                 filters.enter(crate::seccomp::ThreadKind::Vcpu);
                 let Ok(launch) = rx.recv() else {
