@@ -259,7 +259,11 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
         assert!(chart.contains(&bar), "no bar {bar}");
     }
     for r in &report.ratios {
-        let verdict = if r.p50_over_husk >= 1.0 { "faster" } else { "slower" };
+        let verdict = if r.p50_over_husk >= 1.0 {
+            "faster"
+        } else {
+            "slower"
+        };
         assert!(chart.contains(&format!("x {verdict}</text>")), "{r:?}");
     }
 }
