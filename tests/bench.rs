@@ -268,6 +268,15 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
     }
 }
 
+/// Whether `husk bench` has a Firecracker to run: HUSK_FIRECRACKER, or
+/// the one kept beside the checkout (../shared/peers/firecracker).
+fn firecracker_expected() -> bool {
+    std::env::var_os("HUSK_FIRECRACKER").is_some()
+        || common::repo_root()
+            .join("../shared/peers/firecracker")
+            .is_file()
+}
+
 fn which_qemu() -> Option<()> {
     Command::new("qemu-system-x86_64")
         .arg("--version")
