@@ -880,6 +880,10 @@ mod tests {
         AgentClient::handshake(ours, Duration::from_secs(10), |_| Ok(true)).expect("handshake")
     }
 
+    fn answer_with(out: &mut UnixStream, id: u64, body: Body) {
+        write_frame(out, &Frame { id, body }).expect("answer");
+    }
+
     #[test]
     fn the_clock_goes_ahead_of_the_first_request_only_and_is_answered_first() {
         let (seen_tx, seen_rx) = std::sync::mpsc::channel();
@@ -891,14 +895,7 @@ mod tests {
                     _ => Body::Pong { uptime_ms: 7 },
                 };
                 seen_tx.send(frame.body.clone()).expect("seen");
-                write_frame(
-                    out,
-                    &Frame {
-                        id: frame.id,
-                        body: answer,
-                    },
-                )
-                .expect("answer");
+                answer_with(out, frame.id, answer);
             }
         });
         let gate = ClockGate::new();
@@ -927,14 +924,7 @@ mod tests {
                 kind: ErrorKind::Invalid,
                 message: "no clock for you".into(),
             };
-            write_frame(
-                out,
-                &Frame {
-                    id: clock.id,
-                    body: refusal,
-                },
-            )
-            .expect("refuse");
+            answer_with(out, clock.id, refusal);
         });
         let gate = ClockGate::new();
         client.carry_clock(gate.clone()).expect("pending gate");
