@@ -382,7 +382,7 @@ impl Vmm {
     /// stop the VM; they are blocked in every thread and read from a signalfd.
     pub fn run(&mut self) -> Result<Outcome, VmmError> {
         let filters = self.filters.clone();
-        let signals = SignalFd::new(&[libc::SIGTERM, libc::SIGINT]).map_err(VmmError::Signals)?;
+        let signals = SignalFd::new(&STOP_SIGNALS).map_err(VmmError::Signals)?;
         let stop_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let (tx, rx) = mpsc::channel();
         let threads = std::mem::take(&mut self.vcpu_threads);
@@ -596,6 +596,30 @@ impl MutEventSubscriber for ExitWatcher {
     }
 }
 
+/// The signals that stop the VM: read from a signalfd on the main thread,
+/// blocked on every other.
+pub(crate) const STOP_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGINT];
+
+/// Blocks `signals` for the calling thread (and the threads it starts
+/// afterwards); returns their set.
+pub(crate) fn block_signals(signals: &[i32]) -> std::io::Result<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t and the signal numbers are valid.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        for &s in signals {
+            libc::sigaddset(&mut set, s);
+        }
+    }
+    // SAFETY: `set` is initialised; the old mask is not needed.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(std::io::Error::from_raw_os_error(rc));
+    }
+    Ok(set)
+}
+
 /// A signalfd for a set of signals, which are blocked for the calling thread
 /// and every thread it spawns afterwards.
 struct SignalFd {
@@ -604,20 +628,7 @@ struct SignalFd {
 
 impl SignalFd {
     fn new(signals: &[i32]) -> std::io::Result<Self> {
-        // SAFETY: sigset_t is plain data; sigemptyset initialises it.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a valid sigset_t and the signal numbers are valid.
-        unsafe {
-            libc::sigemptyset(&mut set);
-            for &s in signals {
-                libc::sigaddset(&mut set, s);
-            }
-        }
-        // SAFETY: `set` is initialised; the old mask is not needed.
-        let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-        if rc != 0 {
-            return Err(std::io::Error::from_raw_os_error(rc));
-        }
+        let set = block_signals(signals)?;
         // SAFETY: `set` is initialised; -1 asks for a new descriptor.
         let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
         if fd < 0 {

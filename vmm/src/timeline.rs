@@ -18,7 +18,8 @@ pub enum Phase {
     MemoryReady,
     /// Kernel, initramfs, command line, zero page and MP table in memory.
     KernelLoaded,
-    /// The VM's own state restored (restore only: irqchip, PIT, clock),
+    /// The VM's own state restored (restore only: interrupt controllers,
+    /// clock),
     /// COM1 and the i8042 made and every virtio device attached (its MMIO
     /// range, ioeventfds and irqfd registered with KVM).
     DevicesReady,
@@ -70,13 +71,13 @@ impl Phase {
     /// The name used in the JSON report.
     pub fn name(self) -> &'static str {
         match self {
+            Phase::FiltersReady => "filters_ready",
             Phase::StateLoaded => "state_loaded",
             Phase::VmCreated => "vm_created",
             Phase::MemoryReady => "memory_ready",
             Phase::KernelLoaded => "kernel_loaded",
             Phase::DevicesReady => "devices_ready",
             Phase::VcpusReady => "vcpus_ready",
-            Phase::FiltersReady => "filters_ready",
             Phase::FirstKvmRun => "first_kvm_run",
             Phase::InitStarted => "init_started",
             Phase::GuestReady => "guest_ready",

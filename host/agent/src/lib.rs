@@ -9,7 +9,7 @@ pub mod readiness;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -240,13 +240,9 @@ impl Watch<'_> {
 /// one: the guest is never used with a wrong clock).
 #[derive(Debug, Default)]
 pub struct ClockGate {
-    state: AtomicU8,
-    failure: Mutex<Option<String>>,
+    /// None while pending; then set, or why not.
+    outcome: Mutex<Option<Result<(), String>>>,
 }
-
-const CLOCK_PENDING: u8 = 0;
-const CLOCK_SET: u8 = 1;
-const CLOCK_FAILED: u8 = 2;
 
 impl ClockGate {
     /// A gate whose clock is still to be set.
@@ -254,35 +250,29 @@ impl ClockGate {
         Arc::new(ClockGate::default())
     }
 
+    fn outcome(&self) -> std::sync::MutexGuard<'_, Option<Result<(), String>>> {
+        self.outcome.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether the clock was set.
     pub fn is_set(&self) -> bool {
-        self.state.load(Ordering::SeqCst) == CLOCK_SET
+        matches!(*self.outcome(), Some(Ok(())))
     }
 
     /// Why the clock could not be set, once it could not.
     pub fn failure(&self) -> Option<String> {
-        match self.state.load(Ordering::SeqCst) {
-            CLOCK_FAILED => self
-                .failure
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
+        match &*self.outcome() {
+            Some(Err(why)) => Some(why.clone()),
             _ => None,
         }
     }
 
     fn acknowledged(&self) {
-        let _ = self.state.compare_exchange(
-            CLOCK_PENDING,
-            CLOCK_SET,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
+        self.outcome().get_or_insert(Ok(()));
     }
 
     fn refused(&self, why: &str) {
-        *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_owned());
-        self.state.store(CLOCK_FAILED, Ordering::SeqCst);
+        *self.outcome() = Some(Err(why.to_owned()));
     }
 }
 

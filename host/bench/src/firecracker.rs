@@ -47,24 +47,21 @@ pub fn default_binary() -> Option<PathBuf> {
 /// it is skipped: it must answer `--version` with a Firecracker version
 /// line.
 pub fn probe(binary: Option<&Path>) -> Result<PathBuf, String> {
-    let found = default_binary();
-    let Some(binary) = binary.or(found.as_deref()) else {
+    let Some(binary) = binary.map(Path::to_path_buf).or_else(default_binary) else {
         return Err(
             "no Firecracker binary given (--firecracker PATH or HUSK_FIRECRACKER) or found at \
              ../shared/peers/firecracker (Firecracker is not packaged for Debian)"
                 .into(),
         );
     };
-    let out = Command::new(binary)
+    let out = Command::new(&binary)
         .arg("--version")
         .stdin(Stdio::null())
         .output()
         .map_err(|e| format!("{} cannot be run ({e})", binary.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     match text.lines().next() {
-        Some(line) if out.status.success() && line.starts_with("Firecracker v") => {
-            Ok(binary.to_owned())
-        }
+        Some(line) if out.status.success() && line.starts_with("Firecracker v") => Ok(binary),
         _ => Err(format!(
             "{} is not Firecracker (`--version` said {:?}, {})",
             binary.display(),

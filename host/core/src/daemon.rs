@@ -1065,18 +1065,24 @@ impl Daemon {
     /// Marks a handed-out sandbox failed with `why` (its VMM is left to
     /// the caller's destroy).
     fn fail(&self, id: &str, why: &str) {
+        tracing::warn!(sandbox = %id, "sandbox failed: {why}");
+        self.mark_failed(id, why, why);
+    }
+
+    /// Records sandbox `id` as failed with `error`, in memory and in the
+    /// store, and audits it with `detail`.
+    fn mark_failed(&self, id: &str, error: &str, detail: &str) {
         let rec = {
             let mut inner = self.lock();
             let Some(live) = inner.sandboxes.get_mut(id) else {
                 return;
             };
             live.rec.state = SandboxState::Failed;
-            live.rec.error = Some(why.to_owned());
+            live.rec.error = Some(error.to_owned());
             live.rec.clone()
         };
-        tracing::warn!(sandbox = %id, "sandbox failed: {why}");
         let _ = self.store.put_sandbox(&rec);
-        let _ = self.store.audit("daemon", "failed", Some(id), None, why);
+        let _ = self.store.audit("daemon", "failed", Some(id), None, detail);
     }
 
     /// A connection to a running sandbox's agent for one operation of
@@ -1562,25 +1568,20 @@ impl Daemon {
                 self.destroy_quietly(&id);
                 continue;
             }
-            let rec = {
-                let mut inner = self.lock();
-                let Some(live) = inner.sandboxes.get_mut(&id) else {
+            let why = {
+                let inner = self.lock();
+                let Some(live) = inner.sandboxes.get(&id) else {
                     continue;
                 };
-                live.rec.state = SandboxState::Failed;
-                live.rec.error = Some(format!(
+                format!(
                     "its VMM exited ({status}); last console lines:\n{}\nlast VMM log lines:\n{}",
                     vmm_process::tail(&live.rec.run_dir.join(vmm_process::CONSOLE), 10),
                     vmm_process::tail(&live.rec.run_dir.join(vmm_process::LOG), 5),
-                ));
-                live.rec.clone()
+                )
             };
+            self.mark_failed(&id, &why, &status);
             tracing::warn!(sandbox = %id, "VMM exited ({status}): sandbox failed");
             self.remove_cgroup(&id);
-            let _ = self.store.put_sandbox(&rec);
-            let _ = self
-                .store
-                .audit("daemon", "failed", Some(&id), None, &status);
             self.metrics.vmm_failed();
             self.pool_wakeup.notify_all();
         }

@@ -126,20 +126,6 @@ impl std::fmt::Debug for Launch {
     }
 }
 
-/// Blocks SIGTERM and SIGINT on the calling thread (the VMM reads them
-/// from a signalfd on its main thread).
-fn block_stop_signals() {
-    // SAFETY: sigset_t is plain data; sigemptyset initialises it, and the
-    // signal numbers are valid.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-    }
-}
-
 impl VcpuThread {
     /// Starts vCPU `index`'s thread with `slice` (None: the scheduler's
     /// default) and its seccomp filter from `filters`.
@@ -155,7 +141,9 @@ impl VcpuThread {
             .spawn(move || {
                 // Started before the VMM's main thread blocks SIGTERM and
                 // SIGINT for its signalfd: they are not this thread's.
-                block_stop_signals();
+                if let Err(e) = crate::block_signals(&crate::STOP_SIGNALS) {
+                    tracing::warn!("vCPU {index}: cannot block SIGTERM and SIGINT: {e}");
+                }
                 // Not the VMM's short slice this thread inherited: a vCPU
                 // runs long.
                 if let Err(e) = husk_vmm_api::sched::set_slice(slice) {
