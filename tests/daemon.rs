@@ -1742,6 +1742,32 @@ fn the_official_mcp_client_lists_and_calls_every_tool() {
             matches!(get(id), Err(ApiClientError::Status { status: 404, .. }))
         });
     }
+    // The daemon's /mcp calls the core in process: what its session did is
+    // audited under the session and the client's TCP address (not as the
+    // daemon calling itself), and so is the end of the session.
+    let id = summary["http"]["destroyed"].as_str().expect("an id");
+    let left = summary["http"]["left"].as_str().expect("an id");
+    let audit: Vec<AuditEntry> = api()
+        .call("GET", "/v1/audit?limit=10000", None)
+        .expect("audit");
+    let by_session = |sandbox: &str, action: &str| {
+        audit.iter().any(|e| {
+            e.sandbox.as_deref() == Some(sandbox)
+                && e.action == action
+                && e.who.starts_with("mcp ")
+                && e.who.contains("127.0.0.1")
+        })
+    };
+    for action in ["create", "exec", "upload", "download", "list", "destroy"] {
+        assert!(
+            by_session(id, action),
+            "no `{action}` of {id} by the MCP session: {audit:?}"
+        );
+    }
+    assert!(
+        by_session(left, "destroy"),
+        "{left} not destroyed by its session"
+    );
 }
 
 /// A TCP listener on `ip` in the network namespace of process `pid`:

@@ -66,6 +66,7 @@ use husk_types::ExecSpec;
 use husk_vmm_api::{Reply, Request};
 
 mod bench;
+mod mcp;
 mod sandboxes;
 mod serve;
 
@@ -1141,9 +1142,12 @@ fn main() -> ExitCode {
             command_s: max_command_s,
             output: max_output,
         };
-        let session =
-            std::sync::Arc::new(husk_server::mcp::Session::new(sandboxes::client(), limits));
-        return match husk_server::mcp::serve(session, std::io::stdin().lock(), std::io::stdout()) {
+        let backend = std::sync::Arc::new(mcp::Remote(sandboxes::client()));
+        let served = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .and_then(|rt| rt.block_on(husk_server::mcp::serve_stdio(backend, limits)));
+        return match served {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("husk mcp: {e}");

@@ -217,11 +217,9 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     };
     let socket = args.socket.unwrap_or_else(|| state_dir.join("husk.sock"));
     let daemon = Daemon::start(cfg).map_err(|e| e.to_string())?;
-    // MCP sessions on `/mcp` drive the daemon through its own socket, as
-    // `husk mcp` does.
-    let mcp = Arc::new(husk_server::mcp::HttpSessions::default());
-    mcp.configure(
-        husk_client::ApiClient::new(husk_client::Endpoint::Unix(socket.clone())),
+    // MCP sessions on `/mcp` call the daemon in process.
+    let mcp = husk_server::mcp::HttpService::new(
+        daemon.clone(),
         husk_server::mcp::Limits {
             sandboxes: args.mcp_max_sandboxes,
             command_s: args.mcp_max_command_s,
@@ -262,7 +260,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
 
 async fn listen(
     daemon: Arc<Daemon>,
-    mcp: Arc<husk_server::mcp::HttpSessions>,
+    mcp: Arc<husk_server::mcp::HttpService>,
     socket: &std::path::Path,
     tcp: Option<String>,
     token: Option<String>,
@@ -304,7 +302,8 @@ async fn listen(
                 .await
                 .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
             tracing::info!("listening on tcp {addr} (bearer token required)");
-            let app = api::router(daemon, mcp, token).into_make_service_with_connect_info::<Peer>();
+            let app = api::router(daemon, mcp.clone(), token)
+                .into_make_service_with_connect_info::<Peer>();
             let mut stop_tcp = stop_tx.subscribe();
             Some(tokio::spawn(async move {
                 axum::serve(listener, app)
@@ -337,6 +336,9 @@ async fn listen(
     stop.await;
     tracing::info!("stopping; sandboxes keep running for the next daemon");
     let _ = stop_tx.send(());
+    // MCP sessions end (their sandboxes go), and their event streams with
+    // them.
+    mcp.shutdown();
     // Streams in flight (a long exec) are not waited for past a moment.
     let _ = tokio::time::timeout(Duration::from_secs(5), unix_server).await;
     for t in [tcp_server, e2b_server].into_iter().flatten() {

@@ -9,6 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use husk_types::{CreateRequest, Created, DirEntry, ExecEvent, ExecSpec};
+
 /// Errors talking to the daemon.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiClientError {
@@ -352,6 +354,77 @@ impl ApiClient {
             (_, Err(e)) => Err(ApiClientError::Io(e)),
             (sent, Ok(())) => sent,
         }
+    }
+}
+
+/// Sandboxes, typed: the routes and bodies of `host/openapi.json`.
+impl ApiClient {
+    fn sandbox_path(id: &str, rest: &str) -> String {
+        format!("/v1/sandboxes/{}{rest}", encode(id))
+    }
+
+    /// Creates a sandbox (`POST /v1/sandboxes`).
+    pub fn create_sandbox(&self, req: &CreateRequest) -> Result<Created, ApiClientError> {
+        let body = serde_json::to_vec(req).map_err(|e| ApiClientError::Malformed(e.to_string()))?;
+        self.send("POST", "/v1/sandboxes", Payload::Json(body))?
+            .json()
+    }
+
+    /// Destroys sandbox `id` (`DELETE /v1/sandboxes/{id}`).
+    pub fn destroy_sandbox(&self, id: &str) -> Result<(), ApiClientError> {
+        self.send("DELETE", &Self::sandbox_path(id, ""), Payload::None)
+            .map(drop)
+    }
+
+    /// Runs `spec` in sandbox `id`; its events as they come
+    /// (`POST /v1/sandboxes/{id}/exec`).
+    pub fn exec(&self, id: &str, spec: &ExecSpec) -> Result<ExecStream, ApiClientError> {
+        let body =
+            serde_json::to_vec(spec).map_err(|e| ApiClientError::Malformed(e.to_string()))?;
+        let resp = self.send(
+            "POST",
+            &Self::sandbox_path(id, "/exec"),
+            Payload::Json(body),
+        )?;
+        Ok(ExecStream(resp))
+    }
+
+    /// The guest file `path`, its body read as it comes (its size in
+    /// `content-length`) (`GET /v1/sandboxes/{id}/files`).
+    pub fn read_file(&self, id: &str, path: &str) -> Result<Response, ApiClientError> {
+        let route = Self::sandbox_path(id, &format!("/files?path={}", encode(path)));
+        self.send("GET", &route, Payload::None)
+    }
+
+    /// Writes the guest file `path` from `data`, whole or not at all
+    /// (`PUT /v1/sandboxes/{id}/files`).
+    pub fn write_file(
+        &self,
+        id: &str,
+        path: &str,
+        data: &mut dyn Read,
+    ) -> Result<(), ApiClientError> {
+        let route = Self::sandbox_path(id, &format!("/files?path={}", encode(path)));
+        self.send("PUT", &route, Payload::Stream(data)).map(drop)
+    }
+
+    /// The entries of the guest directory `path`
+    /// (`GET /v1/sandboxes/{id}/dir`).
+    pub fn list_dir(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, ApiClientError> {
+        let route = Self::sandbox_path(id, &format!("/dir?path={}", encode(path)));
+        self.send("GET", &route, Payload::None)?.json()
+    }
+}
+
+/// The events of an exec, as they come.
+#[derive(Debug)]
+pub struct ExecStream(Response);
+
+impl ExecStream {
+    /// The next event; None when the stream ended (after `exit` or
+    /// `error`, or cut off).
+    pub fn next_event(&mut self) -> Result<Option<ExecEvent>, ApiClientError> {
+        self.0.next_line()
     }
 }
 

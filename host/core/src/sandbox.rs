@@ -178,8 +178,9 @@ impl Sandbox {
         Ok((template, copies))
     }
 
-    /// Destroys it: its VMM, files and records.
-    pub fn destroy(self) -> Result<(), DaemonError> {
+    /// Destroys it: its VMM, files and records (calls on the handle fail
+    /// after).
+    pub fn destroy(&self) -> Result<(), DaemonError> {
         *self.agent_slot() = None;
         self.host.destroy(&self.id, &self.who)
     }

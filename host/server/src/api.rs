@@ -34,7 +34,7 @@ use husk_types::{
     BuildEvent, CreateRequest, ExecEvent, ExecSpec, SandboxState, SandboxUpdate, TemplateSpec,
 };
 
-use crate::mcp::HttpSessions;
+use crate::mcp::HttpService;
 
 /// Largest JSON request body.
 pub const MAX_JSON: usize = 1 << 20;
@@ -200,15 +200,15 @@ routes! {
     get "/v1/sandboxes/{id}/logs" => logs,
     get "/v1/audit" => audit,
     get "/v1/egress/ca" => egress_ca,
-    post "/mcp" => mcp_post,
-    delete "/mcp" => mcp_delete,
-    get "/mcp" => mcp_get,
+    post "/mcp" => mcp,
+    delete "/mcp" => mcp,
+    get "/mcp" => mcp,
     get "/metrics" => metrics,
 }
 
 /// The API's router; `mcp`: the sessions of MCP over HTTP (one set for
 /// every listener); `token`: every request must carry it (TCP).
-pub fn router(daemon: Shared, mcp: Arc<HttpSessions>, token: Option<String>) -> Router {
+pub fn router(daemon: Shared, mcp: Arc<HttpService>, token: Option<String>) -> Router {
     let mut r = routes()
         .fallback(|| async {
             ApiError(
@@ -629,52 +629,10 @@ async fn audit(
     Ok(ok(StatusCode::OK, log))
 }
 
-fn mcp_session(headers: &axum::http::HeaderMap) -> Option<String> {
-    headers
-        .get("mcp-session-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned)
-}
-
-/// MCP over streamable HTTP: one JSON-RPC message (or batch) per POST.
-async fn mcp_post(
-    Extension(mcp): Extension<Arc<HttpSessions>>,
-    headers: axum::http::HeaderMap,
-    body: Bytes,
-) -> Response {
-    let session = mcp_session(&headers);
-    let answer = tokio::task::spawn_blocking(move || mcp.post(session.as_deref(), &body)).await;
-    let Ok(answer) = answer else {
-        return ApiError(StatusCode::INTERNAL_SERVER_ERROR, "internal error".into())
-            .into_response();
-    };
-    let status = StatusCode::from_u16(answer.status).unwrap_or(StatusCode::OK);
-    let mut resp = match answer.body {
-        Some(v) => (status, axum::Json(v)).into_response(),
-        None => status.into_response(),
-    };
-    if let Some(id) = answer.session.and_then(|s| s.parse().ok()) {
-        resp.headers_mut().insert("mcp-session-id", id);
-    }
-    resp
-}
-
-async fn mcp_delete(
-    Extension(mcp): Extension<Arc<HttpSessions>>,
-    headers: axum::http::HeaderMap,
-) -> Response {
-    let session = mcp_session(&headers);
-    let status = tokio::task::spawn_blocking(move || mcp.delete(session.as_deref()))
-        .await
-        .unwrap_or(500);
-    StatusCode::from_u16(status)
-        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
-        .into_response()
-}
-
-/// No server-sent events: this server sends no requests of its own.
-async fn mcp_get() -> Response {
-    StatusCode::METHOD_NOT_ALLOWED.into_response()
+/// MCP over streamable HTTP (rmcp's service: sessions, JSON-RPC,
+/// server-sent events).
+async fn mcp(Extension(mcp): Extension<Arc<HttpService>>, req: Request) -> Response {
+    mcp.handle(req).await
 }
 
 async fn egress_ca(State(d): State<Shared>) -> ApiResult<Response> {
@@ -721,17 +679,7 @@ async fn exec(
         return Err(bad("`argv` is empty: name the program to run"));
     }
     let detail = spec.argv.join(" ");
-    let req = ExecRequest {
-        argv: spec.argv,
-        env: spec.env.into_iter().collect(),
-        cwd: spec.cwd,
-        user: spec.user,
-        stdin: spec.stdin.into_bytes(),
-        timeout_ms: spec.timeout_ms,
-        pids_max: spec.pids_max,
-        output_max: spec.output_max,
-        ..ExecRequest::default()
-    };
+    let req = ExecRequest::from(spec);
     let (started_tx, started_rx) = oneshot::channel::<Result<i32, DaemonError>>();
     let (tx, rx) = mpsc::channel(32);
     tokio::task::spawn_blocking(move || {

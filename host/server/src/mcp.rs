@@ -1,36 +1,59 @@
-//! `husk mcp`: the Model Context Protocol over stdio, so an agent reaches
-//! sandboxes as tools.
+//! The Model Context Protocol, so an agent reaches sandboxes as tools: on
+//! stdio (`husk mcp`) and over streamable HTTP at the daemon's `/mcp`.
 //!
-//! JSON-RPC 2.0, one message per line (MCP's stdio transport): `initialize`,
-//! `ping`, `tools/list` and `tools/call`. The tools drive the daemon through
-//! its API, as the CLI does: create a sandbox from a template, run a
-//! command, read, write and list files, destroy the sandbox.
+//! The protocol (JSON-RPC, version negotiation, both transports, HTTP
+//! sessions) is the official Rust SDK's, `rmcp`; this module is the tools:
+//! create a sandbox from a template, run a command, read, write and list
+//! files, destroy the sandbox. They reach sandboxes through a [`Backend`]:
+//! the daemon's `/mcp` calls `husk-core` in process ([`InProcess`], which
+//! keeps a [`Sandbox`] handle, and so an agent connection, per sandbox and
+//! audits each call as `mcp <session> (<peer>)`); `husk mcp` drives a
+//! daemon through its API.
 //!
-//! One client (one `husk mcp` process) is one session with limits of its
+//! One client (one `husk mcp` process, one HTTP session) has limits of its
 //! own ([`Limits`]): how many sandboxes it holds at once, how many calls it
 //! makes, how long a command may run and how much output it returns. A
-//! session reaches only the sandboxes it created (labelled `mcp=<session>`),
-//! and destroys them when the client goes (its stdin ends). A refused call
-//! is a tool error (`isError`) that says what was refused and why, which an
-//! agent can act on; a malformed message is a JSON-RPC error.
+//! client reaches only the sandboxes it created (labelled `mcp=<session>`),
+//! and they are destroyed when it goes (its stdin ends, its HTTP session is
+//! deleted or idle for [`HTTP_IDLE`]). A refused call is a tool error
+//! (`isError`) that says what was refused and why, which an agent can act
+//! on; an unknown tool is a JSON-RPC error.
 
-use std::collections::BTreeSet;
-use std::io::{BufRead, Read, Write};
+use std::borrow::Cow;
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use base64::Engine;
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, ErrorData,
+    Implementation, InitializeResult, JsonObject, ListToolsResult, PaginatedRequestParams,
+    ProtocolVersion, ServerCapabilities, Tool,
+};
+use rmcp::service::RequestContext;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::{RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
 
-use husk_client::{encode, ApiClient, ApiClientError, Payload};
-use husk_types::{Created, ExecEvent, ExecSpec};
+use husk_core::daemon::{Daemon, DaemonError};
+use husk_core::sandbox::Sandbox;
+use husk_protocol::{DirEntry, ErrorKind, FileKind, Stream, Termination};
+use husk_types::{CreateRequest, ExecSpec};
 
-/// Protocol versions this server speaks (its tools are the same in each).
-const VERSIONS: &[&str] = &["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
-/// Largest message read from the client.
-const MAX_MESSAGE: usize = 8 << 20;
+use crate::api::Peer;
+
 /// Calls running at once in one session.
 const MAX_IN_FLIGHT: usize = 16;
+/// Sessions the daemon's `/mcp` holds open at once.
+pub const MAX_HTTP_SESSIONS: usize = 64;
+/// A session unused this long is closed (its sandboxes destroyed).
+pub const HTTP_IDLE: Duration = Duration::from_secs(3600);
 
 /// What one client may do.
 #[derive(Debug, Clone)]
@@ -57,36 +80,73 @@ impl Default for Limits {
     }
 }
 
-/// One client's session.
+/// A tool's failure, shown to the agent as it is.
 #[derive(Debug)]
-pub struct Session {
-    api: ApiClient,
-    limits: Limits,
-    /// The label that marks this session's sandboxes.
-    id: String,
-    owned: Mutex<BTreeSet<String>>,
-    calls: AtomicU64,
-    in_flight: AtomicUsize,
-}
+pub struct Refusal(pub String);
 
-/// A tool's failure, shown to the agent.
-struct Refusal(String);
-
-impl From<ApiClientError> for Refusal {
-    fn from(e: ApiClientError) -> Self {
+impl<E: std::fmt::Display> From<E> for Refusal {
+    fn from(e: E) -> Self {
         Refusal(e.to_string())
     }
 }
 
-type ToolResult = Result<String, Refusal>;
+/// How a command ended that did not exit: the agent's error kind (a
+/// timeout, an output limit) and its message.
+pub type ExecFailure = (Option<ErrorKind>, String);
 
-fn arg_str<'a>(args: &'a Value, name: &str) -> Result<&'a str, Refusal> {
+/// How the tools reach sandboxes. Calls block (the tools run them off the
+/// async runtime); `who` is the caller the audit log should name.
+pub trait Backend: Send + Sync + 'static {
+    /// Creates a sandbox from `template` labelled `mcp=<label>`; its id.
+    fn create(
+        &self,
+        template: &str,
+        ttl_s: Option<u64>,
+        label: &str,
+        who: &str,
+    ) -> Result<String, Refusal>;
+    /// Runs `spec` in sandbox `id`, handing its output to `output` as it
+    /// comes.
+    fn exec(
+        &self,
+        id: &str,
+        spec: ExecSpec,
+        output: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Termination, ExecFailure>;
+    /// The file `path`, refused (with [`too_long`]) past `max` bytes.
+    fn read(&self, id: &str, path: &str, max: u64) -> Result<Vec<u8>, Refusal>;
+    /// Writes the file `path` whole.
+    fn write(&self, id: &str, path: &str, data: &[u8]) -> Result<(), Refusal>;
+    /// The entries of the directory `path`.
+    fn list(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, Refusal>;
+    /// Destroys sandbox `id`.
+    fn destroy(&self, id: &str) -> Result<(), Refusal>;
+}
+
+/// The refusal of a file longer than a client's limit (`size` when known).
+pub fn too_long(path: &str, size: Option<u64>, max: u64) -> Refusal {
+    Refusal(match size {
+        Some(size) => {
+            format!("refused: {path} has {size} bytes, more than this client's limit of {max}")
+        }
+        None => format!("refused: {path} is longer than this client's limit of {max} bytes"),
+    })
+}
+
+fn arg_str<'a>(args: &'a JsonObject, name: &str) -> Result<&'a str, Refusal> {
     args.get(name)
         .and_then(Value::as_str)
         .ok_or_else(|| Refusal(format!("`{name}` (a string) is required")))
 }
 
-fn arg_u64(args: &Value, name: &str) -> Result<Option<u64>, Refusal> {
+fn arg_opt_str<'a>(args: &'a JsonObject, name: &str) -> Result<Option<&'a str>, Refusal> {
+    match args.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => arg_str(args, name).map(Some),
+    }
+}
+
+fn arg_u64(args: &JsonObject, name: &str) -> Result<Option<u64>, Refusal> {
     match args.get(name) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -97,26 +157,32 @@ fn arg_u64(args: &Value, name: &str) -> Result<Option<u64>, Refusal> {
 }
 
 /// The tools, as `tools/list` shows them.
-fn tools() -> Value {
+fn tools() -> Vec<Tool> {
     let sandbox =
         json!({ "type": "string", "description": "The sandbox id create_sandbox returned" });
     let path = json!({ "type": "string", "description": "An absolute path in the sandbox" });
-    json!([
-        {
-            "name": "create_sandbox",
-            "description": "Create a sandbox (a microVM with its own Linux kernel) from a template; returns its id.",
-            "inputSchema": {
+    let tool = |name: &'static str, description: &'static str, schema: Value| {
+        let Value::Object(schema) = schema else {
+            unreachable!("a tool's schema is an object")
+        };
+        Tool::new(name, description, schema)
+    };
+    vec![
+        tool(
+            "create_sandbox",
+            "Create a sandbox (a microVM with its own Linux kernel) from a template; returns its id.",
+            json!({
                 "type": "object",
                 "properties": {
                     "template": { "type": "string", "description": "Template name (default: base)" },
                     "ttl_s": { "type": "integer", "minimum": 1, "description": "Destroy it after this many seconds" }
                 }
-            }
-        },
-        {
-            "name": "run_command",
-            "description": "Run a shell command (/bin/sh -c) in a sandbox; returns its exit code, stdout and stderr.",
-            "inputSchema": {
+            }),
+        ),
+        tool(
+            "run_command",
+            "Run a shell command (/bin/sh -c) in a sandbox; returns its exit code, stdout and stderr.",
+            json!({
                 "type": "object",
                 "properties": {
                     "sandbox": sandbox,
@@ -125,68 +191,87 @@ fn tools() -> Value {
                     "timeout_s": { "type": "integer", "minimum": 1, "description": "Kill it after this many seconds" }
                 },
                 "required": ["sandbox", "command"]
-            }
-        },
-        {
-            "name": "read_file",
-            "description": "Read a text file in a sandbox.",
-            "inputSchema": {
+            }),
+        ),
+        tool(
+            "read_file",
+            "Read a text file in a sandbox.",
+            json!({
                 "type": "object",
                 "properties": { "sandbox": sandbox, "path": path },
                 "required": ["sandbox", "path"]
-            }
-        },
-        {
-            "name": "write_file",
-            "description": "Write a text file in a sandbox (replacing it whole).",
-            "inputSchema": {
+            }),
+        ),
+        tool(
+            "write_file",
+            "Write a text file in a sandbox (replacing it whole).",
+            json!({
                 "type": "object",
                 "properties": { "sandbox": sandbox, "path": path, "content": { "type": "string" } },
                 "required": ["sandbox", "path", "content"]
-            }
-        },
-        {
-            "name": "list_files",
-            "description": "List a directory in a sandbox: one entry per line, kind (d, f, l, other), size, name.",
-            "inputSchema": {
+            }),
+        ),
+        tool(
+            "list_files",
+            "List a directory in a sandbox: one entry per line, kind (d, f, l, other), size, name.",
+            json!({
                 "type": "object",
                 "properties": { "sandbox": sandbox, "path": path },
                 "required": ["sandbox", "path"]
-            }
-        },
-        {
-            "name": "destroy_sandbox",
-            "description": "Destroy a sandbox this client created.",
-            "inputSchema": {
+            }),
+        ),
+        tool(
+            "destroy_sandbox",
+            "Destroy a sandbox this client created.",
+            json!({
                 "type": "object",
                 "properties": { "sandbox": sandbox },
                 "required": ["sandbox"]
-            }
-        }
-    ])
+            }),
+        ),
+    ]
 }
 
-impl Session {
-    pub fn new(api: ApiClient, limits: Limits) -> Session {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        Session {
-            api,
+/// One client's tools, limits and sandboxes.
+struct Tools {
+    backend: Arc<dyn Backend>,
+    limits: Limits,
+    /// The label that marks this session's sandboxes.
+    label: String,
+    owned: Mutex<BTreeSet<String>>,
+    calls: AtomicU64,
+    in_flight: AtomicUsize,
+    /// The HTTP sessions alive (this one among them), if it is one.
+    sessions: Option<Arc<AtomicUsize>>,
+}
+
+impl Tools {
+    fn new(backend: Arc<dyn Backend>, limits: Limits, sessions: Option<Arc<AtomicUsize>>) -> Self {
+        static SESSIONS: AtomicU64 = AtomicU64::new(0);
+        if let Some(live) = &sessions {
+            live.fetch_add(1, Ordering::SeqCst);
+        }
+        Tools {
+            backend,
             limits,
-            id: format!("{}-{nanos:08x}", std::process::id()),
+            label: format!(
+                "{}-{}",
+                std::process::id(),
+                SESSIONS.fetch_add(1, Ordering::Relaxed)
+            ),
             owned: Mutex::new(BTreeSet::new()),
             calls: AtomicU64::new(0),
             in_flight: AtomicUsize::new(0),
+            sessions,
         }
     }
 
-    fn owned(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+    fn owned(&self) -> MutexGuard<'_, BTreeSet<String>> {
         self.owned.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A sandbox argument, checked to be this session's.
-    fn sandbox<'a>(&self, args: &'a Value) -> Result<&'a str, Refusal> {
+    fn sandbox<'a>(&self, args: &'a JsonObject) -> Result<&'a str, Refusal> {
         let id = arg_str(args, "sandbox")?;
         if !self.owned().contains(id) {
             return Err(Refusal(format!(
@@ -197,7 +282,7 @@ impl Session {
         Ok(id)
     }
 
-    fn path(args: &Value) -> Result<&str, Refusal> {
+    fn path(args: &JsonObject) -> Result<&str, Refusal> {
         let path = arg_str(args, "path")?;
         if !path.starts_with('/') {
             return Err(Refusal(format!("path `{path}` is not absolute")));
@@ -205,7 +290,8 @@ impl Session {
         Ok(path)
     }
 
-    fn call_tool(&self, name: &str, args: &Value) -> ToolResult {
+    /// Runs tool `name` (a known one) for caller `who`.
+    fn call(&self, name: &str, args: &JsonObject, who: &str) -> Result<String, Refusal> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst);
         if n >= self.limits.calls {
             return Err(Refusal(format!(
@@ -214,7 +300,7 @@ impl Session {
             )));
         }
         match name {
-            "create_sandbox" => self.create(args),
+            "create_sandbox" => self.create(args, who),
             "run_command" => self.run(args),
             "read_file" => self.read(args),
             "write_file" => self.write(args),
@@ -224,11 +310,8 @@ impl Session {
         }
     }
 
-    fn create(&self, args: &Value) -> ToolResult {
-        let template = match args.get("template") {
-            None | Some(Value::Null) => "base",
-            Some(_) => arg_str(args, "template")?,
-        };
+    fn create(&self, args: &JsonObject, who: &str) -> Result<String, Refusal> {
+        let template = arg_opt_str(args, "template")?.unwrap_or("base");
         let ttl_s = arg_u64(args, "ttl_s")?;
         {
             let mut owned = self.owned();
@@ -239,26 +322,19 @@ impl Session {
                     owned.len()
                 )));
             }
-            // Held while the daemon creates it, so concurrent creates
-            // cannot pass the limit together.
+            // Held while the sandbox is made, so concurrent creates cannot
+            // pass the limit together.
             owned.insert(String::new());
         }
-        let mut body = json!({ "template": template, "labels": { "mcp": self.id } });
-        if let Some(ttl) = ttl_s {
-            body["ttl_s"] = json!(ttl);
-        }
-        let created: Result<Created, _> = self.api.call("POST", "/v1/sandboxes", Some(&body));
+        let created = self.backend.create(template, ttl_s, &self.label, who);
         let mut owned = self.owned();
         owned.remove("");
-        let created = created?;
-        owned.insert(created.sandbox.id.clone());
-        Ok(format!(
-            "created sandbox {} from template {template}",
-            created.sandbox.id
-        ))
+        let id = created?;
+        owned.insert(id.clone());
+        Ok(format!("created sandbox {id} from template {template}"))
     }
 
-    fn run(&self, args: &Value) -> ToolResult {
+    fn run(&self, args: &JsonObject) -> Result<String, Refusal> {
         let id = self.sandbox(args)?;
         let command = arg_str(args, "command")?;
         let timeout_s = arg_u64(args, "timeout_s")?.unwrap_or(60);
@@ -268,134 +344,73 @@ impl Session {
                 self.limits.command_s
             )));
         }
-        let cwd = match args.get("cwd") {
-            None | Some(Value::Null) => None,
-            Some(_) => Some(arg_str(args, "cwd")?.to_owned()),
-        };
         let spec = ExecSpec {
             argv: vec!["/bin/sh".into(), "-c".into(), command.to_owned()],
-            env: Default::default(),
-            cwd,
-            user: None,
-            stdin: String::new(),
+            cwd: arg_opt_str(args, "cwd")?.map(str::to_owned),
             timeout_ms: Some(timeout_s * 1000),
-            pids_max: None,
             output_max: Some(self.limits.output),
+            ..Default::default()
         };
-        let body = serde_json::to_vec(&spec).unwrap_or_default();
-        let mut resp = self.api.send(
-            "POST",
-            &format!("/v1/sandboxes/{}/exec", encode(id)),
-            Payload::Json(body),
-        )?;
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let decode = |d: &str| {
-            base64::engine::general_purpose::STANDARD
-                .decode(d)
-                .unwrap_or_default()
-        };
-        let show = |out: &[u8], err: &[u8]| {
-            format!(
-                "stdout:\n{}\nstderr:\n{}",
-                String::from_utf8_lossy(out),
-                String::from_utf8_lossy(err)
-            )
-        };
-        while let Some(event) = resp.next_line::<ExecEvent>()? {
-            match event {
-                ExecEvent::Started { .. } => {}
-                ExecEvent::Stdout { data } => out.extend(decode(&data)),
-                ExecEvent::Stderr { data } => err.extend(decode(&data)),
-                ExecEvent::Lost { bytes } => {
-                    err.extend(format!("[husk: {bytes} bytes of output lost]\n").bytes())
-                }
-                ExecEvent::Exit { code, signal, .. } => {
-                    let how = match (code, signal) {
-                        (Some(c), _) => format!("exit code {c}"),
-                        (None, Some(s)) => format!("killed by signal {s}"),
-                        _ => "ended".to_owned(),
-                    };
-                    return Ok(format!("{how}\n{}", show(&out, &err)));
-                }
-                ExecEvent::Error { kind, error } => {
-                    let why = match kind {
-                        Some(husk_protocol::ErrorKind::Timeout) => {
-                            format!("the command timed out after {timeout_s} s and was killed")
-                        }
-                        Some(husk_protocol::ErrorKind::Limit) => format!(
-                            "the command's output passed this client's limit of {} bytes \
-                             and it was killed",
-                            self.limits.output
-                        ),
-                        _ => format!("the command failed: {error}"),
-                    };
-                    return Err(Refusal(format!("{why}\n{}", show(&out, &err))));
-                }
+        let ended = self
+            .backend
+            .exec(id, spec, &mut |stream, data| match stream {
+                Stream::Stdout => out.extend_from_slice(data),
+                Stream::Stderr => err.extend_from_slice(data),
+            });
+        let shown = format!(
+            "stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(&err)
+        );
+        match ended {
+            Ok(Termination::Code(c)) => Ok(format!("exit code {c}\n{shown}")),
+            Ok(Termination::Signal(s)) => Ok(format!("killed by signal {s}\n{shown}")),
+            Err((kind, error)) => {
+                let why = match kind {
+                    Some(ErrorKind::Timeout) => {
+                        format!("the command timed out after {timeout_s} s and was killed")
+                    }
+                    Some(ErrorKind::Limit) => format!(
+                        "the command's output passed this client's limit of {} bytes \
+                         and it was killed",
+                        self.limits.output
+                    ),
+                    _ => format!("the command failed: {error}"),
+                };
+                Err(Refusal(format!("{why}\n{shown}")))
             }
         }
-        Err(Refusal(format!(
-            "the command's output ended without an exit status\n{}",
-            show(&out, &err)
-        )))
     }
 
-    fn read(&self, args: &Value) -> ToolResult {
+    fn read(&self, args: &JsonObject) -> Result<String, Refusal> {
         let id = self.sandbox(args)?;
         let path = Self::path(args)?;
-        let resp = self.api.send(
-            "GET",
-            &format!("/v1/sandboxes/{}/files?path={}", encode(id), encode(path)),
-            Payload::None,
-        )?;
-        let size: Option<u64> = resp.header("content-length").and_then(|v| v.parse().ok());
-        if size.is_some_and(|s| s > self.limits.output) {
-            return Err(Refusal(format!(
-                "refused: {path} has {} bytes, more than this client's limit of {}",
-                size.unwrap_or(0),
-                self.limits.output
-            )));
-        }
-        let mut data = Vec::new();
-        resp.take(self.limits.output + 1)
-            .read_to_end(&mut data)
-            .map_err(|e| Refusal(format!("reading {path}: {e}")))?;
+        let data = self.backend.read(id, path, self.limits.output)?;
         if data.len() as u64 > self.limits.output {
-            return Err(Refusal(format!(
-                "refused: {path} is longer than this client's limit of {} bytes",
-                self.limits.output
-            )));
+            return Err(too_long(path, None, self.limits.output));
         }
         String::from_utf8(data)
             .map_err(|_| Refusal(format!("{path} is not UTF-8 text (read_file returns text)")))
     }
 
-    fn write(&self, args: &Value) -> ToolResult {
+    fn write(&self, args: &JsonObject) -> Result<String, Refusal> {
         let id = self.sandbox(args)?;
         let path = Self::path(args)?;
         let content = arg_str(args, "content")?;
-        let mut reader = content.as_bytes();
-        self.api.send(
-            "PUT",
-            &format!("/v1/sandboxes/{}/files?path={}", encode(id), encode(path)),
-            Payload::Stream(&mut reader),
-        )?;
+        self.backend.write(id, path, content.as_bytes())?;
         Ok(format!("wrote {} bytes to {path}", content.len()))
     }
 
-    fn list(&self, args: &Value) -> ToolResult {
+    fn list(&self, args: &JsonObject) -> Result<String, Refusal> {
         let id = self.sandbox(args)?;
         let path = Self::path(args)?;
-        let entries: Vec<husk_protocol::DirEntry> = self.api.call(
-            "GET",
-            &format!("/v1/sandboxes/{}/dir?path={}", encode(id), encode(path)),
-            None,
-        )?;
         let mut text = String::new();
-        for e in entries {
+        for e in self.backend.list(id, path)? {
             let kind = match e.stat.kind {
-                husk_protocol::FileKind::Dir => "d",
-                husk_protocol::FileKind::File => "f",
-                husk_protocol::FileKind::Symlink => "l",
+                FileKind::Dir => "d",
+                FileKind::File => "f",
+                FileKind::Symlink => "l",
                 _ => "other",
             };
             text.push_str(&format!("{kind} {} {}\n", e.stat.size, e.name));
@@ -403,454 +418,535 @@ impl Session {
         Ok(text)
     }
 
-    fn destroy(&self, args: &Value) -> ToolResult {
+    fn destroy(&self, args: &JsonObject) -> Result<String, Refusal> {
         let id = self.sandbox(args)?.to_owned();
-        self.api.send(
-            "DELETE",
-            &format!("/v1/sandboxes/{}", encode(&id)),
-            Payload::None,
-        )?;
+        self.backend.destroy(&id)?;
         self.owned().remove(&id);
         Ok(format!("destroyed sandbox {id}"))
     }
 
     /// Destroys what the session still holds (the client went).
-    pub fn close(&self) {
-        let ids: Vec<String> = std::mem::take(&mut *self.owned()).into_iter().collect();
+    fn close(&self) {
+        let ids = std::mem::take(&mut *self.owned());
         for id in ids.iter().filter(|id| !id.is_empty()) {
-            if let Err(e) = self.api.send(
-                "DELETE",
-                &format!("/v1/sandboxes/{}", encode(id)),
-                Payload::None,
-            ) {
+            if let Err(Refusal(e)) = self.backend.destroy(id) {
                 tracing::warn!("mcp: destroying {id} at the end of the session: {e}");
             }
         }
     }
+}
 
-    /// Answers one JSON-RPC message (None for a notification).
-    pub fn handle(&self, msg: &Value) -> Option<Value> {
-        let id = msg.get("id").cloned();
-        let reply = |result: Result<Value, (i64, String)>| {
-            let id = id.clone()?;
-            Some(match result {
-                Ok(r) => json!({ "jsonrpc": "2.0", "id": id, "result": r }),
-                Err((code, message)) => {
-                    json!({ "jsonrpc": "2.0", "id": id, "error": { "code": code, "message": message } })
-                }
-            })
-        };
-        if msg.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
-            return Some(json!({
-                "jsonrpc": "2.0", "id": id.unwrap_or(Value::Null),
-                "error": { "code": -32600, "message": "not a JSON-RPC 2.0 message" }
-            }));
+impl Drop for Tools {
+    fn drop(&mut self) {
+        if let Some(live) = &self.sessions {
+            live.fetch_sub(1, Ordering::SeqCst);
         }
-        let Some(method) = msg.get("method").and_then(Value::as_str) else {
-            return None; // a response to us: we send no requests
-        };
-        let params = msg.get("params").cloned().unwrap_or(Value::Null);
-        match method {
-            "initialize" => {
-                let asked = params.get("protocolVersion").and_then(Value::as_str);
-                let version = asked
-                    .filter(|v| VERSIONS.contains(v))
-                    .unwrap_or(VERSIONS[0]);
-                reply(Ok(json!({
-                    "protocolVersion": version,
-                    "capabilities": { "tools": { "listChanged": false } },
-                    "serverInfo": { "name": "husk", "version": env!("CARGO_PKG_VERSION") },
-                    "instructions": "Each sandbox is a microVM. Create one, run commands and move files in it, destroy it when done. This client may hold a limited number of sandboxes; they are destroyed when it disconnects."
-                })))
-            }
-            "ping" => reply(Ok(json!({}))),
-            "tools/list" => reply(Ok(json!({ "tools": tools() }))),
-            "tools/call" => {
-                let Some(name) = params.get("name").and_then(Value::as_str) else {
-                    return reply(Err((-32602, "tools/call needs a tool `name`".into())));
-                };
-                let args = params.get("arguments").cloned().unwrap_or(json!({}));
-                if !args.is_object() {
-                    return reply(Err((-32602, "`arguments` must be an object".into())));
+        // An HTTP session that ended (deleted, idle, the daemon stopping):
+        // its sandboxes go, off the runtime that dropped it.
+        let ids = std::mem::take(&mut *self.owned());
+        if ids.iter().any(|id| !id.is_empty()) {
+            let backend = self.backend.clone();
+            std::thread::spawn(move || {
+                for id in ids.iter().filter(|id| !id.is_empty()) {
+                    if let Err(Refusal(e)) = backend.destroy(id) {
+                        tracing::warn!("mcp: destroying {id} at the end of the session: {e}");
+                    }
                 }
-                if !tools()
-                    .as_array()
-                    .is_some_and(|t| t.iter().any(|t| t["name"] == name))
-                {
-                    return reply(Err((-32602, format!("no tool `{name}` (see tools/list)"))));
-                }
-                let (text, is_error) = match self.call_tool(name, &args) {
-                    Ok(text) => (text, false),
-                    Err(Refusal(text)) => (text, true),
-                };
-                reply(Ok(json!({
-                    "content": [{ "type": "text", "text": text }],
-                    "isError": is_error
-                })))
-            }
-            m if m.starts_with("notifications/") => None,
-            other => reply(Err((-32601, format!("no method `{other}`")))),
+            });
         }
     }
 }
 
-/// Serves one client on `input`/`output` until its input ends, then
-/// destroys the sandboxes it left.
-pub fn serve(
-    session: Arc<Session>,
-    input: impl BufRead,
-    output: impl Write + Send + 'static,
-) -> std::io::Result<()> {
-    let output = Arc::new(Mutex::new(output));
-    let send = {
-        let output = output.clone();
-        move |v: &Value| {
-            let mut line = serde_json::to_vec(v).unwrap_or_default();
-            line.push(b'\n');
-            let mut out = output.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = out.write_all(&line).and_then(|()| out.flush());
+/// One MCP session, as rmcp serves it.
+#[derive(Clone)]
+struct McpSession(Arc<Tools>);
+
+impl std::fmt::Debug for McpSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("McpSession")
+            .field("label", &self.0.label)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServerHandler for McpSession {
+    fn get_info(&self) -> InitializeResult {
+        InitializeResult::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("husk", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "Each sandbox is a microVM. Create one, run commands and move files in it, \
+                 destroy it when done. This client may hold a limited number of sandboxes; \
+                 they are destroyed when it disconnects.",
+            )
+    }
+
+    /// The versions whose sessions outlive a request (a client's
+    /// sandboxes belong to its session).
+    fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
+        Cow::Borrowed(ProtocolVersion::known_up_to(&ProtocolVersion::V_2025_11_25))
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let name = request.name.to_string();
+        if !tools().iter().any(|t| t.name == name) {
+            return Err(ErrorData::invalid_params(
+                format!("no tool `{name}` (see tools/list)"),
+                None,
+            ));
+        }
+        let tools = self.0.clone();
+        if tools.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+            tools.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(ErrorData::internal_error(
+                format!("refused: at most {MAX_IN_FLIGHT} calls at once"),
+                None,
+            ));
+        }
+        let peer = context
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.extensions.get::<ConnectInfo<Peer>>())
+            .map(|ConnectInfo(Peer(p))| format!(" ({p})"))
+            .unwrap_or_default();
+        let who = format!("mcp {}{peer}", tools.label);
+        let args = request.arguments.unwrap_or_default();
+        let done = tokio::task::spawn_blocking(move || {
+            let result = tools.call(&name, &args, &who);
+            tools.in_flight.fetch_sub(1, Ordering::SeqCst);
+            result
+        })
+        .await
+        .map_err(|e| ErrorData::internal_error(format!("the call failed: {e}"), None))?;
+        Ok(match done {
+            Ok(text) => CallToolResult::success(vec![ContentBlock::text(text)]),
+            Err(Refusal(text)) => CallToolResult::error(vec![ContentBlock::text(text)]),
+        }
+        .into())
+    }
+}
+
+/// Serves one client on stdin/stdout until its input ends, then destroys
+/// the sandboxes it left.
+pub async fn serve_stdio(backend: Arc<dyn Backend>, limits: Limits) -> std::io::Result<()> {
+    serve_on(backend, limits, (tokio::io::stdin(), tokio::io::stdout())).await
+}
+
+async fn serve_on<R, W>(
+    backend: Arc<dyn Backend>,
+    limits: Limits,
+    (input, output): (R, W),
+) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Send + Unpin + 'static,
+    W: tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let tools = Arc::new(Tools::new(backend, limits, None));
+    let result = match McpSession(tools.clone()).serve((input, output)).await {
+        Ok(running) => running
+            .waiting()
+            .await
+            .map(drop)
+            .map_err(std::io::Error::other),
+        // A client that went before initializing.
+        Err(e) => {
+            tracing::debug!("mcp: the session did not start: {e}");
+            Ok(())
         }
     };
-    let send = Arc::new(send);
-    let mut workers = Vec::new();
-    let mut input = input;
-    let mut line = Vec::new();
-    loop {
-        line.clear();
-        let n = input
-            .by_ref()
-            .take(MAX_MESSAGE as u64 + 1)
-            .read_until(b'\n', &mut line)?;
-        if n == 0 {
-            break;
-        }
-        if line.len() > MAX_MESSAGE {
-            send(&json!({ "jsonrpc": "2.0", "id": null,
-                "error": { "code": -32600, "message": format!("a message longer than {MAX_MESSAGE} bytes") } }));
-            // Skip the rest of that line.
-            let mut rest = Vec::new();
-            while !line.ends_with(b"\n") {
-                rest.clear();
-                if input.read_until(b'\n', &mut rest)? == 0 {
-                    break;
-                }
-                line = rest.clone();
-            }
-            continue;
-        }
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let msg: Value = match serde_json::from_slice(&line) {
-            Ok(v) => v,
-            Err(e) => {
-                send(&json!({ "jsonrpc": "2.0", "id": null,
-                    "error": { "code": -32700, "message": format!("parse error: {e}") } }));
-                continue;
-            }
+    let closing = tools.clone();
+    let _ = tokio::task::spawn_blocking(move || closing.close()).await;
+    result
+}
+
+/// MCP over streamable HTTP (the daemon's `/mcp`): a session per client,
+/// named by the `Mcp-Session-Id` header of the answer to `initialize`,
+/// whose tools call the daemon in process.
+pub struct HttpService {
+    service: StreamableHttpService<McpSession, LocalSessionManager>,
+    sessions: Arc<AtomicUsize>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl std::fmt::Debug for HttpService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpService")
+            .field("sessions", &self.sessions.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpService {
+    /// Sessions on `daemon`, each with `limits`.
+    pub fn new(daemon: Arc<Daemon>, limits: Limits) -> Arc<Self> {
+        let sessions = Arc::new(AtomicUsize::new(0));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut manager = LocalSessionManager::default();
+        manager.session_config.keep_alive = Some(HTTP_IDLE);
+        // The API's own access control stands in front of it (the Unix
+        // socket's permissions, TCP's bearer token), so any Host is taken.
+        let config = StreamableHttpServerConfig::default()
+            .disable_allowed_hosts()
+            .with_cancellation_token(stop.clone())
+            .with_max_request_body_bytes(crate::api::MAX_JSON);
+        let live = sessions.clone();
+        let factory = move || {
+            let backend = Arc::new(InProcess::new(daemon.clone()));
+            Ok(McpSession(Arc::new(Tools::new(
+                backend,
+                limits.clone(),
+                Some(live.clone()),
+            ))))
         };
-        let messages = match msg {
-            Value::Array(batch) => batch,
-            single => vec![single],
-        };
-        for msg in messages {
-            // Calls run beside each other, so a long command does not hold
-            // up a ping; at most MAX_IN_FLIGHT at once.
-            if session.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
-                session.in_flight.fetch_sub(1, Ordering::SeqCst);
-                if let Some(id) = msg.get("id") {
-                    send(&json!({ "jsonrpc": "2.0", "id": id,
-                        "error": { "code": -32000, "message": format!("refused: at most {MAX_IN_FLIGHT} calls at once") } }));
-                }
-                continue;
-            }
-            let (s, send) = (session.clone(), send.clone());
-            workers.push(std::thread::spawn(move || {
-                if let Some(reply) = s.handle(&msg) {
-                    send(&reply);
-                }
-                s.in_flight.fetch_sub(1, Ordering::SeqCst);
-            }));
-            workers.retain(|w| !w.is_finished());
+        Arc::new(HttpService {
+            service: StreamableHttpService::new(factory, Arc::new(manager), config),
+            sessions,
+            stop,
+        })
+    }
+
+    /// Answers one request on `/mcp`.
+    pub async fn handle(&self, req: Request) -> Response {
+        let opens = req.method() == axum::http::Method::POST
+            && !req.headers().contains_key("mcp-session-id");
+        if opens && self.sessions.load(Ordering::SeqCst) >= MAX_HTTP_SESSIONS {
+            let refusal = json!({ "jsonrpc": "2.0", "id": null, "error": { "code": -32000,
+                "message": format!("refused: this daemon holds {MAX_HTTP_SESSIONS} MCP sessions, its limit") } });
+            return (StatusCode::TOO_MANY_REQUESTS, axum::Json(refusal)).into_response();
+        }
+        self.service.handle(req).await.map(Body::new)
+    }
+
+    /// Ends every session (their sandboxes are destroyed) and refuses new
+    /// ones; for a daemon that stops.
+    pub fn shutdown(&self) {
+        self.stop.cancel();
+    }
+}
+
+/// The tools' backend inside the daemon: `husk-core` in process, a
+/// [`Sandbox`] handle (and its agent connection) kept per sandbox.
+pub struct InProcess {
+    daemon: Arc<Daemon>,
+    handles: Mutex<HashMap<String, Arc<Sandbox>>>,
+}
+
+impl std::fmt::Debug for InProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InProcess").finish_non_exhaustive()
+    }
+}
+
+impl InProcess {
+    /// Tools on `daemon`.
+    pub fn new(daemon: Arc<Daemon>) -> Self {
+        InProcess {
+            daemon,
+            handles: Mutex::new(HashMap::new()),
         }
     }
-    for w in workers {
-        let _ = w.join();
-    }
-    session.close();
-    Ok(())
-}
 
-/// Sessions the daemon's `/mcp` holds open at once.
-pub const MAX_HTTP_SESSIONS: usize = 64;
-/// A session unused this long is closed (its sandboxes destroyed).
-pub const HTTP_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
-
-/// MCP over streamable HTTP (`POST /mcp` on the daemon's API): a session per
-/// client, named by the `Mcp-Session-Id` header the answer to `initialize`
-/// carries, with the same tools and limits as `husk mcp`. Answers are JSON
-/// (no server-sent events: the server sends no requests of its own).
-#[derive(Debug, Default)]
-pub struct HttpSessions {
-    /// How sessions reach the daemon (its own socket), and their limits.
-    config: std::sync::OnceLock<(ApiClient, Limits)>,
-    sessions: Mutex<std::collections::HashMap<String, (Arc<Session>, std::time::Instant)>>,
-}
-
-/// An answer to a `POST /mcp`.
-#[derive(Debug)]
-pub struct HttpAnswer {
-    pub status: u16,
-    /// A new session's id (after `initialize`).
-    pub session: Option<String>,
-    pub body: Option<Value>,
-}
-
-fn rpc_error(code: i64, message: &str) -> Value {
-    json!({ "jsonrpc": "2.0", "id": null, "error": { "code": code, "message": message } })
-}
-
-impl HttpSessions {
-    /// Sets how sessions reach the daemon; until then `/mcp` is refused.
-    pub fn configure(&self, api: ApiClient, limits: Limits) {
-        let _ = self.config.set((api, limits));
+    fn handles(&self) -> MutexGuard<'_, HashMap<String, Arc<Sandbox>>> {
+        self.handles.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn lock(
+    fn handle(&self, id: &str) -> Result<Arc<Sandbox>, Refusal> {
+        self.handles()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Refusal(format!("no sandbox {id}")))
+    }
+}
+
+/// A sink that takes at most `max + 1` bytes, then fails the copy.
+struct Capped {
+    data: Vec<u8>,
+    max: u64,
+}
+
+impl Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let room = (self.max + 1).saturating_sub(self.data.len() as u64);
+        if room == 0 {
+            return Err(std::io::Error::other("past the limit"));
+        }
+        let n = buf.len().min(room as usize);
+        self.data.extend_from_slice(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Backend for InProcess {
+    fn create(
         &self,
-    ) -> std::sync::MutexGuard<
-        '_,
-        std::collections::HashMap<String, (Arc<Session>, std::time::Instant)>,
-    > {
-        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+        template: &str,
+        ttl_s: Option<u64>,
+        label: &str,
+        who: &str,
+    ) -> Result<String, Refusal> {
+        let req = CreateRequest {
+            template: template.to_owned(),
+            ttl_s,
+            labels: [("mcp".to_owned(), label.to_owned())].into(),
+            ..Default::default()
+        };
+        let sandbox = self.daemon.create_sandbox(req, who)?;
+        let id = sandbox.id().to_owned();
+        self.handles().insert(id.clone(), Arc::new(sandbox));
+        Ok(id)
     }
 
-    /// Closes sessions idle past [`HTTP_IDLE`] (in the background).
-    fn sweep(&self) {
-        let idle: Vec<Arc<Session>> = {
-            let mut sessions = self.lock();
-            let old: Vec<String> = sessions
-                .iter()
-                .filter(|(_, (_, used))| used.elapsed() > HTTP_IDLE)
-                .map(|(id, _)| id.clone())
-                .collect();
-            old.iter()
-                .filter_map(|id| sessions.remove(id).map(|(s, _)| s))
-                .collect()
-        };
-        if !idle.is_empty() {
-            std::thread::spawn(move || idle.iter().for_each(|s| s.close()));
+    fn exec(
+        &self,
+        id: &str,
+        spec: ExecSpec,
+        output: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Termination, ExecFailure> {
+        let sandbox = self.handle(id).map_err(|Refusal(e)| (None, e))?;
+        match sandbox.exec_streaming(spec.into(), output) {
+            Ok(report) => Ok(report.termination),
+            Err(DaemonError::Agent(e)) => Err((e.kind(), e.to_string())),
+            Err(e) => Err((None, e.to_string())),
         }
     }
 
-    /// Answers one POST (blocking: tools call the daemon).
-    pub fn post(&self, session: Option<&str>, body: &[u8]) -> HttpAnswer {
-        let answer = |status: u16, body: Option<Value>| HttpAnswer {
-            status,
-            session: None,
-            body,
+    fn read(&self, id: &str, path: &str, max: u64) -> Result<Vec<u8>, Refusal> {
+        let mut sink = Capped {
+            data: Vec::new(),
+            max,
         };
-        let Some((api, limits)) = self.config.get() else {
-            return answer(
-                503,
-                Some(rpc_error(-32000, "MCP is not served by this daemon")),
-            );
-        };
-        let msg: Value = match serde_json::from_slice(body) {
-            Ok(v) => v,
-            Err(e) => return answer(400, Some(rpc_error(-32700, &format!("parse error: {e}")))),
-        };
-        let batch = msg.is_array();
-        let messages = match msg {
-            Value::Array(m) => m,
-            one => vec![one],
-        };
-        let initialize = messages
-            .iter()
-            .any(|m| m.get("method").and_then(Value::as_str) == Some("initialize"));
-        let (session, new) = if initialize {
-            if messages.len() != 1 {
-                return answer(
-                    400,
-                    Some(rpc_error(-32600, "initialize must be sent alone")),
-                );
-            }
-            self.sweep();
-            let mut sessions = self.lock();
-            if sessions.len() >= MAX_HTTP_SESSIONS {
-                return answer(
-                    429,
-                    Some(rpc_error(
-                        -32000,
-                        &format!("refused: this daemon holds {MAX_HTTP_SESSIONS} MCP sessions, its limit"),
-                    )),
-                );
-            }
-            let s = Arc::new(Session::new(api.clone(), limits.clone()));
-            let id = format!("mcp-{}-{}", s.id, sessions.len());
-            sessions.insert(id.clone(), (s.clone(), std::time::Instant::now()));
-            (s, Some(id))
-        } else {
-            let Some(id) = session else {
-                return answer(
-                    400,
-                    Some(rpc_error(
-                        -32000,
-                        "Bad Request: the Mcp-Session-Id header is required",
-                    )),
-                );
-            };
-            let mut sessions = self.lock();
-            let Some((s, used)) = sessions.get_mut(id) else {
-                return answer(
-                    404,
-                    Some(rpc_error(-32001, "no such MCP session (initialize again)")),
-                );
-            };
-            *used = std::time::Instant::now();
-            (s.clone(), None)
-        };
-        let replies: Vec<Value> = messages.iter().filter_map(|m| session.handle(m)).collect();
-        let body = match (replies.len(), batch) {
-            (0, _) => None,
-            (_, true) => Some(Value::Array(replies)),
-            (_, false) => replies.into_iter().next(),
-        };
-        HttpAnswer {
-            status: if body.is_some() { 200 } else { 202 },
-            session: new,
-            body,
+        match self.handle(id)?.read_file(path, &mut sink) {
+            Ok(_) => Ok(sink.data),
+            Err(_) if sink.data.len() as u64 > max => Err(too_long(path, None, max)),
+            Err(e) => Err(e.into()),
         }
     }
 
-    /// Ends a session (`DELETE /mcp`): its sandboxes are destroyed.
-    pub fn delete(&self, session: Option<&str>) -> u16 {
-        let Some(id) = session else { return 400 };
-        let Some((s, _)) = self.lock().remove(id) else {
-            return 404;
-        };
-        s.close();
-        204
+    fn write(&self, id: &str, path: &str, data: &[u8]) -> Result<(), Refusal> {
+        self.handle(id)?.write_file(path, 0o644, data)?;
+        Ok(())
+    }
+
+    fn list(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, Refusal> {
+        Ok(self.handle(id)?.list(path)?)
+    }
+
+    fn destroy(&self, id: &str) -> Result<(), Refusal> {
+        let sandbox = self.handle(id)?;
+        self.handles().remove(id);
+        sandbox.destroy()?;
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-    fn session(limits: Limits) -> Session {
-        // No daemon: these answers come before any API call.
-        let api = ApiClient::new(husk_client::Endpoint::Unix("/nonexistent/husk.sock".into()));
-        Session::new(api, limits)
+    /// A backend with one sandbox whose commands print their own text.
+    #[derive(Default)]
+    struct Fake {
+        destroyed: Mutex<Vec<String>>,
     }
 
-    fn call(s: &Session, tool: &str, args: Value) -> (String, bool) {
-        let reply = s
-            .handle(&json!({ "jsonrpc": "2.0", "id": 7, "method": "tools/call",
-                "params": { "name": tool, "arguments": args } }))
-            .expect("a reply");
-        let r = &reply["result"];
+    impl Backend for Fake {
+        fn create(&self, _: &str, _: Option<u64>, label: &str, _: &str) -> Result<String, Refusal> {
+            assert!(!label.is_empty());
+            Ok("sb-fake".to_owned())
+        }
+        fn exec(
+            &self,
+            _: &str,
+            spec: ExecSpec,
+            output: &mut dyn FnMut(Stream, &[u8]),
+        ) -> Result<Termination, ExecFailure> {
+            output(Stream::Stdout, spec.argv[2].as_bytes());
+            Ok(Termination::Code(3))
+        }
+        fn read(&self, _: &str, _: &str, max: u64) -> Result<Vec<u8>, Refusal> {
+            Ok(vec![b'x'; max as usize + 1])
+        }
+        fn write(&self, _: &str, _: &str, _: &[u8]) -> Result<(), Refusal> {
+            Ok(())
+        }
+        fn list(&self, _: &str, _: &str) -> Result<Vec<DirEntry>, Refusal> {
+            Ok(Vec::new())
+        }
+        fn destroy(&self, id: &str) -> Result<(), Refusal> {
+            self.destroyed.lock().expect("lock").push(id.to_owned());
+            Ok(())
+        }
+    }
+
+    /// Runs a stdio session with `requests` (one JSON-RPC message each),
+    /// waiting for each request's answer; returns the answers by id.
+    async fn session(fake: Arc<Fake>, limits: Limits, requests: &[Value]) -> Vec<Value> {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let (server_in, server_out) = tokio::io::split(server);
+        let served = tokio::spawn(serve_on(fake, limits, (server_in, server_out)));
+        let (client_in, mut client_out) = tokio::io::split(client);
+        let mut lines = BufReader::new(client_in).lines();
+        let mut answers = Vec::new();
+        for request in requests {
+            let mut line = serde_json::to_vec(request).expect("json");
+            line.push(b'\n');
+            client_out.write_all(&line).await.expect("write");
+            if request.get("id").is_none() {
+                continue;
+            }
+            loop {
+                let line = lines.next_line().await.expect("read").expect("an answer");
+                let answer: Value = serde_json::from_str(&line).expect("json");
+                if answer.get("id") == request.get("id") {
+                    answers.push(answer);
+                    break;
+                }
+            }
+        }
+        drop(client_out);
+        drop(lines);
+        served.await.expect("join").expect("served");
+        answers
+    }
+
+    fn call(id: u64, tool: &str, args: Value) -> Value {
+        json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": { "name": tool, "arguments": args } })
+    }
+
+    fn text(answer: &Value) -> (&str, bool) {
+        let r = &answer["result"];
         (
-            r["content"][0]["text"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned(),
+            r["content"][0]["text"].as_str().unwrap_or_default(),
             r["isError"].as_bool().expect("isError"),
         )
     }
 
-    #[test]
-    fn the_protocol_is_answered_and_versions_are_negotiated() {
-        let s = session(Limits::default());
-        let init = |v: &str| {
-            s.handle(&json!({ "jsonrpc": "2.0", "id": 1, "method": "initialize",
-                "params": { "protocolVersion": v, "capabilities": {}, "clientInfo": { "name": "t", "version": "0" } } }))
-                .expect("reply")
-        };
-        assert_eq!(
-            init("2025-03-26")["result"]["protocolVersion"],
-            "2025-03-26"
-        );
-        assert_eq!(init("1999-01-01")["result"]["protocolVersion"], VERSIONS[0]);
-        assert_eq!(init("2025-06-18")["result"]["serverInfo"]["name"], "husk");
-        let none = s.handle(&json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }));
-        assert!(none.is_none());
-        let ping = s
-            .handle(&json!({ "jsonrpc": "2.0", "id": "p", "method": "ping" }))
-            .expect("pong");
-        assert_eq!(ping, json!({ "jsonrpc": "2.0", "id": "p", "result": {} }));
-        let list = s
-            .handle(&json!({ "jsonrpc": "2.0", "id": 2, "method": "tools/list" }))
-            .expect("tools");
-        assert_eq!(list["result"]["tools"].as_array().map(Vec::len), Some(6));
-        let unknown = s
-            .handle(&json!({ "jsonrpc": "2.0", "id": 3, "method": "resources/list" }))
-            .expect("error");
-        assert_eq!(unknown["error"]["code"], -32601);
-        let old = s
-            .handle(&json!({ "jsonrpc": "1.0", "id": 4, "method": "ping" }))
-            .expect("error");
-        assert_eq!(old["error"]["code"], -32600);
-        let no_tool = s
-            .handle(&json!({ "jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": { "name": "rm_rf" } }))
-            .expect("error");
-        assert_eq!(no_tool["error"]["code"], -32602);
-    }
-
-    #[test]
-    fn refusals_say_what_and_why() {
-        let s = session(Limits {
-            calls: 4,
+    #[tokio::test]
+    async fn tools_answer_refuse_and_the_session_cleans_up() {
+        let fake = Arc::new(Fake::default());
+        let limits = Limits {
+            sandboxes: 1,
+            calls: 8,
+            output: 16,
             ..Limits::default()
-        });
-        let (text, err) = call(
-            &s,
-            "run_command",
-            json!({ "sandbox": "sb-x", "command": "id" }),
+        };
+        let answers = session(
+            fake.clone(),
+            limits,
+            &[
+                json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                    "protocolVersion": "2025-03-26", "capabilities": {},
+                    "clientInfo": { "name": "t", "version": "0" } } }),
+                json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }),
+                json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/list" }),
+                call(2, "create_sandbox", json!({})),
+                call(3, "create_sandbox", json!({ "ttl_s": -1 })),
+                call(
+                    4,
+                    "run_command",
+                    json!({ "sandbox": "sb-else", "command": "id" }),
+                ),
+                call(5, "format_disk", json!({})),
+                call(6, "read_file", json!({ "path": "/etc/passwd" })),
+                json!({ "jsonrpc": "2.0", "id": 7, "method": "ping" }),
+            ],
+        )
+        .await;
+        let init = &answers[0]["result"];
+        assert_eq!(init["protocolVersion"], "2025-03-26");
+        assert_eq!(init["serverInfo"]["name"], "husk");
+        assert_eq!(
+            answers[1]["result"]["tools"].as_array().map(Vec::len),
+            Some(6)
         );
+        let (created, err) = text(&answers[2]);
         assert!(
-            err && text.contains("not created by this MCP client"),
-            "{text}"
+            !err && created.starts_with("created sandbox sb-"),
+            "{created}"
         );
-        let (text, err) = call(&s, "read_file", json!({ "path": "/etc/passwd" }));
-        assert!(err && text.contains("`sandbox`"), "{text}");
-        let (text, err) = call(&s, "create_sandbox", json!({ "ttl_s": -1 }));
-        assert!(err && text.contains("`ttl_s`"), "{text}");
-        let (text, err) = call(&s, "create_sandbox", json!({}));
+        let (ttl, err) = text(&answers[3]);
+        assert!(err && ttl.contains("`ttl_s`"), "{ttl}");
+        let (other, err) = text(&answers[4]);
         assert!(
-            err && text.contains("cannot reach the husk daemon"),
-            "{text}"
+            err && other.contains("not created by this MCP client"),
+            "{other}"
         );
-        assert!(s.owned().is_empty(), "a failed create holds nothing");
-        let (text, err) = call(&s, "destroy_sandbox", json!({ "sandbox": "sb-x" }));
-        assert!(err && text.contains("its 4 calls"), "{text}");
+        assert_eq!(answers[5]["error"]["code"], -32602, "{}", answers[5]);
+        assert!(answers[5]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("format_disk")));
+        let (no_sandbox, err) = text(&answers[6]);
+        assert!(err && no_sandbox.contains("`sandbox`"), "{no_sandbox}");
+        assert_eq!(answers[7]["result"], json!({}));
+        // The client went: its sandbox was destroyed.
+        let id = created.split_whitespace().nth(2).expect("an id");
+        assert_eq!(*fake.destroyed.lock().expect("lock"), vec![id.to_owned()]);
     }
 
-    #[test]
-    fn the_stdio_loop_answers_garbage_and_batches() {
-        let s = Arc::new(session(Limits::default()));
-        let input = b"not json\n\n[{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"},{\"jsonrpc\":\"2.0\",\"method\":\"notifications/x\"}]\n";
-        let out = Arc::new(Mutex::new(Vec::new()));
-        struct Sink(Arc<Mutex<Vec<u8>>>);
-        impl Write for Sink {
-            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().expect("lock").extend_from_slice(b);
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        serve(s, &input[..], Sink(out.clone())).expect("serve");
-        let text = String::from_utf8(out.lock().expect("lock").clone()).expect("utf-8");
-        let replies: Vec<Value> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).expect("json"))
-            .collect();
-        assert_eq!(replies.len(), 2, "{text}");
-        assert!(replies.iter().any(|r| r["error"]["code"] == -32700));
-        assert!(replies
-            .iter()
-            .any(|r| r["id"] == 1 && r["result"] == json!({})));
+    #[tokio::test]
+    async fn limits_hold_output_files_and_calls() {
+        let fake = Arc::new(Fake::default());
+        let limits = Limits {
+            sandboxes: 2,
+            calls: 5,
+            command_s: 60,
+            output: 16,
+        };
+        let id = "sb-fake";
+        let requests = [
+            json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-11-25", "capabilities": {},
+                "clientInfo": { "name": "t", "version": "0" } } }),
+            json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }),
+            call(1, "create_sandbox", json!({ "template": "base" })),
+            call(
+                2,
+                "run_command",
+                json!({ "sandbox": id, "command": "echo hi" }),
+            ),
+            call(
+                3,
+                "run_command",
+                json!({ "sandbox": id, "command": "x", "timeout_s": 61 }),
+            ),
+            call(4, "read_file", json!({ "sandbox": id, "path": "/big" })),
+            call(5, "read_file", json!({ "sandbox": id, "path": "relative" })),
+            call(6, "list_files", json!({ "sandbox": id, "path": "/" })),
+        ];
+        let answers = session(fake, limits, &requests).await;
+        assert_eq!(answers[0]["result"]["protocolVersion"], "2025-11-25");
+        let (ran, err) = text(&answers[2]);
+        assert!(
+            !err && ran.starts_with("exit code 3\nstdout:\necho hi"),
+            "{ran}"
+        );
+        let (timeout, err) = text(&answers[3]);
+        assert!(
+            err && timeout.contains("timeout_s must be 1-60"),
+            "{timeout}"
+        );
+        let (big, err) = text(&answers[4]);
+        assert!(err && big.contains("limit of 16 bytes"), "{big}");
+        let (relative, err) = text(&answers[5]);
+        assert!(err && relative.contains("not absolute"), "{relative}");
+        let (spent, err) = text(&answers[6]);
+        assert!(err && spent.contains("its 5 calls"), "{spent}");
     }
 }

@@ -36,6 +36,24 @@ pub struct ExecSpec {
     pub output_max: Option<u64>,
 }
 
+impl From<ExecSpec> for husk_protocol::ExecRequest {
+    /// The agent's request for a spec (stdin closed after `stdin`, in the
+    /// foreground, without a terminal).
+    fn from(spec: ExecSpec) -> Self {
+        husk_protocol::ExecRequest {
+            argv: spec.argv,
+            env: spec.env.into_iter().collect(),
+            cwd: spec.cwd,
+            user: spec.user,
+            stdin: spec.stdin.into_bytes(),
+            timeout_ms: spec.timeout_ms,
+            pids_max: spec.pids_max,
+            output_max: spec.output_max,
+            ..Default::default()
+        }
+    }
+}
+
 /// One line of an exec's stream.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]

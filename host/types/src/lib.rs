@@ -12,6 +12,8 @@ mod template;
 
 pub use audit::AuditEntry;
 pub use exec::{ExecEvent, ExecSpec};
+/// A guest file's metadata and a directory's entries, as the agent gives them.
+pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, PoolInfo, SandboxInfo, SandboxState,
     SandboxUpdate, SecretSpec,
