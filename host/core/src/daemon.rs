@@ -72,6 +72,9 @@ pub enum DaemonError {
 
 /// What the API shows of a secret's value.
 const REDACTED: &str = "(redacted)";
+/// Idle agent connections kept per sandbox (each holds a thread in the
+/// guest's agent).
+const MAX_IDLE_AGENTS: usize = 4;
 
 /// Most allowlist entries per sandbox.
 const MAX_EGRESS_RULES: usize = 256;
@@ -83,9 +86,9 @@ struct Live {
     child: Option<Child>,
     /// Its egress proxy, while it is handed out (not while pooled).
     proxy: Option<Proxy>,
-    /// The agent connection kept from its pool days, for its first
-    /// request.
-    agent: Option<AgentClient>,
+    /// Agent connections between requests: the one kept from its pool
+    /// days, and those front-ends gave back ([`Daemon::give_back`]).
+    idle: Vec<AgentClient>,
     /// Set while its guest's clock has to be set by the next request (it
     /// was woken from a pool or a pause, or adopted by this daemon).
     clock: Option<Arc<ClockGate>>,
@@ -97,7 +100,7 @@ impl Live {
             rec,
             child,
             proxy: None,
-            agent: None,
+            idle: Vec::new(),
             clock: None,
         }
     }
@@ -723,7 +726,7 @@ impl Daemon {
         }
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
-            live.agent = agent;
+            live.idle.extend(agent);
             live.clock = Some(ClockGate::new());
         }
         tracing::debug!(
@@ -1024,8 +1027,16 @@ impl Daemon {
                 .sandboxes
                 .get_mut(id)
                 .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
-            let usable = live.rec.state == SandboxState::Running;
-            let kept = if usable { live.agent.take() } else { None };
+            let mut kept = None;
+            if live.rec.state == SandboxState::Running {
+                // One the guest closed (its agent restarted) is dropped.
+                while let Some(c) = live.idle.pop() {
+                    if !c.is_closed() {
+                        kept = Some(c);
+                        break;
+                    }
+                }
+            }
             (live.rec.clone(), kept, live.clock.clone())
         };
         match rec.state {
@@ -1047,7 +1058,7 @@ impl Daemon {
                 )))
             }
         }
-        let mut client = match kept.filter(|c| !c.is_closed()) {
+        let mut client = match kept {
             Some(client) => client,
             None => AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT)?,
         };
@@ -1060,6 +1071,45 @@ impl Daemon {
             }
         }
         Ok(client)
+    }
+
+    /// Runs `op` for `who` on a connection to sandbox `id`'s agent (an
+    /// idle one, or a new one), audited as [`Daemon::agent_for`] does; the
+    /// connection is given back after unless the call failed (the guest's
+    /// own refusal, such as no such file, leaves it usable).
+    pub fn with_agent<T>(
+        &self,
+        id: &str,
+        who: &str,
+        (action, detail): (&str, &str),
+        op: impl FnOnce(&mut AgentClient) -> Result<T, ClientError>,
+    ) -> Result<T, DaemonError> {
+        let mut client = self.agent_for(id, who, action, detail)?;
+        let result = op(&mut client);
+        if result
+            .as_ref()
+            .map_or_else(|e| e.kind().is_some(), |_| true)
+        {
+            self.give_back(id, client);
+        }
+        Ok(result?)
+    }
+
+    /// Gives back a connection [`Daemon::agent`] handed out, for the next
+    /// request to sandbox `id` to use instead of connecting anew. Only a
+    /// connection between requests (the last one answered whole) may come
+    /// back; one that failed or was cut mid-answer is dropped instead.
+    pub fn give_back(&self, id: &str, mut client: AgentClient) {
+        // As a new connection would be (a caller may have changed it).
+        if client.set_read_timeout(Some(AGENT_TIMEOUT)).is_err() {
+            return;
+        }
+        let mut inner = self.lock();
+        if let Some(live) = inner.sandboxes.get_mut(id) {
+            if live.rec.state == SandboxState::Running && live.idle.len() < MAX_IDLE_AGENTS {
+                live.idle.push(client);
+            }
+        }
     }
 
     /// Marks a handed-out sandbox failed with `why` (its VMM is left to

@@ -1,7 +1,7 @@
-//! A handle on one sandbox, for programs that embed the host: it keeps its
-//! connection to the guest's agent (made on first use, made again after it
-//! breaks), and every call on it is audited with the caller it was opened
-//! for.
+//! A handle on one sandbox, for programs that embed the host: its calls
+//! reuse the host's idle connections to the guest's agent (one per call
+//! running at once; a connection that breaks is dropped), and every call on
+//! it is audited with the caller it was opened for.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), husk_core::daemon::DaemonError> {
@@ -26,7 +26,7 @@
 //! ```
 
 use std::io::{Read, Write};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use husk_agent_client::{AgentClient, ClientError, ExecOutput};
 use husk_protocol::{DirEntry, ExecRequest, ExitReport, FileStat, Stream};
@@ -39,7 +39,6 @@ pub struct Sandbox {
     host: Arc<Daemon>,
     id: String,
     who: String,
-    agent: Mutex<Option<AgentClient>>,
 }
 
 impl std::fmt::Debug for Sandbox {
@@ -77,7 +76,6 @@ impl Sandbox {
             host: host.clone(),
             id,
             who: who.to_owned(),
-            agent: Mutex::new(None),
         }
     }
 
@@ -148,8 +146,6 @@ impl Sandbox {
 
     /// Stops its vCPUs; it keeps its memory.
     pub fn pause(&self) -> Result<SandboxInfo, DaemonError> {
-        // A paused guest answers nothing: the connection starts anew after.
-        *self.agent_slot() = None;
         self.host.pause(&self.id, &self.who)
     }
 
@@ -181,37 +177,16 @@ impl Sandbox {
     /// Destroys it: its VMM, files and records (calls on the handle fail
     /// after).
     pub fn destroy(&self) -> Result<(), DaemonError> {
-        *self.agent_slot() = None;
         self.host.destroy(&self.id, &self.who)
     }
 
-    fn agent_slot(&self) -> MutexGuard<'_, Option<AgentClient>> {
-        self.agent.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Runs `op` on the kept agent connection (made now if there is none)
-    /// and audits it. A connection that failed is dropped, so the next
-    /// call makes a new one.
     fn audited<T>(
         &self,
         action: &str,
         detail: &str,
         op: impl FnOnce(&mut AgentClient) -> Result<T, ClientError>,
     ) -> Result<T, DaemonError> {
-        let mut slot = self.agent_slot();
-        let agent = match &mut *slot {
-            Some(agent) => agent,
-            empty => empty.insert(self.host.agent(&self.id)?),
-        };
-        self.host.audit(&self.who, action, &self.id, detail)?;
-        let result = op(agent);
-        if let Err(e) = &result {
-            // The guest's own refusal (no such file) leaves the connection
-            // usable; anything else may have left it mid-frame.
-            if e.kind().is_none() {
-                *slot = None;
-            }
-        }
-        Ok(result?)
+        self.host
+            .with_agent(&self.id, &self.who, (action, detail), op)
     }
 }

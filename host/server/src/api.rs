@@ -715,10 +715,19 @@ async fn exec(
                     error: e.to_string(),
                 },
             };
-            let last = matches!(event, ExecEvent::Exit { .. } | ExecEvent::Error { .. });
+            // Ended at a frame boundary (an exit, the guest's own error):
+            // the connection can serve the next request.
+            let whole = matches!(
+                event,
+                ExecEvent::Exit { .. } | ExecEvent::Error { kind: Some(_), .. }
+            );
+            let last = whole || matches!(event, ExecEvent::Error { .. });
             // A client that went away: dropping `running` closes the
             // agent connection, and the agent kills the program.
             if tx.blocking_send(Ok(line(&event))).is_err() || last {
+                if whole {
+                    d.give_back(&id, client);
+                }
                 return;
             }
         }
@@ -789,11 +798,9 @@ async fn list_dir(
     q: Result<Query<FileQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
     let q = file_query(q)?;
-    let entries = blocking(move || {
-        let mut client = d.agent_for(&id, &who.0, "list", &q.path)?;
-        Ok(client.list(&q.path)?)
-    })
-    .await?;
+    let entries =
+        blocking(move || d.with_agent(&id, &who.0, ("list", &q.path), |agent| agent.list(&q.path)))
+            .await?;
     Ok(ok(StatusCode::OK, entries))
 }
 
@@ -940,8 +947,9 @@ async fn upload(
     };
     let path = q.path.clone();
     let size = with_body(body, move |reader| {
-        let mut client = d.agent_for(&id, &who.0, "upload", &path)?;
-        Ok(client.write_file(&path, mode, reader)?)
+        d.with_agent(&id, &who.0, ("upload", &path), |agent| {
+            agent.write_file(&path, mode, reader)
+        })
     })
     .await?;
     Ok(ok(
