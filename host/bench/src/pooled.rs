@@ -10,12 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
-
 use super::report::{Memory, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
-use husk_client::{encode, ApiClient, Endpoint, Payload};
-use husk_types::{BuildEvent, Created, ExecEvent, PoolInfo, TemplateSpec};
+use husk_client::{ApiClient, Endpoint};
+use husk_types::{CreateRequest, ExecEvent, ExecSpec, TemplateSpec};
 
 /// The template's name in the private daemon.
 const TEMPLATE: &str = "bench";
@@ -29,7 +27,7 @@ pub struct Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        let _ = self.api.send("PUT", &pool_path(), pool_size(0));
+        let _ = self.api.set_pool(TEMPLATE, 0);
         // SAFETY: signalling our own child, not yet reaped.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -39,14 +37,6 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn pool_path() -> String {
-    format!("/v1/pools/{}", encode(TEMPLATE))
-}
-
-fn pool_size(size: u32) -> Payload<'static> {
-    Payload::Json(json!({ "size": size }).to_string().into_bytes())
 }
 
 /// `husk serve` in `state_dir`, answering on its socket.
@@ -79,11 +69,7 @@ pub fn start(
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut backoff = Duration::from_millis(5);
-    while daemon
-        .api
-        .call::<serde_json::Value>("GET", "/v1/templates", None)
-        .is_err()
-    {
+    while daemon.api.templates().is_err() {
         if Instant::now() > deadline {
             return Err(BenchError::Daemon(
                 "husk serve did not answer within 60 s".into(),
@@ -98,24 +84,13 @@ pub fn start(
         mem_mib: config.mem_mib,
         ..TemplateSpec::new(TEMPLATE)
     };
-    let body = serde_json::to_vec(&spec).map_err(|e| BenchError::Daemon(e.to_string()))?;
     let failed = |e: husk_client::ApiClientError| BenchError::Daemon(e.to_string());
-    let mut resp = daemon
-        .api
-        .send("POST", "/v1/templates", Payload::Json(body))
-        .map_err(failed)?;
-    loop {
-        match resp.next_line::<BuildEvent>().map_err(failed)? {
-            Some(BuildEvent::Progress { message }) => progress(&format!("pooled: {message}")),
-            Some(BuildEvent::Done { .. }) => break,
-            Some(BuildEvent::Error { error, .. }) => return Err(BenchError::Daemon(error)),
-            None => return Err(BenchError::Daemon("the template build ended early".into())),
-        }
-    }
     daemon
         .api
-        .send("PUT", &pool_path(), pool_size(1))
+        .build_template(&spec)
+        .and_then(|build| build.finish(|message| progress(&format!("pooled: {message}"))))
         .map_err(failed)?;
+    daemon.api.set_pool(TEMPLATE, 1).map_err(failed)?;
     Ok(daemon)
 }
 
@@ -124,10 +99,7 @@ impl Daemon {
     fn wait_pool(&self, budget: Duration) -> Result<(), String> {
         let deadline = Instant::now() + budget;
         loop {
-            let pools: Vec<PoolInfo> = self
-                .api
-                .call("GET", "/v1/pools", None)
-                .map_err(|e| e.to_string())?;
+            let pools = self.api.pools().map_err(|e| e.to_string())?;
             if pools
                 .iter()
                 .any(|p| p.template_name == TEMPLATE && p.ready > 0)
@@ -145,13 +117,12 @@ impl Daemon {
     pub fn run(&self, iteration: usize, budget: Duration) -> Result<Sample, String> {
         self.wait_pool(budget)?;
         let started_ns = monotonic_ns();
-        let created: Created = self
+        let created = self
             .api
-            .call(
-                "POST",
-                "/v1/sandboxes",
-                Some(&json!({ "template": TEMPLATE })),
-            )
+            .create_sandbox(&CreateRequest {
+                template: TEMPLATE.into(),
+                ..Default::default()
+            })
             .map_err(|e| format!("create: {e}"))?;
         let created_ns = monotonic_ns();
         let id = created.sandbox.id.clone();
@@ -159,11 +130,7 @@ impl Daemon {
             let vmm = vmm_process(created.sandbox.pid);
             (output_ns, vmm.and_then(Memory::of))
         });
-        let _ = self.api.send(
-            "DELETE",
-            &format!("/v1/sandboxes/{}", encode(&id)),
-            Payload::None,
-        );
+        let _ = self.api.destroy_sandbox(&id);
         let (output_ns, memory) = result?;
         if !created.pooled {
             return Err("a pool miss: the daemon restored a clone instead of claiming one".into());
@@ -179,17 +146,13 @@ impl Daemon {
 
     /// Runs the program through the API; when its first output came.
     fn first_output(&self, id: &str) -> Result<u64, String> {
-        let body = json!({ "argv": super::husk_vm::PROGRAM }).to_string();
-        let mut resp = self
-            .api
-            .send(
-                "POST",
-                &format!("/v1/sandboxes/{}/exec", encode(id)),
-                Payload::Json(body.into_bytes()),
-            )
-            .map_err(|e| format!("exec: {e}"))?;
+        let spec = ExecSpec {
+            argv: super::husk_vm::PROGRAM.map(String::from).to_vec(),
+            ..Default::default()
+        };
+        let mut events = self.api.exec(id, &spec).map_err(|e| format!("exec: {e}"))?;
         let mut first = None;
-        while let Some(event) = resp.next_line::<ExecEvent>().map_err(|e| e.to_string())? {
+        while let Some(event) = events.next_event().map_err(|e| e.to_string())? {
             match event {
                 ExecEvent::Stdout { .. } if first.is_none() => first = Some(monotonic_ns()),
                 ExecEvent::Exit { .. } => break,

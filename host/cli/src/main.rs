@@ -826,8 +826,8 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             json,
             ..
         } => sandboxes::ps(&labels, state.as_deref(), json),
-        Command::Pause { target } => sandboxes::lifecycle(&target, "pause"),
-        Command::Resume { target } => sandboxes::lifecycle(&target, "resume"),
+        Command::Pause { target } => sandboxes::lifecycle(&target, true),
+        Command::Resume { target } => sandboxes::lifecycle(&target, false),
         Command::KillAll { id } => sandboxes::kill_all(&id),
         Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),
         Command::Cp { from, to } => match (from.split_once(':'), to.split_once(':')) {

@@ -79,7 +79,7 @@ impl Backend for Remote {
     }
 
     fn write(&self, id: &str, path: &str, mut data: &[u8]) -> Result<(), Refusal> {
-        Ok(self.0.write_file(id, path, &mut data)?)
+        Ok(self.0.write_file(id, path, None, &mut data)?)
     }
 
     fn list(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, Refusal> {

@@ -3,17 +3,15 @@
 //! `logs`, `pause`, `resume`, `snapshot`, `fork`, `rm`, `template ...`,
 //! `pool ...`; `--json` on list and inspect commands.
 
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use base64::Engine;
-use husk_client::{encode, ApiClient, ApiClientError, Payload};
+use husk_client::{ApiClient, ApiClientError};
 use husk_types::{
-    AuditEntry, BuildEvent, Created, ExecEvent, ExecSpec, KernelSource, PoolInfo, RootfsSource,
-    SandboxInfo, TemplateRecord, TemplateSpec,
+    CreateRequest, Created, EgressSpec, ExecEvent, ExecSpec, ExpiryPolicy, ForkRequest,
+    KernelSource, RootfsSource, TemplateSpec,
 };
-use serde_json::json;
 
 /// Exit status for husk's own failures (as docker uses 125).
 const HUSK_FAILED: u8 = 125;
@@ -42,18 +40,13 @@ fn print_json<T: serde::Serialize>(value: &T) {
 /// Runs a program in a sandbox, streaming its output; returns its exit
 /// status (128 + N when killed by signal N).
 pub fn exec(id: &str, spec: &ExecSpec) -> CliResult {
-    let body = serde_json::to_vec(spec).unwrap_or_default();
-    let mut resp = client().send(
-        "POST",
-        &format!("/v1/sandboxes/{}/exec", encode(id)),
-        Payload::Json(body),
-    )?;
+    let mut events = client().exec(id, spec)?;
     let decode = |d: &str| {
         base64::engine::general_purpose::STANDARD
             .decode(d)
             .unwrap_or_default()
     };
-    while let Some(event) = resp.next_line::<ExecEvent>()? {
+    while let Some(event) = events.next_event()? {
         match event {
             ExecEvent::Started { .. } => {}
             ExecEvent::Stdout { data } => {
@@ -91,30 +84,24 @@ pub fn create(
     pause_on_expiry: bool,
     allow: &[String],
 ) -> Result<Created, ApiClientError> {
-    let labels: BTreeMap<_, _> = labels.iter().cloned().collect();
-    client().call(
-        "POST",
-        "/v1/sandboxes",
-        Some(&json!({
-            "template": template,
-            "ttl_s": ttl_s,
-            "labels": labels,
-            "on_expiry": if pause_on_expiry { "pause" } else { "destroy" },
-            "egress": { "allow": allow },
-        })),
-    )
+    client().create_sandbox(&CreateRequest {
+        template: template.to_owned(),
+        ttl_s,
+        labels: labels.iter().cloned().collect(),
+        on_expiry: if pause_on_expiry {
+            ExpiryPolicy::Pause
+        } else {
+            ExpiryPolicy::Destroy
+        },
+        egress: EgressSpec {
+            allow: allow.to_vec(),
+            ..Default::default()
+        },
+    })
 }
 
 pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> CliResult {
-    let mut query: Vec<String> = labels
-        .iter()
-        .map(|(k, v)| format!("label={}", encode(&format!("{k}={v}"))))
-        .collect();
-    if let Some(s) = state {
-        query.push(format!("state={}", encode(s)));
-    }
-    let list: Vec<SandboxInfo> =
-        client().call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
+    let list = client().sandboxes(&labels.iter().cloned().collect(), state)?;
     if as_json {
         print_json(&list);
         return Ok(0);
@@ -143,30 +130,19 @@ pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> Cl
 }
 
 pub fn inspect(id: &str) -> CliResult {
-    let s: SandboxInfo = client().call("GET", &format!("/v1/sandboxes/{}", encode(id)), None)?;
-    print_json(&s);
+    print_json(&client().sandbox(id)?);
     Ok(0)
 }
 
 pub fn logs(id: &str) -> CliResult {
-    let mut resp = client().send(
-        "GET",
-        &format!("/v1/sandboxes/{}/logs", encode(id)),
-        Payload::None,
-    )?;
-    std::io::copy(&mut resp, &mut std::io::stdout().lock())?;
+    let mut console = client().logs(id)?;
+    std::io::copy(&mut console, &mut std::io::stdout().lock())?;
     Ok(0)
 }
 
 /// Destroys one sandbox.
 pub fn destroy(id: &str) -> Result<(), ApiClientError> {
-    client()
-        .send(
-            "DELETE",
-            &format!("/v1/sandboxes/{}", encode(id)),
-            Payload::None,
-        )
-        .map(drop)
+    client().destroy_sandbox(id)
 }
 
 pub fn rm(ids: &[String]) -> CliResult {
@@ -183,50 +159,36 @@ pub fn rm(ids: &[String]) -> CliResult {
     Ok(if failed { HUSK_FAILED } else { 0 })
 }
 
-pub fn lifecycle(id: &str, action: &str) -> CliResult {
-    let s: SandboxInfo = client().call(
-        "POST",
-        &format!("/v1/sandboxes/{}/{action}", encode(id)),
-        None,
-    )?;
+/// Pauses sandbox `id` (`pause`), or resumes it.
+pub fn lifecycle(id: &str, pause: bool) -> CliResult {
+    let s = if pause {
+        client().pause(id)?
+    } else {
+        client().resume(id)?
+    };
     println!("{} {}", s.id, s.state.name());
     Ok(0)
 }
 
 pub fn kill_all(id: &str) -> CliResult {
-    #[derive(serde::Deserialize)]
-    struct Killed {
-        killed_tasks: u64,
-    }
-    let k: Killed = client().call(
-        "POST",
-        &format!("/v1/sandboxes/{}/kill-all", encode(id)),
-        None,
-    )?;
+    let k = client().kill_all(id)?;
     println!("{id} killed {} tasks", k.killed_tasks);
     Ok(0)
 }
 
 pub fn snapshot(id: &str, name: &str) -> CliResult {
-    let t: TemplateRecord = client().call(
-        "POST",
-        &format!("/v1/sandboxes/{}/snapshot", encode(id)),
-        Some(&json!({ "name": name })),
-    )?;
+    let t = client().snapshot(id, name)?;
     println!("{} {}", t.name, t.id);
     Ok(0)
 }
 
 pub fn fork(id: &str, count: u32, name: Option<&str>) -> CliResult {
-    #[derive(serde::Deserialize)]
-    struct Forked {
-        template: TemplateRecord,
-        sandboxes: Vec<Created>,
-    }
-    let f: Forked = client().call(
-        "POST",
-        &format!("/v1/sandboxes/{}/fork", encode(id)),
-        Some(&json!({ "count": count, "name": name })),
+    let f = client().fork(
+        id,
+        &ForkRequest {
+            name: name.map(str::to_owned),
+            count,
+        },
     )?;
     eprintln!("template {} ({})", f.template.name, f.template.id);
     for c in f.sandboxes {
@@ -237,11 +199,7 @@ pub fn fork(id: &str, count: u32, name: Option<&str>) -> CliResult {
 
 /// `husk cp`: one side is `<sandbox>:<absolute guest path>`.
 pub fn cp_from(id: &str, guest: &str, host: &str) -> CliResult {
-    let mut resp = client().send(
-        "GET",
-        &format!("/v1/sandboxes/{}/files?path={}", encode(id), encode(guest)),
-        Payload::None,
-    )?;
+    let mut resp = client().read_file(id, guest)?;
     // Written beside, then renamed: a broken download leaves no half file.
     let tmp = format!("{host}.husk-partial");
     let mut file = std::fs::File::create(&tmp)?;
@@ -260,15 +218,7 @@ pub fn cp_to(host: &str, id: &str, guest: &str) -> CliResult {
         use std::os::unix::fs::PermissionsExt;
         file.metadata()?.permissions().mode() & 0o7777
     };
-    client().send(
-        "PUT",
-        &format!(
-            "/v1/sandboxes/{}/files?path={}&mode={mode:o}",
-            encode(id),
-            encode(guest)
-        ),
-        Payload::Stream(&mut file as &mut dyn Read),
-    )?;
+    client().write_file(id, guest, Some(mode), &mut file)?;
     Ok(0)
 }
 
@@ -338,45 +288,25 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         net_limit: a.net_limit,
     };
     let started = std::time::Instant::now();
-    let mut resp = client().send(
-        "POST",
-        "/v1/templates",
-        Payload::Json(serde_json::to_vec(&spec).unwrap_or_default()),
-    )?;
-    while let Some(event) = resp.next_line::<BuildEvent>()? {
-        match event {
-            BuildEvent::Progress { message } => {
-                eprintln!("[{:>6.1} s] {message}", started.elapsed().as_secs_f64())
-            }
-            BuildEvent::Done { template } => {
-                eprintln!(
-                    "[{:>6.1} s] built: {}",
-                    started.elapsed().as_secs_f64(),
-                    template
-                        .build_ms
-                        .iter()
-                        .map(|(k, v)| format!("{k} {v:.0} ms"))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                println!("{} {}", template.name, template.id);
-                return Ok(0);
-            }
-            BuildEvent::Error { status, error } => {
-                return Err(ApiClientError::Status {
-                    status,
-                    message: error,
-                })
-            }
-        }
-    }
-    Err(ApiClientError::Malformed(
-        "the build's stream ended without a result".into(),
-    ))
+    let template = client()
+        .build_template(&spec)?
+        .finish(|message| eprintln!("[{:>6.1} s] {message}", started.elapsed().as_secs_f64()))?;
+    eprintln!(
+        "[{:>6.1} s] built: {}",
+        started.elapsed().as_secs_f64(),
+        template
+            .build_ms
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.0} ms"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("{} {}", template.name, template.id);
+    Ok(0)
 }
 
 pub fn template_ls(as_json: bool) -> CliResult {
-    let list: Vec<TemplateRecord> = client().call("GET", "/v1/templates", None)?;
+    let list = client().templates()?;
     if as_json {
         print_json(&list);
         return Ok(0);
@@ -395,28 +325,18 @@ pub fn template_ls(as_json: bool) -> CliResult {
 }
 
 pub fn template_inspect(name: &str) -> CliResult {
-    let t: TemplateRecord =
-        client().call("GET", &format!("/v1/templates/{}", encode(name)), None)?;
-    print_json(&t);
+    print_json(&client().template(name)?);
     Ok(0)
 }
 
 pub fn template_rm(name: &str) -> CliResult {
-    client().send(
-        "DELETE",
-        &format!("/v1/templates/{}", encode(name)),
-        Payload::None,
-    )?;
+    client().remove_template(name)?;
     println!("{name}");
     Ok(0)
 }
 
 pub fn template_verify(name: &str) -> CliResult {
-    let v: serde_json::Value = client().call(
-        "POST",
-        &format!("/v1/templates/{}/verify", encode(name)),
-        None,
-    )?;
+    let v = client().verify_template(name)?;
     println!(
         "{name}: ok ({} files)",
         v["files"].as_array().map_or(0, Vec::len)
@@ -425,17 +345,13 @@ pub fn template_verify(name: &str) -> CliResult {
 }
 
 pub fn pool_set(template: &str, size: u32) -> CliResult {
-    let p: PoolInfo = client().call(
-        "PUT",
-        &format!("/v1/pools/{}", encode(template)),
-        Some(&json!({ "size": size })),
-    )?;
+    let p = client().set_pool(template, size)?;
     println!("{} target={} ready={}", p.template_name, p.target, p.ready);
     Ok(0)
 }
 
 pub fn pool_ls(as_json: bool) -> CliResult {
-    let list: Vec<PoolInfo> = client().call("GET", "/v1/pools", None)?;
+    let list = client().pools()?;
     if as_json {
         print_json(&list);
         return Ok(0);
@@ -454,11 +370,7 @@ pub fn pool_ls(as_json: bool) -> CliResult {
 }
 
 pub fn audit(sandbox: Option<&str>, as_json: bool) -> CliResult {
-    let path = match sandbox {
-        Some(s) => format!("/v1/audit?sandbox={}", encode(s)),
-        None => "/v1/audit".to_owned(),
-    };
-    let log: Vec<AuditEntry> = client().call("GET", &path, None)?;
+    let log = client().audit(sandbox)?;
     if as_json {
         print_json(&log);
         return Ok(0);

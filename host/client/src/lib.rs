@@ -1,15 +1,31 @@
-//! A small blocking HTTP/1.1 client of the daemon's API, for the CLI and
-//! the tests: one connection per request (`Connection: close`), bodies
-//! streamed both ways (chunked uploads; chunked or sized answers read as
-//! they come).
+//! A typed blocking client of the daemon's API, for the CLI, the
+//! containerd shim, the bench and the tests, on hyper (HTTP/1.1 over the
+//! daemon's Unix socket, or TCP with its bearer token). Bodies stream both
+//! ways: an upload is sent as it is read, an answer is read as it comes.
+//!
+//! Calls block. They run on one small runtime of the client's own (a
+//! thread), so they may be made from any thread that is not itself running
+//! async code (a `spawn_blocking` closure is fine).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use husk_types::{CreateRequest, Created, DirEntry, ExecEvent, ExecSpec};
+use hyper::body::{Body, Bytes, Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use tokio::sync::mpsc;
+
+use husk_types::{
+    AuditEntry, BuildEvent, CreateRequest, Created, DirEntry, ExecEvent, ExecSpec, ForkRequest,
+    Forked, Killed, PoolInfo, PoolSize, SandboxInfo, SandboxUpdate, SnapshotRequest,
+    TemplateRecord, TemplateSpec,
+};
 
 /// Errors talking to the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -32,9 +48,6 @@ pub enum Endpoint {
     Tcp(String, String),
 }
 
-trait Conn: Read + Write + Send {}
-impl<T: Read + Write + Send> Conn for T {}
-
 /// The daemon's client.
 #[derive(Debug, Clone)]
 pub struct ApiClient {
@@ -42,11 +55,43 @@ pub struct ApiClient {
     timeout: Option<Duration>,
 }
 
+/// The runtime every client's I/O runs on: one worker thread, made on
+/// first use.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("husk-client")
+            .enable_all()
+            .build()
+            .expect("the client's runtime (a thread) cannot be made")
+    })
+}
+
+/// Runs `fut` to its end on the client's runtime, within `timeout`.
+fn wait<T>(
+    timeout: Option<Duration>,
+    fut: impl Future<Output = Result<T, ApiClientError>>,
+) -> Result<T, ApiClientError> {
+    runtime().block_on(async {
+        match timeout {
+            Some(t) => tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(std::io::Error::from(std::io::ErrorKind::TimedOut).into())),
+            None => fut.await,
+        }
+    })
+}
+
 /// An answer whose body is read as it comes.
 pub struct Response {
     pub status: u16,
     pub headers: Vec<(String, String)>,
-    body: BodyReader,
+    body: Incoming,
+    /// What the last frame held past what was read.
+    pending: Bytes,
+    timeout: Option<Duration>,
 }
 
 impl std::fmt::Debug for Response {
@@ -57,72 +102,35 @@ impl std::fmt::Debug for Response {
     }
 }
 
-enum Framing {
-    Length(u64),
-    Chunked { left: u64, done: bool },
-    UntilClose,
-}
-
-struct BodyReader {
-    conn: BufReader<Box<dyn Conn>>,
-    framing: Framing,
-}
-
-impl Read for BodyReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match &mut self.framing {
-            Framing::Length(0) => Ok(0),
-            Framing::Length(left) => {
-                let max = (*left).min(buf.len() as u64) as usize;
-                let n = self.conn.read(&mut buf[..max])?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                *left -= n as u64;
-                Ok(n)
-            }
-            Framing::UntilClose => self.conn.read(buf),
-            Framing::Chunked { left, done } => {
-                if *done {
-                    return Ok(0);
-                }
-                if *left == 0 {
-                    let mut size = String::new();
-                    self.conn.read_line(&mut size)?;
-                    if size.is_empty() {
-                        return Err(std::io::Error::new(
-                            std::io::ErrorKind::UnexpectedEof,
-                            "the daemon ended the answer early",
-                        ));
-                    }
-                    let hex = size.trim().split(';').next().unwrap_or("");
-                    *left = u64::from_str_radix(hex, 16).map_err(|_| {
-                        std::io::Error::new(std::io::ErrorKind::InvalidData, "bad chunk size")
-                    })?;
-                    if *left == 0 {
-                        *done = true;
-                        return Ok(0);
-                    }
-                }
-                let max = (*left).min(buf.len() as u64) as usize;
-                let n = self.conn.read(&mut buf[..max])?;
-                if n == 0 {
-                    return Err(std::io::ErrorKind::UnexpectedEof.into());
-                }
-                *left -= n as u64;
-                if *left == 0 {
-                    let mut crlf = [0u8; 2];
-                    self.conn.read_exact(&mut crlf)?;
-                }
-                Ok(n)
-            }
-        }
-    }
-}
-
 impl Read for Response {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.body.read(buf)
+        while self.pending.is_empty() {
+            let body = &mut self.body;
+            let frame = wait(self.timeout, async {
+                match std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await {
+                    None => Ok(None),
+                    Some(Ok(frame)) => Ok(Some(frame)),
+                    Some(Err(e)) => Err(std::io::Error::other(e).into()),
+                }
+            })
+            .map_err(|e| match e {
+                ApiClientError::Io(e) => e,
+                other => std::io::Error::other(other),
+            })?;
+            match frame {
+                // The end (trailers are not used).
+                None => return Ok(0),
+                Some(frame) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.pending = data;
+                    }
+                }
+            }
+        }
+        let n = buf.len().min(self.pending.len());
+        buf[..n].copy_from_slice(&self.pending[..n]);
+        self.pending = self.pending.slice(n..);
+        Ok(n)
     }
 }
 
@@ -179,6 +187,41 @@ impl std::fmt::Debug for Payload<'_> {
     }
 }
 
+/// A request body: whole, or chunks handed over by the calling thread as
+/// it reads them (an error ends the request).
+enum RequestBody {
+    Whole(Option<Bytes>),
+    Chunks(mpsc::Receiver<std::io::Result<Bytes>>),
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        match self.get_mut() {
+            RequestBody::Whole(data) => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            RequestBody::Chunks(rx) => rx.poll_recv(cx).map(|c| c.map(|c| c.map(Frame::data))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self, RequestBody::Whole(None))
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            RequestBody::Whole(data) => {
+                hyper::body::SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            RequestBody::Chunks(_) => hyper::body::SizeHint::default(),
+        }
+    }
+}
+
 /// The daemon's state directory unless told (`--state-dir`):
 /// `$HUSK_STATE_DIR`, else `/var/lib/husk` for root and
 /// `~/.local/share/husk` for others.
@@ -217,28 +260,42 @@ impl ApiClient {
         }
     }
 
-    /// Bounds each read of an answer (none by default: an exec may be
-    /// silent for a long time).
+    /// Bounds each wait for the daemon (connecting, the answer's head,
+    /// each piece of its body); none by default: an exec may be silent for
+    /// a long time.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
         self
     }
 
-    fn connect(&self) -> Result<Box<dyn Conn>, ApiClientError> {
-        Ok(match &self.endpoint {
+    /// Connects and shakes hands; the connection is driven on the client's
+    /// runtime until the answer is read whole.
+    async fn connect(
+        &self,
+    ) -> Result<hyper::client::conn::http1::SendRequest<RequestBody>, ApiClientError> {
+        let handshake = |e: hyper::Error| ApiClientError::Io(std::io::Error::other(e));
+        match &self.endpoint {
             Endpoint::Unix(path) => {
-                let s = UnixStream::connect(path)
+                let s = tokio::net::UnixStream::connect(path)
+                    .await
                     .map_err(|e| ApiClientError::Connect(path.display().to_string(), e))?;
-                s.set_read_timeout(self.timeout)?;
-                Box::new(s)
+                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+                    .await
+                    .map_err(handshake)?;
+                tokio::spawn(conn);
+                Ok(sender)
             }
             Endpoint::Tcp(addr, _) => {
-                let s = TcpStream::connect(addr)
+                let s = tokio::net::TcpStream::connect(addr)
+                    .await
                     .map_err(|e| ApiClientError::Connect(addr.clone(), e))?;
-                s.set_read_timeout(self.timeout)?;
-                Box::new(s)
+                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
+                    .await
+                    .map_err(handshake)?;
+                tokio::spawn(conn);
+                Ok(sender)
             }
-        })
+        }
     }
 
     /// Sends a request; an answer with an error status becomes
@@ -249,38 +306,89 @@ impl ApiClient {
         path: &str,
         payload: Payload<'_>,
     ) -> Result<Response, ApiClientError> {
-        let mut conn = self.connect()?;
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: husk\r\nConnection: close\r\n");
+        let mut req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header(hyper::header::HOST, "husk");
         if let Endpoint::Tcp(_, token) = &self.endpoint {
-            head.push_str(&format!("Authorization: Bearer {token}\r\n"));
+            req = req.header(hyper::header::AUTHORIZATION, format!("Bearer {token}"));
         }
-        match &payload {
-            Payload::None => head.push_str("Content-Length: 0\r\n\r\n"),
-            Payload::Json(body) => head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-                body.len()
-            )),
-            Payload::Stream(_) => head.push_str(
-                "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
-            ),
+        let (body, mut stream) = match payload {
+            Payload::None => (RequestBody::Whole(None), None),
+            Payload::Json(body) => {
+                req = req.header(hyper::header::CONTENT_TYPE, "application/json");
+                (RequestBody::Whole(Some(body.into())), None)
+            }
+            Payload::Stream(reader) => {
+                req = req.header(hyper::header::CONTENT_TYPE, "application/octet-stream");
+                let (tx, rx) = mpsc::channel(2);
+                (RequestBody::Chunks(rx), Some((reader, tx)))
+            }
+        };
+        let req = req
+            .body(body)
+            .map_err(|e| ApiClientError::Malformed(format!("the request: {e}")))?;
+        let mut sender = wait(self.timeout, self.connect())?;
+        let answer = runtime().spawn(async move { sender.send_request(req).await });
+        // The body is read here, on the caller's thread, and handed over
+        // as it comes. A daemon that refuses the request early (a body over
+        // its limit) answers and stops reading: its answer is what
+        // matters, and the rest is not sent.
+        let mut reader_failed = None;
+        if let Some((reader, tx)) = &mut stream {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match reader.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if tx
+                            .blocking_send(Ok(Bytes::copy_from_slice(&buf[..n])))
+                            .is_err()
+                        {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        // Our own body failed (a file that cannot be read):
+                        // the request is abandoned with it.
+                        let _ = tx.blocking_send(Err(std::io::Error::new(e.kind(), e.to_string())));
+                        reader_failed = Some(e);
+                        break;
+                    }
+                }
+            }
         }
-        // A daemon that refuses the request early (a body over its limit)
-        // answers and closes before the body is all sent: its answer is
-        // what matters, so a failed write is reported only without one.
-        let written = match write_request(&mut *conn, head.as_bytes(), payload) {
-            // Our own body failed (a file that cannot be read): the
-            // request is abandoned, and the connection closed with it.
-            Err(Failed::Payload(e)) => return Err(e.into()),
-            Err(Failed::Socket(e)) => Err(e),
-            Ok(()) => Ok(()),
+        drop(stream);
+        let answer = wait(self.timeout, async {
+            answer
+                .await
+                .map_err(|e| ApiClientError::Io(std::io::Error::other(e)))?
+                .map_err(|e| ApiClientError::Io(std::io::Error::other(e)))
+        });
+        let answer = match (answer, reader_failed) {
+            (_, Some(e)) => return Err(e.into()),
+            (answer, None) => answer?,
         };
-        let response = match (read_head(BufReader::new(conn)), written) {
-            (Ok(r), _) => r,
-            (Err(_), Err(e)) => return Err(e.into()),
-            (Err(e), Ok(())) => return Err(e),
+        let status = answer.status().as_u16();
+        let headers = answer
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_owned(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let response = Response {
+            status,
+            headers,
+            body: answer.into_body(),
+            pending: Bytes::new(),
+            timeout: self.timeout,
         };
-        if response.status >= 400 {
-            let status = response.status;
+        if status >= 400 {
             let message = match response.json::<serde_json::Value>() {
                 // The daemon's `error`; Firecracker's `fault_message` (the
                 // bench's Firecracker runs use this client too).
@@ -357,17 +465,69 @@ impl ApiClient {
     }
 }
 
-/// Sandboxes, typed: the routes and bodies of `host/openapi.json`.
+/// The daemon's API, typed: the routes and bodies of `host/openapi.json`.
 impl ApiClient {
+    fn json_body<T: serde::Serialize>(value: &T) -> Result<Payload<'static>, ApiClientError> {
+        serde_json::to_vec(value)
+            .map(Payload::Json)
+            .map_err(|e| ApiClientError::Malformed(e.to_string()))
+    }
+
     fn sandbox_path(id: &str, rest: &str) -> String {
         format!("/v1/sandboxes/{}{rest}", encode(id))
     }
 
+    fn template_path(name: &str, rest: &str) -> String {
+        format!("/v1/templates/{}{rest}", encode(name))
+    }
+
     /// Creates a sandbox (`POST /v1/sandboxes`).
     pub fn create_sandbox(&self, req: &CreateRequest) -> Result<Created, ApiClientError> {
-        let body = serde_json::to_vec(req).map_err(|e| ApiClientError::Malformed(e.to_string()))?;
-        self.send("POST", "/v1/sandboxes", Payload::Json(body))?
+        self.send("POST", "/v1/sandboxes", Self::json_body(req)?)?
             .json()
+    }
+
+    /// The sandboxes with every label of `labels` and, if given, in
+    /// `state` (`GET /v1/sandboxes`).
+    pub fn sandboxes(
+        &self,
+        labels: &BTreeMap<String, String>,
+        state: Option<&str>,
+    ) -> Result<Vec<SandboxInfo>, ApiClientError> {
+        let mut query: Vec<String> = labels
+            .iter()
+            .map(|(k, v)| format!("label={}", encode(&format!("{k}={v}"))))
+            .collect();
+        if let Some(s) = state {
+            query.push(format!("state={}", encode(s)));
+        }
+        self.send(
+            "GET",
+            &format!("/v1/sandboxes?{}", query.join("&")),
+            Payload::None,
+        )?
+        .json()
+    }
+
+    /// Sandbox `id` (`GET /v1/sandboxes/{id}`).
+    pub fn sandbox(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
+        self.send("GET", &Self::sandbox_path(id, ""), Payload::None)?
+            .json()
+    }
+
+    /// Changes sandbox `id`'s time to live, expiry policy or labels
+    /// (`PATCH /v1/sandboxes/{id}`).
+    pub fn update_sandbox(
+        &self,
+        id: &str,
+        update: &SandboxUpdate,
+    ) -> Result<SandboxInfo, ApiClientError> {
+        self.send(
+            "PATCH",
+            &Self::sandbox_path(id, ""),
+            Self::json_body(update)?,
+        )?
+        .json()
     }
 
     /// Destroys sandbox `id` (`DELETE /v1/sandboxes/{id}`).
@@ -376,15 +536,57 @@ impl ApiClient {
             .map(drop)
     }
 
+    /// Stops sandbox `id`'s vCPUs (`POST /v1/sandboxes/{id}/pause`).
+    pub fn pause(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
+        self.send("POST", &Self::sandbox_path(id, "/pause"), Payload::None)?
+            .json()
+    }
+
+    /// Lets a paused sandbox run again (`POST /v1/sandboxes/{id}/resume`).
+    pub fn resume(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
+        self.send("POST", &Self::sandbox_path(id, "/resume"), Payload::None)?
+            .json()
+    }
+
+    /// Kills everything started in sandbox `id`
+    /// (`POST /v1/sandboxes/{id}/kill-all`).
+    pub fn kill_all(&self, id: &str) -> Result<Killed, ApiClientError> {
+        self.send("POST", &Self::sandbox_path(id, "/kill-all"), Payload::None)?
+            .json()
+    }
+
+    /// Snapshots sandbox `id` into template `name`
+    /// (`POST /v1/sandboxes/{id}/snapshot`).
+    pub fn snapshot(&self, id: &str, name: &str) -> Result<TemplateRecord, ApiClientError> {
+        let body = Self::json_body(&SnapshotRequest {
+            name: name.to_owned(),
+        })?;
+        self.send("POST", &Self::sandbox_path(id, "/snapshot"), body)?
+            .json()
+    }
+
+    /// Forks sandbox `id` (`POST /v1/sandboxes/{id}/fork`).
+    pub fn fork(&self, id: &str, req: &ForkRequest) -> Result<Forked, ApiClientError> {
+        self.send(
+            "POST",
+            &Self::sandbox_path(id, "/fork"),
+            Self::json_body(req)?,
+        )?
+        .json()
+    }
+
+    /// Sandbox `id`'s console, its end (`GET /v1/sandboxes/{id}/logs`).
+    pub fn logs(&self, id: &str) -> Result<Response, ApiClientError> {
+        self.send("GET", &Self::sandbox_path(id, "/logs"), Payload::None)
+    }
+
     /// Runs `spec` in sandbox `id`; its events as they come
     /// (`POST /v1/sandboxes/{id}/exec`).
     pub fn exec(&self, id: &str, spec: &ExecSpec) -> Result<ExecStream, ApiClientError> {
-        let body =
-            serde_json::to_vec(spec).map_err(|e| ApiClientError::Malformed(e.to_string()))?;
         let resp = self.send(
             "POST",
             &Self::sandbox_path(id, "/exec"),
-            Payload::Json(body),
+            Self::json_body(spec)?,
         )?;
         Ok(ExecStream(resp))
     }
@@ -396,16 +598,26 @@ impl ApiClient {
         self.send("GET", &route, Payload::None)
     }
 
-    /// Writes the guest file `path` from `data`, whole or not at all
+    /// Writes the guest file `path` (permission bits `mode`, 0644 if not
+    /// given) from `data`, whole or not at all
     /// (`PUT /v1/sandboxes/{id}/files`).
     pub fn write_file(
         &self,
         id: &str,
         path: &str,
+        mode: Option<u32>,
         data: &mut dyn Read,
     ) -> Result<(), ApiClientError> {
-        let route = Self::sandbox_path(id, &format!("/files?path={}", encode(path)));
-        self.send("PUT", &route, Payload::Stream(data)).map(drop)
+        let mut query = format!("/files?path={}", encode(path));
+        if let Some(mode) = mode {
+            query.push_str(&format!("&mode={mode:o}"));
+        }
+        self.send(
+            "PUT",
+            &Self::sandbox_path(id, &query),
+            Payload::Stream(data),
+        )
+        .map(drop)
     }
 
     /// The entries of the guest directory `path`
@@ -413,6 +625,93 @@ impl ApiClient {
     pub fn list_dir(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, ApiClientError> {
         let route = Self::sandbox_path(id, &format!("/dir?path={}", encode(path)));
         self.send("GET", &route, Payload::None)?.json()
+    }
+
+    /// Every template (`GET /v1/templates`).
+    pub fn templates(&self) -> Result<Vec<TemplateRecord>, ApiClientError> {
+        self.send("GET", "/v1/templates", Payload::None)?.json()
+    }
+
+    /// Template `name` (`GET /v1/templates/{name}`).
+    pub fn template(&self, name: &str) -> Result<TemplateRecord, ApiClientError> {
+        self.send("GET", &Self::template_path(name, ""), Payload::None)?
+            .json()
+    }
+
+    /// Builds a template; its progress as it comes (`POST /v1/templates`).
+    pub fn build_template(&self, spec: &TemplateSpec) -> Result<BuildStream, ApiClientError> {
+        let resp = self.send("POST", "/v1/templates", Self::json_body(spec)?)?;
+        Ok(BuildStream(resp))
+    }
+
+    /// Removes template `name` (`DELETE /v1/templates/{name}`).
+    pub fn remove_template(&self, name: &str) -> Result<(), ApiClientError> {
+        self.send("DELETE", &Self::template_path(name, ""), Payload::None)
+            .map(drop)
+    }
+
+    /// Checks template `name`'s files against their checksums
+    /// (`POST /v1/templates/{name}/verify`); what was checked.
+    pub fn verify_template(&self, name: &str) -> Result<serde_json::Value, ApiClientError> {
+        self.send("POST", &Self::template_path(name, "/verify"), Payload::None)?
+            .json()
+    }
+
+    /// Every warm pool (`GET /v1/pools`).
+    pub fn pools(&self) -> Result<Vec<PoolInfo>, ApiClientError> {
+        self.send("GET", "/v1/pools", Payload::None)?.json()
+    }
+
+    /// Sets template `template`'s warm pool to `size` clones
+    /// (`PUT /v1/pools/{template}`).
+    pub fn set_pool(&self, template: &str, size: u32) -> Result<PoolInfo, ApiClientError> {
+        let route = format!("/v1/pools/{}", encode(template));
+        self.send("PUT", &route, Self::json_body(&PoolSize { size })?)?
+            .json()
+    }
+
+    /// The audit log, of one sandbox if given (`GET /v1/audit`).
+    pub fn audit(&self, sandbox: Option<&str>) -> Result<Vec<AuditEntry>, ApiClientError> {
+        let route = match sandbox {
+            Some(s) => format!("/v1/audit?sandbox={}", encode(s)),
+            None => "/v1/audit".to_owned(),
+        };
+        self.send("GET", &route, Payload::None)?.json()
+    }
+}
+
+/// A template build's progress, as it comes.
+#[derive(Debug)]
+pub struct BuildStream(Response);
+
+impl BuildStream {
+    /// The next event; None when the stream ended (after `done` or
+    /// `error`, or cut off).
+    pub fn next_event(&mut self) -> Result<Option<BuildEvent>, ApiClientError> {
+        self.0.next_line()
+    }
+
+    /// Waits for the build's end: the template, or the daemon's refusal
+    /// (progress goes to `progress`).
+    pub fn finish(
+        mut self,
+        mut progress: impl FnMut(&str),
+    ) -> Result<TemplateRecord, ApiClientError> {
+        while let Some(event) = self.next_event()? {
+            match event {
+                BuildEvent::Progress { message } => progress(&message),
+                BuildEvent::Done { template } => return Ok(*template),
+                BuildEvent::Error { status, error } => {
+                    return Err(ApiClientError::Status {
+                        status,
+                        message: error,
+                    })
+                }
+            }
+        }
+        Err(ApiClientError::Malformed(
+            "the build's stream ended without a result".into(),
+        ))
     }
 }
 
@@ -428,87 +727,6 @@ impl ExecStream {
     }
 }
 
-/// Why a request could not be written.
-enum Failed {
-    /// The request body's reader failed.
-    Payload(std::io::Error),
-    /// The connection failed (the daemon may have answered early).
-    Socket(std::io::Error),
-}
-
-fn write_request(conn: &mut dyn Conn, head: &[u8], payload: Payload<'_>) -> Result<(), Failed> {
-    let sock = Failed::Socket;
-    conn.write_all(head).map_err(sock)?;
-    match payload {
-        Payload::None => {}
-        Payload::Json(body) => conn.write_all(&body).map_err(sock)?,
-        Payload::Stream(reader) => {
-            let mut buf = vec![0u8; 64 << 10];
-            loop {
-                let n = reader.read(&mut buf).map_err(Failed::Payload)?;
-                if n == 0 {
-                    break;
-                }
-                conn.write_all(format!("{n:x}\r\n").as_bytes())
-                    .map_err(sock)?;
-                conn.write_all(&buf[..n]).map_err(sock)?;
-                conn.write_all(b"\r\n").map_err(sock)?;
-            }
-            conn.write_all(b"0\r\n\r\n").map_err(sock)?;
-        }
-    }
-    conn.flush().map_err(sock)
-}
-
-fn read_head(mut conn: BufReader<Box<dyn Conn>>) -> Result<Response, ApiClientError> {
-    let mut status_line = String::new();
-    conn.read_line(&mut status_line)?;
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| ApiClientError::Malformed(format!("status line {status_line:?}")))?;
-    let mut headers = Vec::new();
-    loop {
-        let mut h = String::new();
-        conn.read_line(&mut h)?;
-        let h = h.trim_end();
-        if h.is_empty() {
-            break;
-        }
-        if headers.len() > 100 {
-            return Err(ApiClientError::Malformed("too many headers".into()));
-        }
-        if let Some((k, v)) = h.split_once(':') {
-            headers.push((k.trim().to_owned(), v.trim().to_owned()));
-        }
-    }
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _): &&(String, String)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    };
-    let framing = if get("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
-        Framing::Chunked {
-            left: 0,
-            done: false,
-        }
-    } else if let Some(len) = get("content-length") {
-        Framing::Length(
-            len.parse()
-                .map_err(|_| ApiClientError::Malformed(format!("content-length {len}")))?,
-        )
-    } else {
-        Framing::UntilClose
-    };
-    Ok(Response {
-        status,
-        headers,
-        body: BodyReader { conn, framing },
-    })
-}
-
 /// Percent-encodes a query value.
 pub fn encode(value: &str) -> String {
     value
@@ -520,4 +738,182 @@ pub fn encode(value: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{BufRead, BufReader, Write};
+    use std::os::unix::net::UnixListener;
+
+    /// A one-request server on a Unix socket: reads the request head,
+    /// then `answer(head, stream)`.
+    fn server(
+        answer: impl FnOnce(String, &mut std::os::unix::net::UnixStream) + Send + 'static,
+    ) -> (ApiClient, std::thread::JoinHandle<()>, tempdir::Dir) {
+        let dir = tempdir::Dir::new();
+        let path = dir.0.join("api.sock");
+        let listener = UnixListener::bind(&path).expect("bind");
+        let served = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            let mut reader = BufReader::new(conn.try_clone().expect("clone"));
+            let mut head = String::new();
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).expect("read") == 0 || line == "\r\n" {
+                    break;
+                }
+                head.push_str(&line);
+            }
+            answer(head, &mut conn);
+        });
+        (ApiClient::new(Endpoint::Unix(path)), served, dir)
+    }
+
+    mod tempdir {
+        /// A directory removed when dropped.
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Self {
+                let dir = std::env::temp_dir().join(format!(
+                    "husk-client-test-{}-{:?}",
+                    std::process::id(),
+                    std::thread::current().id()
+                ));
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).expect("dir");
+                Dir(dir)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunked_answer_is_read_as_it_comes() {
+        let (api, served, _dir) = server(|head, conn| {
+            assert!(
+                head.starts_with("POST /v1/sandboxes/sb-1/exec HTTP/1.1\r\n"),
+                "{head}"
+            );
+            assert!(head.to_ascii_lowercase().contains("host: husk"), "{head}");
+            let events = [
+                r#"{"type":"started","pid":7}"#,
+                r#"{"type":"stdout","data":"aGkK"}"#,
+                r#"{"type":"exit","code":0,"user_us":1,"system_us":2}"#,
+            ];
+            conn.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                .expect("write");
+            for e in events {
+                // Each event cut in two chunks.
+                let line = format!("{e}\n");
+                let (a, b) = line.split_at(5);
+                for part in [a, b] {
+                    write!(conn, "{:x}\r\n{part}\r\n", part.len()).expect("write");
+                }
+            }
+            conn.write_all(b"0\r\n\r\n").expect("write");
+        });
+        let spec = ExecSpec {
+            argv: vec!["echo".into(), "hi".into()],
+            ..Default::default()
+        };
+        let mut events = api.exec("sb-1", &spec).expect("exec");
+        let mut seen = Vec::new();
+        while let Some(e) = events.next_event().expect("event") {
+            seen.push(e);
+        }
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        assert!(matches!(&seen[1], ExecEvent::Stdout { data } if data == "aGkK"));
+        assert!(matches!(seen[2], ExecEvent::Exit { code: Some(0), .. }));
+        served.join().expect("server");
+    }
+
+    #[test]
+    fn an_early_refusal_of_an_upload_is_the_answer() {
+        let (api, served, _dir) = server(|_, conn| {
+            let body = r#"{"error":"the upload is over this daemon's limit"}"#;
+            write!(
+                conn,
+                "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .expect("write");
+        });
+        // Far more than the socket buffers hold: the daemon reads none.
+        let mut big = std::io::repeat(b'x').take(64 << 20);
+        match api.send("POST", "/v1/uploads", Payload::Stream(&mut big)) {
+            Err(ApiClientError::Status {
+                status: 413,
+                message,
+            }) => {
+                assert!(message.contains("over this daemon's limit"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        served.join().expect("server");
+    }
+
+    #[test]
+    fn a_body_that_cannot_be_read_abandons_the_request() {
+        struct Broken;
+        impl Read for Broken {
+            fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the file cannot be read",
+                ))
+            }
+        }
+        let (api, served, _dir) = server(|_, conn| {
+            // The request never completes: whatever is read ends when the
+            // client gives up.
+            let mut rest = Vec::new();
+            let _ = conn.read_to_end(&mut rest);
+        });
+        match api.send("PUT", "/x", Payload::Stream(&mut Broken)) {
+            Err(ApiClientError::Io(e)) => {
+                assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        served.join().expect("server");
+    }
+
+    #[test]
+    fn errors_say_where_and_what() {
+        let api = ApiClient::new(Endpoint::Unix("/nonexistent/husk.sock".into()));
+        let e = api.list_dir("sb-1", "/").expect_err("no daemon");
+        assert!(
+            e.to_string()
+                .contains("cannot reach the husk daemon at /nonexistent/husk.sock"),
+            "{e}"
+        );
+        let (api, served, _dir) = server(|head, conn| {
+            assert!(
+                head.starts_with("GET /v1/sandboxes/sb-1/dir?path=/a%20b HTTP/1.1"),
+                "{head}"
+            );
+            let body = r#"{"error":"no sandbox `sb-1`"}"#;
+            write!(
+                conn,
+                "HTTP/1.1 404 Not Found\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .expect("write");
+        });
+        match api.list_dir("sb-1", "/a b") {
+            Err(ApiClientError::Status {
+                status: 404,
+                message,
+            }) => {
+                assert_eq!(message, "no sandbox `sb-1`")
+            }
+            other => panic!("{other:?}"),
+        }
+        served.join().expect("server");
+    }
 }

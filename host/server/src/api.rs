@@ -12,13 +12,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::{DefaultBodyLimit, Path, Query, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, patch, post, put};
-use axum::serve::IncomingStream;
 use axum::{Extension, Router};
 use base64::Engine;
 use husk_protocol::{ErrorKind, ExecRequest, Stream, Termination};
@@ -31,35 +30,17 @@ use husk_core::daemon::{Daemon, DaemonError};
 use husk_core::template::TemplateError;
 use husk_core::upload::UploadError;
 use husk_types::{
-    BuildEvent, CreateRequest, ExecEvent, ExecSpec, SandboxState, SandboxUpdate, TemplateSpec,
+    BuildEvent, CreateRequest, ExecEvent, ExecSpec, ForkRequest, Forked, Killed, PoolSize,
+    SandboxState, SandboxUpdate, SnapshotRequest, TemplateSpec,
 };
 
 use crate::mcp::HttpService;
+pub use crate::peer::Peer;
 
 /// Largest JSON request body.
 pub const MAX_JSON: usize = 1 << 20;
 /// Most bytes of a console `logs` returns (its end).
 const MAX_LOGS: u64 = 256 << 10;
-
-/// Who made a request, for the audit log: the peer's uid and pid on the
-/// Unix socket, its address on TCP.
-#[derive(Debug, Clone)]
-pub struct Peer(pub String);
-
-impl Connected<IncomingStream<'_, tokio::net::UnixListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, tokio::net::UnixListener>) -> Self {
-        Peer(match stream.io().peer_cred() {
-            Ok(c) => format!("uid={} pid={}", c.uid(), c.pid().unwrap_or(0)),
-            Err(_) => "unix".to_owned(),
-        })
-    }
-}
-
-impl Connected<IncomingStream<'_, tokio::net::TcpListener>> for Peer {
-    fn connect_info(stream: IncomingStream<'_, tokio::net::TcpListener>) -> Self {
-        Peer(format!("tcp {}", stream.remote_addr()))
-    }
-}
 
 type Shared = Arc<Daemon>;
 
@@ -386,12 +367,6 @@ async fn list_pools(State(d): State<Shared>) -> ApiResult<Response> {
     Ok(ok(StatusCode::OK, p))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PoolSize {
-    size: u32,
-}
-
 async fn set_pool(
     State(d): State<Shared>,
     ConnectInfo(who): ConnectInfo<Peer>,
@@ -529,14 +504,10 @@ async fn kill_all(
     let tasks = blocking(move || d.kill_all(&id, &who.0)).await?;
     Ok(ok(
         StatusCode::OK,
-        serde_json::json!({ "killed_tasks": tasks }),
+        Killed {
+            killed_tasks: tasks,
+        },
     ))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SnapshotRequest {
-    name: String,
 }
 
 async fn snapshot(
@@ -548,26 +519,6 @@ async fn snapshot(
     let SnapshotRequest { name } = json(&body)?;
     let t = blocking(move || d.snapshot(&id, &name, &who.0)).await?;
     Ok(ok(StatusCode::CREATED, t))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ForkRequest {
-    /// The template the fork makes (default `fork-<sandbox id>-<ms>`).
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default = "one")]
-    count: u32,
-}
-
-fn one() -> u32 {
-    1
-}
-
-#[derive(Serialize)]
-struct Forked {
-    template: husk_types::TemplateRecord,
-    sandboxes: Vec<husk_types::Created>,
 }
 
 async fn fork(

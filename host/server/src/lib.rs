@@ -11,3 +11,4 @@ pub mod e2b;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod mcp;
+pub mod peer;

@@ -46,8 +46,10 @@ use husk_core::sandbox::Sandbox;
 use husk_protocol::{DirEntry, ErrorKind, FileKind, Stream, Termination};
 use husk_types::{CreateRequest, ExecSpec};
 
-use crate::api::Peer;
+use crate::peer::Peer;
 
+/// Largest message a client may send.
+const MAX_MESSAGE: usize = 8 << 20;
 /// Calls running at once in one session.
 const MAX_IN_FLIGHT: usize = 16;
 /// Sessions the daemon's `/mcp` holds open at once.
@@ -599,7 +601,7 @@ impl HttpService {
         let config = StreamableHttpServerConfig::default()
             .disable_allowed_hosts()
             .with_cancellation_token(stop.clone())
-            .with_max_request_body_bytes(crate::api::MAX_JSON);
+            .with_max_request_body_bytes(MAX_MESSAGE);
         let live = sessions.clone();
         let factory = move || {
             let backend = Arc::new(InProcess::new(daemon.clone()));

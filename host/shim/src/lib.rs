@@ -44,12 +44,11 @@ use containerd_shim::protos::protobuf::{MessageDyn, MessageField};
 use containerd_shim::protos::ttrpc;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{api, ExitSignal, TtrpcContext, TtrpcResult};
-use serde_json::json;
 
 use self::bundle::{Bundle, Source};
 use self::process::{Exit, GuestProcess, Stdio};
 use husk_client::{ApiClient, ApiClientError};
-use husk_types::{Created, SandboxInfo};
+use husk_types::{CreateRequest, SandboxInfo, SandboxUpdate};
 
 /// The runtime's name in containerd.
 pub const RUNTIME_ID: &str = "io.containerd.husk.v2";
@@ -193,20 +192,10 @@ fn destroy_labelled(
     daemon: &ApiClient,
     labels: &std::collections::BTreeMap<String, String>,
 ) -> Result<(), ShimError> {
-    let query: Vec<String> = labels
-        .iter()
-        .map(|(k, v)| format!("label={}", husk_client::encode(&format!("{k}={v}"))))
-        .collect();
-    let list: Vec<SandboxInfo> =
-        daemon.call("GET", &format!("/v1/sandboxes?{}", query.join("&")), None)?;
-    for s in list {
+    for s in daemon.sandboxes(labels, None)? {
         tracing::info!(sandbox = %s.id, "destroying the task's sandbox");
-        match daemon.send(
-            "DELETE",
-            &format!("/v1/sandboxes/{}", s.id),
-            husk_client::Payload::None,
-        ) {
-            Ok(_) | Err(ApiClientError::Status { status: 404, .. }) => {}
+        match daemon.destroy_sandbox(&s.id) {
+            Ok(()) | Err(ApiClientError::Status { status: 404, .. }) => {}
             Err(e) => return Err(e.into()),
         }
     }
@@ -334,11 +323,7 @@ impl Inner {
         let dir = match &bundle.source {
             Source::Template(name) => {
                 // Unknown: fail now, with the daemon's word for it.
-                let _: serde_json::Value = self.daemon.call(
-                    "GET",
-                    &format!("/v1/templates/{}", husk_client::encode(name)),
-                    None,
-                )?;
+                self.daemon.template(name)?;
                 return Ok(name.clone());
             }
             Source::Rootfs(dir) => dir,
@@ -380,11 +365,7 @@ impl Inner {
     }
 
     fn template_exists(&self, name: &str) -> Result<bool, ShimError> {
-        match self.daemon.call::<serde_json::Value>(
-            "GET",
-            &format!("/v1/templates/{}", husk_client::encode(name)),
-            None,
-        ) {
+        match self.daemon.template(name) {
             Ok(_) => Ok(true),
             Err(ApiClientError::Status { status: 404, .. }) => Ok(false),
             Err(e) => Err(e.into()),
@@ -392,28 +373,10 @@ impl Inner {
     }
 
     fn build(&self, spec: &husk_types::TemplateSpec) -> Result<(), ShimError> {
-        let body = serde_json::to_vec(spec).unwrap_or_default();
-        let mut resp =
-            self.daemon
-                .send("POST", "/v1/templates", husk_client::Payload::Json(body))?;
-        while let Some(event) = resp.next_line::<husk_types::BuildEvent>()? {
-            match event {
-                husk_types::BuildEvent::Progress { message } => {
-                    tracing::info!(template = %spec.name, "{message}")
-                }
-                husk_types::BuildEvent::Done { .. } => return Ok(()),
-                husk_types::BuildEvent::Error { status, error } => {
-                    return Err(ApiClientError::Status {
-                        status,
-                        message: error,
-                    }
-                    .into())
-                }
-            }
-        }
-        Err(ShimError::Agent(
-            "the daemon ended the build without a result".into(),
-        ))
+        self.daemon
+            .build_template(spec)?
+            .finish(|message| tracing::info!(template = %spec.name, "{message}"))?;
+        Ok(())
     }
 
     fn create(self: &Arc<Self>, req: &api::CreateTaskRequest) -> Result<u32, ShimError> {
@@ -451,21 +414,20 @@ impl Inner {
         let bundle = Bundle::load(bundle_dir, rootfs)?;
         let template = self.template_for(&bundle)?;
         tracing::info!(task = %req.id, template = %template, "creating the task's sandbox");
-        let created: Created = self.daemon.call(
-            "POST",
-            "/v1/sandboxes",
-            Some(&json!({
-                "template": template,
-                "ttl_s": CREATE_LEASE_S,
-                "labels": bundle::task_labels(&self.namespace, &req.id, &self.containerd),
-            })),
-        )?;
+        let created = self.daemon.create_sandbox(&CreateRequest {
+            template: template.clone(),
+            ttl_s: Some(CREATE_LEASE_S),
+            labels: bundle::task_labels(&self.namespace, &req.id, &self.containerd),
+            ..Default::default()
+        })?;
         let sandbox = created.sandbox;
         // containerd has it now: it lives until the task is deleted.
-        let confirmed = self.daemon.call::<SandboxInfo>(
-            "PATCH",
-            &format!("/v1/sandboxes/{}", sandbox.id),
-            Some(&json!({ "ttl_s": 0 })),
+        let confirmed = self.daemon.update_sandbox(
+            &sandbox.id,
+            &SandboxUpdate {
+                ttl_s: Some(0),
+                ..Default::default()
+            },
         );
         let agent = match (confirmed, &sandbox.agent_socket) {
             (Ok(_), Some(agent)) => PathBuf::from(agent),
@@ -548,11 +510,7 @@ impl Inner {
     }
 
     fn destroy(&self, sandbox: &str) {
-        if let Err(e) = self.daemon.send(
-            "DELETE",
-            &format!("/v1/sandboxes/{sandbox}"),
-            husk_client::Payload::None,
-        ) {
+        if let Err(e) = self.daemon.destroy_sandbox(sandbox) {
             tracing::warn!(sandbox, "destroying: {e}");
         }
     }
@@ -609,10 +567,11 @@ impl Inner {
 
     fn pause(&self, id: &str, pause: bool) -> Result<(), ShimError> {
         let sandbox = self.with_task(id, |t| Ok(t.sandbox.id.clone()))?;
-        let action = if pause { "pause" } else { "resume" };
-        let _: SandboxInfo =
-            self.daemon
-                .call("POST", &format!("/v1/sandboxes/{sandbox}/{action}"), None)?;
+        if pause {
+            self.daemon.pause(&sandbox)?;
+        } else {
+            self.daemon.resume(&sandbox)?;
+        }
         if let Some(task) = self.lock().as_mut() {
             task.paused = pause;
         }
@@ -794,10 +753,9 @@ impl shim::Task for TaskService {
         if req.all && req.signal == libc::SIGKILL as u32 && req.exec_id.is_empty() {
             // Everything the task started, detached or not.
             if let Some(sandbox) = self.inner.lock().as_ref().map(|t| t.sandbox.id.clone()) {
-                let _: serde_json::Value = self
-                    .inner
+                self.inner
                     .daemon
-                    .call("POST", &format!("/v1/sandboxes/{sandbox}/kill-all"), None)
+                    .kill_all(&sandbox)
                     .map_err(ShimError::from)?;
             }
         }

@@ -15,8 +15,8 @@ pub use exec::{ExecEvent, ExecSpec};
 /// A guest file's metadata and a directory's entries, as the agent gives them.
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
-    CreateRequest, Created, EgressSpec, ExpiryPolicy, PoolInfo, SandboxInfo, SandboxState,
-    SandboxUpdate, SecretSpec,
+    CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, Killed, PoolInfo,
+    PoolSize, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
 };
 pub use template::{
     check_template_name, BuildEvent, KernelSource, RootfsSource, TemplateRecord, TemplateSpec,

@@ -186,3 +186,52 @@ pub enum ExpiryPolicy {
     /// Pause it (its memory kept; resume brings it back).
     Pause,
 }
+
+/// A snapshot of a running sandbox into a new template
+/// (`POST /v1/sandboxes/{id}/snapshot`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    /// The new template's name.
+    pub name: String,
+}
+
+/// A fork of a running sandbox (`POST /v1/sandboxes/{id}/fork`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// The template the fork makes (default `fork-<sandbox id>-<ms>`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// How many sandboxes to make from it (default 1).
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// What a fork made.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Forked {
+    /// The template the sandbox was snapshotted into.
+    pub template: crate::TemplateRecord,
+    /// The sandboxes made from it.
+    pub sandboxes: Vec<Created>,
+}
+
+/// What `kill-all` did.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct Killed {
+    /// Tasks (processes and threads) killed.
+    pub killed_tasks: u64,
+}
+
+/// A warm pool's target size (`PUT /v1/pools/{template}`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSize {
+    /// Parked clones to keep ready.
+    pub size: u32,
+}
