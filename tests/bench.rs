@@ -35,7 +35,7 @@ const HUSK_ORDER: [&str; 16] = [
 
 fn validate_with_python(report: &Path, schema: &str) {
     let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|v| !v.is_empty()) else {
-        eprintln!("schema check skipped: HUSK_TEST_PYTHON (a python with jsonschema; `make test` sets it up)");
+        common::skip("the schema check: HUSK_TEST_PYTHON (a python with jsonschema; `make test` sets it up)");
         return;
     };
     let schema_file = report.with_extension("schema.json");
@@ -111,6 +111,7 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
                 "{label} skipped with QEMU installed: {}",
                 s.note
             );
+            common::skip(&format!("{label}: QEMU is not installed ({})", s.note));
             continue;
         }
         if s.contender == "firecracker" && s.status == Status::Skipped {
@@ -123,6 +124,7 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
                 s.note
             );
             assert!(s.note.contains("--firecracker PATH"), "{label}: {}", s.note);
+            common::skip(&format!("{label}: no Firecracker binary ({})", s.note));
             continue;
         }
         // Every husk mode, and QEMU and Firecracker where present, ran both

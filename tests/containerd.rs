@@ -53,7 +53,7 @@ macro_rules! env_or_skip {
         match env() {
             Ok(env) => env,
             Err(why) => {
-                eprintln!("skipped: {why}");
+                common::skip(&why);
                 return;
             }
         }

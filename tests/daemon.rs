@@ -761,7 +761,7 @@ fn every_vmm_runs_in_a_jail_of_its_own() {
     let (d, _g) = shared();
     // SAFETY: getuid cannot fail.
     if unsafe { libc::getuid() } != 0 {
-        eprintln!("skipped: the jail needs root");
+        common::skip("the jail needs root");
         return;
     }
     let a = create("base").sandbox;
@@ -1406,7 +1406,7 @@ fn each_vmm_runs_in_its_own_limited_cgroup() {
     let (_d, _g) = shared();
     let info: Value = api().call("GET", "/v1/info", None).expect("info");
     if info["cgroups"] == "none" {
-        eprintln!("skipped: the daemon has no cgroup hierarchy it may manage here (not root?)");
+        common::skip("the daemon has no cgroup hierarchy it may manage here (not root?)");
         return;
     }
     let s = create("base").sandbox;
@@ -1493,11 +1493,11 @@ fn a_template_from_a_local_directory_boots_with_its_files_and_gives_each_sandbox
     let (d, _g) = shared();
     // SAFETY: getuid cannot fail.
     let network = if unsafe { libc::getuid() } != 0 {
-        eprintln!("network part skipped: creating TAP devices needs root (CAP_NET_ADMIN)");
+        common::skip("the network part: creating TAP devices needs root (CAP_NET_ADMIN)");
         false
     } else if Command::new("nft").arg("--version").output().is_err() {
-        eprintln!(
-            "network part skipped: a sandbox with a NIC gets a firewall, which needs nftables (`nft`)"
+        common::skip(
+            "the network part: a sandbox with a NIC gets a firewall, which needs nftables (`nft`)",
         );
         false
     } else {
@@ -1631,7 +1631,7 @@ const E2B_KEY: &str = "e2b_00112233445566778899aabbccddeeff";
 fn client_from_env(var: &str, what: &str) -> Option<std::ffi::OsString> {
     let value = std::env::var_os(var).filter(|v| !v.is_empty());
     if value.is_none() {
-        eprintln!("skipped: {var} ({what}; `make test` sets it up)");
+        common::skip(&format!("{var} ({what}; `make test` sets it up)"));
     }
     value
 }
@@ -2119,7 +2119,7 @@ fn client_hello(server: &str) -> Vec<u8> {
 fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
     let (d, _g) = shared();
     let Some(ns) = egress_net() else {
-        eprintln!("skipped: the egress test network (a network namespace) needs root");
+        common::skip("the egress test network (a network namespace) needs root");
         return;
     };
     let (server, seen) = egress_server(ns, EGRESS_SERVER_IP);
@@ -2261,7 +2261,7 @@ fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
 fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
     let (d, _g) = shared();
     let Some(ns) = egress_net() else {
-        eprintln!("skipped: the egress test network (a network namespace) needs root");
+        common::skip("the egress test network (a network namespace) needs root");
         return;
     };
     let (bound, bound_seen) = egress_server(ns, EGRESS_SERVER_IP);

@@ -15,6 +15,17 @@ use std::time::{Duration, Instant};
 /// boot takes 30 to 90 seconds; on hardware KVM it takes well under one.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(900);
 
+/// Says that (part of) a test cannot run here and why. With
+/// `HUSK_REQUIRE_ALL=1` (CI sets it, after installing what the tests need)
+/// it fails the test instead: a machine that lacks a piece is not green
+/// without testing it.
+pub fn skip(why: &str) {
+    if std::env::var("HUSK_REQUIRE_ALL").is_ok_and(|v| v == "1") {
+        panic!("HUSK_REQUIRE_ALL=1, and this test cannot run here: {why}");
+    }
+    eprintln!("skipped: {why}");
+}
+
 /// The repository's root (the tests run from vmm/ and from host/cli/).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
