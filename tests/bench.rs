@@ -35,7 +35,9 @@ const HUSK_ORDER: [&str; 16] = [
 
 fn validate_with_python(report: &Path, schema: &str) {
     let Some(python) = std::env::var_os("HUSK_TEST_PYTHON").filter(|v| !v.is_empty()) else {
-        common::skip("the schema check: HUSK_TEST_PYTHON (a python with jsonschema; `make test` sets it up)");
+        common::skip(
+            "the schema check: HUSK_TEST_PYTHON (a python with jsonschema; `make test` sets it up)",
+        );
         return;
     };
     let schema_file = report.with_extension("schema.json");

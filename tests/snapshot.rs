@@ -582,6 +582,68 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     assert_eq!(text(&seen.stdout), "written after the base\nbase");
 }
 
+#[test]
+fn a_clone_without_dirty_tracking_diffs_against_the_memory_file_it_maps() {
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    // No --dirty-log: the diff is the pages that are no longer the base's.
+    let (_vmm, uds, api) = restore(&base.snapshot, run.as_path(), "cow", 52);
+    let mut client = connect(&uds);
+    client.restored("cow", None).expect("post-restore step");
+    client
+        .write_file("/tmp/first", 0o644, &b"one"[..])
+        .expect("write");
+    drop(client);
+    let paused = control(&api, &husk_vmm_api::Request::Pause);
+    let diff = run.as_path().join("cow-diff");
+    let full = run.as_path().join("cow-full");
+    let diff_reply = common::snapshot(&api, &diff, true);
+    let full_reply = common::snapshot(&api, &full, false);
+
+    let mut merged = std::fs::read(base.snapshot.join("memory")).expect("base memory");
+    let diff_memory = std::fs::read(diff.join("memory")).expect("diff memory");
+    for (offset, len) in data_extents(&diff.join("memory")) {
+        let (a, b) = (offset as usize, (offset + len) as usize);
+        merged[a..b].copy_from_slice(&diff_memory[a..b]);
+    }
+    let same = merged == std::fs::read(full.join("memory")).expect("full memory");
+    drop((merged, diff_memory));
+
+    // A clone of the diff (its pages laid over the base's file) diffs
+    // against the base's file again, not against the diff: the memory chain
+    // stays one deep, so the first diff's memory can go (its drive layer
+    // stays: the second's drive layer lies above it).
+    let (_second, second_uds, second_api) = restore(&diff, run.as_path(), "cow-2", 53);
+    let mut second = connect(&second_uds);
+    second
+        .write_file("/tmp/second", 0o644, &b"two"[..])
+        .expect("write");
+    drop(second);
+    let again = run.as_path().join("cow-again");
+    let again_reply = common::snapshot(&second_api, &again, true);
+    drop(_second);
+    std::fs::remove_file(diff.join("memory")).expect("remove the first diff's memory");
+    let (_third, third_uds, _) = restore(&again, run.as_path(), "cow-3", 54);
+    let mut third = connect(&third_uds);
+    let seen = third
+        .exec(sh("cat /tmp/first /tmp/second /tmp/file"))
+        .expect("exec");
+
+    assert!(
+        matches!(paused, Ok(husk_vmm_api::Reply::Paused { .. })),
+        "{paused:?}"
+    );
+    let diff_bytes = diff_reply.expect("diff snapshot").memory_bytes;
+    let full_bytes = full_reply.expect("full snapshot").memory_bytes;
+    assert!(
+        diff_bytes > 0 && diff_bytes < full_bytes / 2,
+        "a diff of {diff_bytes} bytes against {full_bytes}"
+    );
+    assert!(same, "base + diff differs from the full snapshot");
+    assert!(again_reply.is_ok(), "{again_reply:?}");
+    assert_eq!(text(&seen.stdout), "onetwobase");
+}
+
 /// Processes killed when the test lets go of them.
 struct Pids(Vec<i32>);
 

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use crate::vstate::memory::GuestMemoryMmap;
+use crate::CowOrigin;
 use linux_loader::cmdline::Cmdline;
 use linux_loader::loader::load_cmdline;
 use vm_memory::GuestAddress;
@@ -345,7 +346,11 @@ pub fn restore_vm(
     timeline: Arc<Timeline>,
     filters: Arc<Filters>,
 ) -> Result<Vmm, BuildError> {
-    let (state, layers) = persist::read(&config.snapshot)?;
+    let persist::Restorable {
+        state,
+        layers,
+        root,
+    } = persist::read(&config.snapshot)?;
     let pvm = kvm::is_pvm_host();
     if state.pvm != pvm {
         let kind = |p| {
@@ -382,6 +387,15 @@ pub fn restore_vm(
     for layer in &layers[1..] {
         memory::overlay(&mem, &layer.file, layer.runs.as_deref().unwrap_or_default())?;
     }
+    // What differs from the root's memory file: the diffs' pages, and from
+    // now on what is written (see `Vmm::snapshot`).
+    let cow = std::fs::canonicalize(&root).ok().map(|root| CowOrigin {
+        root,
+        overlaid: layers[1..]
+            .iter()
+            .flat_map(|l| l.runs.iter().flatten().copied())
+            .collect(),
+    });
     // Diffs of this clone are relative to the snapshot it came from, so
     // KVM logs dirty pages from the first instruction.
     vm.register_memory(&kvm, &mem, config.dirty_log)?;
@@ -433,7 +447,9 @@ pub fn restore_vm(
         threads,
         filters,
     };
-    Ok(machine.into_vmm(platform, last_snapshot, config.dirty_log))
+    let mut vmm = machine.into_vmm(platform, last_snapshot, config.dirty_log);
+    vmm.cow = cow;
+    Ok(vmm)
 }
 
 /// The threads of `count` vCPUs, started now so that each installs its
@@ -538,6 +554,7 @@ impl Machine {
             api: None,
             api_server: None,
             device_thread: None,
+            cow: None,
         }
     }
 }

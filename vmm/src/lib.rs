@@ -98,6 +98,22 @@ pub enum VmmError {
     Seccomp(#[from] seccomp::SeccompError),
 }
 
+/// Where a restored VM's memory came from: the full memory file mapped
+/// copy-on-write (its snapshot directory) and the diff runs laid over it.
+#[derive(Debug, Clone)]
+pub(crate) struct CowOrigin {
+    pub(crate) root: std::path::PathBuf,
+    pub(crate) overlaid: Vec<(u64, u64)>,
+}
+
+/// What a diff snapshot is relative to.
+enum DiffBase {
+    /// The last snapshot, by KVM's dirty log and the VMM's bitmap.
+    Dirty(std::path::PathBuf),
+    /// The memory file a restore mapped, by the pages no longer its own.
+    Cow(CowOrigin),
+}
+
 /// A built VM: its memory, vCPUs, devices and the events that end it.
 pub struct Vmm {
     pub(crate) id: String,
@@ -110,6 +126,10 @@ pub struct Vmm {
     pub(crate) last_snapshot: Option<std::path::PathBuf>,
     /// KVM logs dirty pages (on from the first snapshot, or from a restore).
     pub(crate) dirty_logging: bool,
+    /// A restored VM's memory file, mapped copy-on-write, and the diff
+    /// pages laid over it: what a diff without dirty logging is relative to
+    /// (until a snapshot is taken).
+    pub(crate) cow: Option<CowOrigin>,
     pub(crate) mem_size_mib: u32,
     pub(crate) pvm: bool,
     /// Built, not yet started.
@@ -235,16 +255,18 @@ impl Vmm {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
-        let diff_base =
-            match (diff, &self.last_snapshot) {
-                (false, _) => None,
-                (true, Some(base)) if self.dirty_logging => Some(base.clone()),
-                (true, _) => return Err(VmmError::Unsupported(
-                    "a diff snapshot needs an earlier snapshot of this VM, or a VM restored with \
-                     dirty page tracking (husk-vmm --restore DIR --dirty-log)"
-                        .into(),
-                )),
-            };
+        let diff_base = match (diff, &self.last_snapshot, &self.cow) {
+            (false, ..) => None,
+            (true, Some(base), _) if self.dirty_logging => Some(DiffBase::Dirty(base.clone())),
+            // Restored and not snapshotted since: the pages that are no
+            // longer the memory file's are the diff against it.
+            (true, _, Some(cow)) if !self.dirty_logging => Some(DiffBase::Cow(cow.clone())),
+            (true, ..) => {
+                return Err(VmmError::Unsupported(
+                    "a diff snapshot needs an earlier snapshot of this VM, or a restored VM".into(),
+                ))
+            }
+        };
         persist::prepare(dir)?;
         let mut devices = Vec::with_capacity(self.devices.len());
         for (index, attached) in self.devices.iter().enumerate() {
@@ -267,11 +289,20 @@ impl Vmm {
             devices.push(persist::DeviceSnapshot { device, transport });
         }
         let memory = match diff_base {
-            Some(base) => {
+            Some(DiffBase::Dirty(base)) => {
                 let kvm_dirty = self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
                 persist::MemoryLayout::Diff {
                     base,
                     runs: vstate::memory::take_dirty(&self.mem, &kvm_dirty),
+                }
+            }
+            Some(DiffBase::Cow(cow)) => {
+                let written = vstate::memory::written_since_mapped(&self.mem)
+                    .map_err(|e| VmmError::Unsupported(format!("/proc/self/pagemap: {e}")))?;
+                vstate::memory::clear_dirty(&self.mem);
+                persist::MemoryLayout::Diff {
+                    base: cow.root,
+                    runs: vstate::memory::merge_runs(&written, &cow.overlaid),
                 }
             }
             None => {
@@ -304,6 +335,7 @@ impl Vmm {
         match persist::write(dir, &state, &self.mem) {
             Ok(times) => {
                 self.last_snapshot = std::fs::canonicalize(dir).ok();
+                self.cow = None;
                 if !self.dirty_logging {
                     self.vm
                         .set_dirty_logging(&self.mem, true)

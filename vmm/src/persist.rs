@@ -223,10 +223,21 @@ pub fn write(
     result
 }
 
+/// A snapshot as a restore reads it.
+#[derive(Debug)]
+pub struct Restorable {
+    pub state: MicrovmState,
+    /// Its memory files, base first.
+    pub layers: Vec<MemoryLayer>,
+    /// The directory of the full memory file the chain starts from (`dir`
+    /// itself for a full snapshot).
+    pub root: PathBuf,
+}
+
 /// Reads and checks `dir`'s state and opens its memory files (its own and,
 /// for a diff, its bases'). Nothing here reads guest memory: the cost does
 /// not grow with the guest's size.
-pub fn read(dir: &Path) -> Result<(MicrovmState, Vec<MemoryLayer>), PersistError> {
+pub fn read(dir: &Path) -> Result<Restorable, PersistError> {
     let (state, file) = read_one(dir)?;
     let mut layers = Vec::new();
     let mut layout = state.memory.clone();
@@ -274,7 +285,11 @@ pub fn read(dir: &Path) -> Result<(MicrovmState, Vec<MemoryLayer>), PersistError
         }
     }
     layers.reverse();
-    Ok((state, layers))
+    Ok(Restorable {
+        state,
+        layers,
+        root: current,
+    })
 }
 
 /// Reads one directory's state and opens its memory file.

@@ -137,7 +137,10 @@ const CONTROL: &[(i64, &str)] = &[
     (libc::SYS_sendto, "control replies"),
     (libc::SYS_setsockopt, "control connection timeouts"),
     (libc::SYS_shutdown, "closing control connections"),
-    (libc::SYS_pread64, "snapshots: reading disk layers"),
+    (
+        libc::SYS_pread64,
+        "snapshots: reading disk layers and /proc/self/pagemap",
+    ),
     (libc::SYS_pwrite64, "snapshots: memory and state files"),
     (
         libc::SYS_copy_file_range,

@@ -11,7 +11,7 @@
 //! | `{"op":"status"}` | [`Reply::Status`]: running or paused, the VMM's phases |
 //! | `{"op":"pause"}` | [`Reply::Paused`]: every vCPU is out of KVM_RUN |
 //! | `{"op":"resume"}` | [`Reply::Resumed`] |
-//! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one) in DIR; a running VM is paused for it and resumed after |
+//! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after |
 //!
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.

@@ -247,6 +247,67 @@ pub fn take_dirty(mem: &GuestMemoryMmap, kvm_dirty: &[Vec<u64>]) -> Vec<(u64, u6
     runs
 }
 
+/// The pages of memory mapped from a file (copy-on-write, see
+/// [`map_snapshot_file`]) that are no longer the file's: written since (by
+/// the guest, KVM or the VMM: each write made the page a private copy), as
+/// memory-file runs. Read from `/proc/self/pagemap` (a page is a private
+/// copy when it is present and not a file page, or swapped out), so no
+/// dirty tracking has to run meanwhile. The diff runs laid over the mapping
+/// are file pages of their own file: see [`merge_runs`].
+pub fn written_since_mapped(mem: &GuestMemoryMmap) -> std::io::Result<Vec<(u64, u64)>> {
+    use std::os::unix::fs::FileExt;
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE_OR_SHARED: u64 = 1 << 61;
+    /// Entries read at once (512 KiB).
+    const BATCH: usize = 1 << 16;
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut file_start = 0u64;
+    let mut entries = vec![0u8; BATCH * 8];
+    for region in mem.iter() {
+        let first = region.as_ptr() as u64 / PAGE;
+        let pages = region.len() / PAGE;
+        let mut done = 0u64;
+        while done < pages {
+            let n = (pages - done).min(BATCH as u64) as usize;
+            let buf = &mut entries[..n * 8];
+            pagemap.read_exact_at(buf, (first + done) * 8)?;
+            for (i, entry) in buf.chunks_exact(8).enumerate() {
+                let e = u64::from_ne_bytes(entry.try_into().expect("8 bytes"));
+                let private = (e & PRESENT != 0 && e & FILE_OR_SHARED == 0) || e & SWAPPED != 0;
+                if private {
+                    let offset = file_start + (done + i as u64) * PAGE;
+                    match runs.last_mut() {
+                        Some((start, len)) if *start + *len == offset => *len += PAGE,
+                        _ => runs.push((offset, PAGE)),
+                    }
+                }
+            }
+            done += n as u64;
+        }
+        file_start += region.len();
+    }
+    Ok(runs)
+}
+
+/// The union of two lists of page runs (offset, length), sorted and
+/// merged.
+pub fn merge_runs(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut all: Vec<(u64, u64)> = a.iter().chain(b).copied().collect();
+    all.sort_unstable();
+    let mut runs: Vec<(u64, u64)> = Vec::with_capacity(all.len());
+    for (offset, len) in all {
+        match runs.last_mut() {
+            Some((start, l)) if offset <= *start + *l => {
+                *l = (*l).max(offset + len - *start);
+            }
+            _ => runs.push((offset, len)),
+        }
+    }
+    runs
+}
+
 /// Forgets what the VMM wrote so far (a full snapshot has it all).
 pub fn clear_dirty(mem: &GuestMemoryMmap) {
     for region in mem.iter() {
@@ -378,6 +439,48 @@ mod tests {
             (0xaa, 0xaa, 0x55, 0)
         );
         assert_eq!(runs, vec![(PAGE, PAGE)]);
+    }
+
+    #[test]
+    fn pages_written_since_a_file_was_mapped_are_found_in_pagemap() {
+        let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+        let path = dir.as_path().join("memory");
+        let source = memory(4);
+        source
+            .write_slice(&[0xaa; 3 * 4096], GuestAddress(0))
+            .expect("write");
+        dump(&source, &File::create(&path).expect("create")).expect("dump");
+        let file = File::open(&path).expect("open");
+        let mapped = map_snapshot_file(&file, 4).expect("map");
+        // Read pages (file pages, or the zero page over a hole) are not
+        // written ones.
+        for page in [0, 1, 5, 9] {
+            mapped
+                .read_obj::<u8>(GuestAddress(page * PAGE))
+                .expect("read");
+        }
+        assert_eq!(written_since_mapped(&mapped).expect("pagemap"), vec![]);
+        for page in [1, 2, 9, 900] {
+            mapped
+                .write_obj(0x55u8, GuestAddress(page * PAGE + 7))
+                .expect("write");
+        }
+        assert_eq!(
+            written_since_mapped(&mapped).expect("pagemap"),
+            vec![(PAGE, 2 * PAGE), (9 * PAGE, PAGE), (900 * PAGE, PAGE)]
+        );
+    }
+
+    #[test]
+    fn runs_merge_into_their_union() {
+        assert_eq!(
+            merge_runs(
+                &[(0, PAGE), (4 * PAGE, PAGE)],
+                &[(PAGE, PAGE), (3 * PAGE, 3 * PAGE), (10 * PAGE, PAGE)]
+            ),
+            vec![(0, 2 * PAGE), (3 * PAGE, 3 * PAGE), (10 * PAGE, PAGE)]
+        );
+        assert_eq!(merge_runs(&[], &[]), vec![]);
     }
 
     #[test]
