@@ -924,6 +924,129 @@ fn a_restarted_daemon_finds_its_sandboxes_and_reports_the_vanished() {
     destroy(&vanished.id);
 }
 
+/// The hibernations in a sandbox's run directory that still hold memory.
+fn hibernations_with_memory(d: &TestDaemon, id: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(d.state_dir.join("sandboxes").join(id))
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with("hibernation-"))
+                        && p.join("memory").exists()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The count a background program in the sandbox keeps in /tmp/count.
+fn count(id: &str) -> u64 {
+    let text = download(id, "/tmp/count").unwrap_or_default();
+    String::from_utf8_lossy(&text).trim().parse().unwrap_or(0)
+}
+
+#[test]
+fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_daemon_restart() {
+    let d = daemon();
+    let _exclusive = DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner());
+    let s = create("base").sandbox;
+    upload(&s.id, "/tmp/kept", b"kept while it slept").expect("upload");
+    // A program that keeps counting, detached from the exec that starts it.
+    sh(
+        &s.id,
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 1; done' \
+         </dev/null >/dev/null 2>&1 &",
+    );
+    wait_until("the counter to count", || count(&s.id) > 0);
+
+    let slept = api().hibernate(&s.id).expect("hibernate");
+    let listed = get(&s.id).expect("listed");
+    let vmm_gone = !pid_alive(s.pid);
+    let refused_pause = status(api().pause(&s.id).map(drop));
+    // Down and up again: the hibernated sandbox is in the store.
+    d.kill();
+    d.start(&[]);
+    let after_restart = get(&s.id).expect("listed after a restart");
+    std::thread::sleep(CLOCK_LAG);
+    // Any use wakes it: a download.
+    let kept = download(&s.id, "/tmp/kept").expect("download");
+    let woken = get(&s.id).expect("listed");
+    assert_clock_is_now(&s.id);
+    let counted = count(&s.id);
+    wait_until("the counter to go on", || count(&s.id) > counted);
+    // A second cycle, woken explicitly: only its last hibernation keeps
+    // memory on disk.
+    api().hibernate(&s.id).expect("hibernate again");
+    let hibernations = hibernations_with_memory(d, &s.id);
+    let again = api().wake(&s.id).expect("wake");
+    let kept_again = download(&s.id, "/tmp/kept").expect("download");
+    let audit = api().audit(Some(&s.id)).expect("audit");
+
+    assert_eq!(slept.state, SandboxState::Hibernated);
+    let bytes = slept.disk_bytes.expect("its size on disk");
+    assert!(
+        bytes > 0 && bytes < u64::from(s.mem_mib) << 20,
+        "{bytes} bytes on disk for {} MiB of memory",
+        s.mem_mib
+    );
+    assert_eq!((listed.state, listed.pid), (SandboxState::Hibernated, 0));
+    assert!(vmm_gone, "its VMM (pid {}) is still there", s.pid);
+    assert_eq!(refused_pause.0, 409, "{}", refused_pause.1);
+    assert_eq!(after_restart.state, SandboxState::Hibernated);
+    assert_eq!(kept, b"kept while it slept");
+    assert_eq!(woken.state, SandboxState::Running);
+    assert!(woken.pid != 0 && woken.pid != s.pid, "{woken:?}");
+    assert_eq!(hibernations.len(), 1, "{hibernations:?}");
+    assert_eq!(again.state, SandboxState::Running);
+    assert_eq!(kept_again, b"kept while it slept");
+    for action in ["hibernate", "wake"] {
+        assert!(
+            audit.iter().any(|e| e.action == action),
+            "no {action} in {audit:?}"
+        );
+    }
+    destroy(&s.id);
+    assert!(!d.state_dir.join("sandboxes").join(&s.id).exists());
+}
+
+#[test]
+fn a_corrupt_hibernation_fails_the_sandbox_with_the_reason_and_runs_no_guest() {
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    api().hibernate(&s.id).expect("hibernate");
+    let dir = hibernations_with_memory(d, &s.id)
+        .pop()
+        .expect("its hibernation");
+    let state = dir.join("state");
+    let mut bytes = std::fs::read(&state).expect("state");
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0xff;
+    std::fs::write(&state, bytes).expect("corrupt the state");
+
+    let refused = status(exec(&s.id, &["true"]));
+    let failed = get(&s.id).expect("listed");
+    let running = Command::new("pgrep")
+        .args(["-f", &format!("id {}", s.id)])
+        .output()
+        .expect("pgrep");
+
+    assert_eq!(refused.0, 500, "{}", refused.1);
+    assert!(refused.1.contains("wake failed"), "{}", refused.1);
+    assert_eq!(failed.state, SandboxState::Failed);
+    assert!(
+        failed
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("wake failed"),
+        "{failed:?}"
+    );
+    assert!(running.stdout.is_empty(), "a VMM is left: {:?}", running);
+    destroy(&s.id);
+}
+
 #[test]
 fn a_full_host_refuses_creates_with_429() {
     let d = daemon();

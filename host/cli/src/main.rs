@@ -64,6 +64,7 @@ use husk_agent_client::{AgentClient, ClientError, Event, ProgramInput};
 use husk_protocol::{ErrorKind, ExecRequest, ExitReport, Stream, Termination, User, WindowSize};
 use husk_types::ExecSpec;
 use husk_vmm_api::{Reply, Request};
+use sandboxes::Lifecycle;
 
 mod bench;
 mod mcp;
@@ -171,6 +172,11 @@ enum Command {
     Pause { target: String },
     /// Let a paused sandbox (or VM) run again.
     Resume { target: String },
+    /// Write a sandbox to disk and free its memory (its VMM exits); any
+    /// use of it (exec, files, resume) wakes it.
+    Hibernate { id: String },
+    /// Bring a hibernated sandbox back.
+    Wake { id: String },
     /// Kill everything started inside a sandbox (programs and what they
     /// left running, a fork bomb included); the sandbox stays usable.
     KillAll { id: String },
@@ -764,6 +770,7 @@ fn through_daemon(command: &Command) -> bool {
         Command::Exec { vm, .. } => sandboxes::is_sandbox_id(vm),
         Command::Ps { vm, .. } => vm.is_none(),
         Command::Pause { target } | Command::Resume { target } => sandboxes::is_sandbox_id(target),
+        Command::Hibernate { .. } | Command::Wake { .. } => true,
         Command::Snapshot { target, .. } => sandboxes::is_sandbox_id(target),
         Command::Cp { from, to } => [from, to].iter().any(|side| {
             side.split_once(':')
@@ -826,8 +833,10 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             json,
             ..
         } => sandboxes::ps(&labels, state.as_deref(), json),
-        Command::Pause { target } => sandboxes::lifecycle(&target, true),
-        Command::Resume { target } => sandboxes::lifecycle(&target, false),
+        Command::Pause { target } => sandboxes::lifecycle(&target, Lifecycle::Pause),
+        Command::Resume { target } => sandboxes::lifecycle(&target, Lifecycle::Resume),
+        Command::Hibernate { id } => sandboxes::lifecycle(&id, Lifecycle::Hibernate),
+        Command::Wake { id } => sandboxes::lifecycle(&id, Lifecycle::Wake),
         Command::KillAll { id } => sandboxes::kill_all(&id),
         Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),
         Command::Cp { from, to } => match (from.split_once(':'), to.split_once(':')) {

@@ -107,8 +107,8 @@ pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> Cl
         return Ok(0);
     }
     println!(
-        "{:<16}  {:<16}  {:<8}  {:>8}  {:>7}  LABELS",
-        "SANDBOX", "TEMPLATE", "STATE", "PID", "TTL_S"
+        "{:<16}  {:<16}  {:<10}  {:>8}  {:>7}  {:>8}  LABELS",
+        "SANDBOX", "TEMPLATE", "STATE", "PID", "TTL_S", "DISK_MIB"
     );
     let now = husk_core::store::now_unix_ms();
     for s in list {
@@ -116,13 +116,18 @@ pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> Cl
             (e.saturating_sub(now) / 1000).to_string()
         });
         let labels: Vec<String> = s.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        // What a hibernated sandbox takes on disk.
+        let disk = s.disk_bytes.map_or("-".to_owned(), |b| {
+            format!("{:.1}", b as f64 / f64::from(1 << 20))
+        });
         println!(
-            "{:<16}  {:<16}  {:<8}  {:>8}  {:>7}  {}",
+            "{:<16}  {:<16}  {:<10}  {:>8}  {:>7}  {:>8}  {}",
             s.id,
             s.template,
             s.state.name(),
             s.pid,
             ttl,
+            disk,
             labels.join(",")
         );
     }
@@ -159,12 +164,22 @@ pub fn rm(ids: &[String]) -> CliResult {
     Ok(if failed { HUSK_FAILED } else { 0 })
 }
 
-/// Pauses sandbox `id` (`pause`), or resumes it.
-pub fn lifecycle(id: &str, pause: bool) -> CliResult {
-    let s = if pause {
-        client().pause(id)?
-    } else {
-        client().resume(id)?
+/// A change of a sandbox's state.
+#[derive(Debug, Clone, Copy)]
+pub enum Lifecycle {
+    Pause,
+    Resume,
+    Hibernate,
+    Wake,
+}
+
+pub fn lifecycle(id: &str, change: Lifecycle) -> CliResult {
+    let api = client();
+    let s = match change {
+        Lifecycle::Pause => api.pause(id)?,
+        Lifecycle::Resume => api.resume(id)?,
+        Lifecycle::Hibernate => api.hibernate(id)?,
+        Lifecycle::Wake => api.wake(id)?,
     };
     println!("{} {}", s.id, s.state.name());
     Ok(0)

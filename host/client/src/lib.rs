@@ -548,6 +548,19 @@ impl ApiClient {
             .json()
     }
 
+    /// Writes sandbox `id` to disk and frees its memory
+    /// (`POST /v1/sandboxes/{id}/hibernate`).
+    pub fn hibernate(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
+        self.send("POST", &Self::sandbox_path(id, "/hibernate"), Payload::None)?
+            .json()
+    }
+
+    /// Brings a hibernated sandbox back (`POST /v1/sandboxes/{id}/wake`).
+    pub fn wake(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
+        self.send("POST", &Self::sandbox_path(id, "/wake"), Payload::None)?
+            .json()
+    }
+
     /// Kills everything started in sandbox `id`
     /// (`POST /v1/sandboxes/{id}/kill-all`).
     pub fn kill_all(&self, id: &str) -> Result<Killed, ApiClientError> {

@@ -29,6 +29,8 @@ use crate::vmm_process::{self, Launch};
 use husk_agent_client::readiness::WaitBudget;
 use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
+mod hibernate;
+
 /// Egress decisions waiting for the audit log.
 const EGRESS_AUDIT_QUEUE: usize = 4096;
 
@@ -195,6 +197,8 @@ pub struct Daemon {
     egress: Arc<Egress>,
     /// The background threads, joined by [`Daemon::stop`].
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Held while a sandbox hibernates or wakes.
+    waking: Mutex<()>,
 }
 
 /// Writes the egress proxy's decisions to the audit log until the daemon
@@ -260,6 +264,9 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
                 .collect(),
         },
         agent_socket: Some(rec.run_dir.join(vmm_process::VSOCK).display().to_string()),
+        disk_bytes: rec
+            .hibernated_bytes
+            .filter(|_| rec.state == SandboxState::Hibernated),
     }
 }
 
@@ -345,6 +352,7 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             egress,
             threads: Mutex::new(Vec::new()),
+            waking: Mutex::new(()),
         });
         daemon.recover()?;
         // The audit thread holds no strong reference: the daemon is dropped
@@ -430,7 +438,8 @@ impl Daemon {
                     self.store.remove_sandbox(&rec.id)?;
                     continue;
                 }
-                SandboxState::Failed => {}
+                // Its files are checked when it wakes.
+                SandboxState::Failed | SandboxState::Hibernated => {}
                 _ if alive => {
                     tracing::info!(sandbox = %rec.id, pid = rec.pid, "found running");
                     if rec.state == SandboxState::Pooled {
@@ -698,7 +707,7 @@ impl Daemon {
                 (id.clone(), (rec, agent))
             };
             let (rec, agent) = rec;
-            match self.wake(&rec, agent) {
+            match self.wake_parked(&rec, agent) {
                 Ok(()) => {
                     self.lock().hits.entry(t.id.clone()).or_default().0 += 1;
                     self.metrics.pool_hit();
@@ -717,7 +726,11 @@ impl Daemon {
     /// was parked, is set by the first request that reaches it (see
     /// [`ClockGate`]), on the agent connection kept from the refill when
     /// that is still open.
-    fn wake(&self, rec: &SandboxRecord, agent: Option<AgentClient>) -> Result<(), DaemonError> {
+    fn wake_parked(
+        &self,
+        rec: &SandboxRecord,
+        agent: Option<AgentClient>,
+    ) -> Result<(), DaemonError> {
         let t0 = Instant::now();
         if let Some(h) = &self.cfg.cgroups {
             if let Err(e) = Cgroup::existing(h, &rec.id).set_priority(Priority::Normal) {
@@ -742,7 +755,7 @@ impl Daemon {
         let live = inner
             .sandboxes
             .values()
-            .filter(|l| l.rec.state != SandboxState::Failed);
+            .filter(|l| !matches!(l.rec.state, SandboxState::Failed | SandboxState::Hibernated));
         live.fold(inner.reserved, |(m, n), l| {
             (m + u64::from(l.rec.mem_mib), n + 1)
         })
@@ -895,6 +908,8 @@ impl Daemon {
             uid,
             egress_allow: Vec::new(),
             egress_secrets: Vec::new(),
+            hibernation: None,
+            hibernated_bytes: None,
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1021,6 +1036,7 @@ impl Daemon {
     /// carries the guest's clock ahead of its request (see [`ClockGate`]);
     /// a sandbox whose clock could not be set is marked failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
+        self.wake_if_hibernated(id, "daemon (on use)")?;
         let (rec, kept, clock) = {
             let mut inner = self.lock();
             let live = inner
@@ -1217,6 +1233,9 @@ impl Daemon {
 
     /// Lets a paused sandbox run again, with its clock set to now.
     pub fn resume(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+        if self.record(id)?.state == SandboxState::Hibernated {
+            return self.wake(id, who);
+        }
         let rec = self.in_state(id, SandboxState::Paused, "a paused sandbox resumes")?;
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
         // Its clock stood still while it was paused: the next request sets
@@ -1279,6 +1298,7 @@ impl Daemon {
     /// Snapshots a sandbox into a new template named `name`. The sandbox
     /// is paused while its memory is written, then runs on.
     pub fn snapshot(&self, id: &str, name: &str, who: &str) -> Result<TemplateRecord, DaemonError> {
+        self.wake_if_hibernated(id, who)?;
         let rec = self.record(id)?;
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
             return Err(DaemonError::Conflict(format!(
@@ -1593,9 +1613,11 @@ impl Daemon {
         {
             let mut inner = self.lock();
             for live in inner.sandboxes.values_mut() {
+                // A hibernated one has no VMM (or, while it wakes, one
+                // its wake watches).
                 if matches!(
                     live.rec.state,
-                    SandboxState::Failed | SandboxState::Starting
+                    SandboxState::Failed | SandboxState::Starting | SandboxState::Hibernated
                 ) {
                     continue;
                 }
@@ -1645,7 +1667,12 @@ impl Daemon {
             inner
                 .sandboxes
                 .values()
-                .filter(|l| matches!(l.rec.state, SandboxState::Running | SandboxState::Paused))
+                .filter(|l| {
+                    matches!(
+                        l.rec.state,
+                        SandboxState::Running | SandboxState::Paused | SandboxState::Hibernated
+                    )
+                })
                 .filter(|l| l.rec.expires_unix_ms.is_some_and(|e| e <= now))
                 .map(|l| (l.rec.id.clone(), l.rec.on_expiry))
                 .collect()
@@ -1664,6 +1691,21 @@ impl Daemon {
                     )
                     .and_then(|s| match s.state {
                         SandboxState::Running => self.pause(&id, "ttl").map(drop),
+                        _ => Ok(()),
+                    }),
+                ExpiryPolicy::Hibernate => self
+                    .update(
+                        &id,
+                        SandboxUpdate {
+                            ttl_s: Some(0),
+                            ..SandboxUpdate::default()
+                        },
+                        "ttl",
+                    )
+                    .and_then(|s| match s.state {
+                        SandboxState::Running | SandboxState::Paused => {
+                            self.hibernate(&id, "ttl").map(drop)
+                        }
                         _ => Ok(()),
                     }),
             };

@@ -154,6 +154,17 @@ impl Sandbox {
         self.host.resume(&self.id, &self.who)
     }
 
+    /// Writes it to disk and frees its memory (its VMM exits); any call
+    /// on it after wakes it.
+    pub fn hibernate(&self) -> Result<SandboxInfo, DaemonError> {
+        self.host.hibernate(&self.id, &self.who)
+    }
+
+    /// Brings a hibernated sandbox back (as any other call on it does).
+    pub fn wake(&self) -> Result<SandboxInfo, DaemonError> {
+        self.host.wake(&self.id, &self.who)
+    }
+
     /// Snapshots it into a new template named `name` (it runs on).
     pub fn snapshot(&self, name: &str) -> Result<TemplateRecord, DaemonError> {
         self.host.snapshot(&self.id, name, &self.who)

@@ -109,6 +109,12 @@ pub struct SandboxRecord {
     /// Credentials its egress proxy adds (kept on the host only).
     #[serde(default)]
     pub egress_secrets: Vec<husk_types::SecretSpec>,
+    /// Its last hibernation's directory (what a wake restores).
+    #[serde(default)]
+    pub hibernation: Option<PathBuf>,
+    /// The bytes its hibernation takes on disk while it is hibernated.
+    #[serde(default)]
+    pub hibernated_bytes: Option<u64>,
 }
 
 /// The store: one connection, used under a lock (every use is short).

@@ -50,6 +50,25 @@ impl Nic {
         })
     }
 
+    /// The NIC a sandbox had (its TAP's name, its MAC as
+    /// `aa:bb:cc:dd:ee:ff`).
+    pub fn known(tap: &str, mac: &str) -> std::io::Result<Self> {
+        let bytes: Vec<u8> = mac
+            .split(':')
+            .filter_map(|b| u8::from_str_radix(b, 16).ok())
+            .collect();
+        let mac = <[u8; 6]>::try_from(bytes).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("`{mac}` is not a MAC address"),
+            )
+        })?;
+        Ok(Nic {
+            tap: tap.to_owned(),
+            mac,
+        })
+    }
+
     /// The MAC as `aa:bb:cc:dd:ee:ff`.
     pub fn mac_text(&self) -> String {
         mac_text(&self.mac)

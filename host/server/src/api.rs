@@ -175,6 +175,8 @@ routes! {
     get "/v1/sandboxes/{id}/dir" => list_dir,
     post "/v1/sandboxes/{id}/pause" => pause,
     post "/v1/sandboxes/{id}/resume" => resume,
+    post "/v1/sandboxes/{id}/hibernate" => hibernate,
+    post "/v1/sandboxes/{id}/wake" => wake,
     post "/v1/sandboxes/{id}/kill-all" => kill_all,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
@@ -484,6 +486,24 @@ async fn pause(
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let s = blocking(move || d.pause(&id, &who.0)).await?;
+    Ok(ok(StatusCode::OK, s))
+}
+
+async fn hibernate(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let s = blocking(move || d.hibernate(&id, &who.0)).await?;
+    Ok(ok(StatusCode::OK, s))
+}
+
+async fn wake(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    let s = blocking(move || d.wake(&id, &who.0)).await?;
     Ok(ok(StatusCode::OK, s))
 }
 

@@ -385,7 +385,10 @@ fn detail_json(e2b: &E2b, info: &SandboxInfo) -> Value {
         "cpuCount": 1,
         "memoryMB": info.mem_mib,
         "diskSizeMB": 0,
-        "state": if info.state == SandboxState::Paused { "paused" } else { "running" },
+        "state": match info.state {
+            SandboxState::Paused | SandboxState::Hibernated => "paused",
+            _ => "running",
+        },
         "metadata": metadata(info),
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b.token(&info.id),
@@ -516,7 +519,7 @@ async fn list(
         .iter()
         .filter(|s| match s.state {
             SandboxState::Running => states.contains(&"running"),
-            SandboxState::Paused => states.contains(&"paused"),
+            SandboxState::Paused | SandboxState::Hibernated => states.contains(&"paused"),
             _ => false,
         })
         .map(|s| detail_json(&e2b, s))
@@ -603,7 +606,7 @@ async fn pause(
     let e = e2b.clone();
     blocking(move || {
         let info = e.daemon.sandbox(&id)?;
-        if info.state == SandboxState::Paused {
+        if matches!(info.state, SandboxState::Paused | SandboxState::Hibernated) {
             return Err(RestError(
                 StatusCode::CONFLICT,
                 format!("sandbox {id} is already paused"),
@@ -633,7 +636,8 @@ async fn connect(
     let (status, info, alias) = blocking(move || {
         let info = e.daemon.sandbox(&id)?;
         let status = match info.state {
-            SandboxState::Paused => {
+            // A hibernated one wakes.
+            SandboxState::Paused | SandboxState::Hibernated => {
                 e.daemon.resume(&id, "e2b")?;
                 StatusCode::CREATED
             }

@@ -91,6 +91,9 @@ pub struct SandboxInfo {
     /// socket is root's).
     #[serde(default)]
     pub agent_socket: Option<String>,
+    /// While hibernated: the bytes its hibernation takes on disk.
+    #[serde(default)]
+    pub disk_bytes: Option<u64>,
 }
 
 /// What a create did.
@@ -152,6 +155,9 @@ pub enum SandboxState {
     Paused,
     /// Its VMM died; `error` says how. Destroy it to free its files.
     Failed,
+    /// Its memory, vCPU and device state on disk, its VMM gone; any use
+    /// wakes it.
+    Hibernated,
 }
 
 impl SandboxState {
@@ -163,16 +169,18 @@ impl SandboxState {
             SandboxState::Running => "running",
             SandboxState::Paused => "paused",
             SandboxState::Failed => "failed",
+            SandboxState::Hibernated => "hibernated",
         }
     }
 
     /// Every state.
-    pub const ALL: [SandboxState; 5] = [
+    pub const ALL: [SandboxState; 6] = [
         SandboxState::Starting,
         SandboxState::Pooled,
         SandboxState::Running,
         SandboxState::Paused,
         SandboxState::Failed,
+        SandboxState::Hibernated,
     ];
 }
 
@@ -185,6 +193,9 @@ pub enum ExpiryPolicy {
     Destroy,
     /// Pause it (its memory kept; resume brings it back).
     Pause,
+    /// Hibernate it (its state written to disk, its memory freed; any use
+    /// wakes it).
+    Hibernate,
 }
 
 /// A snapshot of a running sandbox into a new template

@@ -1,0 +1,300 @@
+//! Hibernation: a sandbox's memory (the pages it changed since its
+//! template's snapshot), vCPU and device state written under its run
+//! directory, its VMM gone and its memory freed; brought back by a wake,
+//! which any use of the sandbox does first.
+//!
+//! A hibernation is a diff snapshot against the template's memory file,
+//! taken without dirty tracking (the VMM reads which of its copy-on-write
+//! pages are private copies), so its size is what the sandbox changed, and
+//! a sandbox woken and hibernated again diffs against the template again:
+//! only the last hibernation's memory is kept. Drive layers stay (each
+//! hibernation's drive layer lies above the previous one's).
+
+use std::os::unix::fs::FileTypeExt;
+
+use super::*;
+
+/// A hibernation's directory in the run directory: `hibernation-<ms>`.
+const PREFIX: &str = "hibernation-";
+
+impl Daemon {
+    /// Hibernates a running or paused sandbox: its state goes to disk and
+    /// its VMM exits. A hibernation that fails leaves the sandbox as it
+    /// was.
+    pub fn hibernate(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+        let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let rec = self.record(id)?;
+        let was_running = match rec.state {
+            SandboxState::Running => true,
+            SandboxState::Paused => false,
+            other => {
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` is {}: only a running or paused sandbox hibernates",
+                    other.name()
+                )))
+            }
+        };
+        // Paused first, so that nothing runs between its snapshot and the
+        // end of its VMM.
+        if was_running {
+            control(&rec.run_dir, &husk_vmm_api::Request::Pause)?;
+        }
+        let dir = rec.run_dir.join(format!("{PREFIX}{}", now_unix_ms()));
+        let written = control(
+            &rec.run_dir,
+            &husk_vmm_api::Request::Snapshot {
+                dir: dir.clone(),
+                diff: true,
+            },
+        )
+        .and_then(|reply| match reply {
+            husk_vmm_api::Reply::Snapshot { .. } => Ok(()),
+            other => Err(DaemonError::Failed(format!(
+                "the VMM refused the hibernation: {other:?}"
+            ))),
+        });
+        if let Err(e) = written {
+            let _ = std::fs::remove_dir_all(&dir);
+            if was_running {
+                let _ = control(&rec.run_dir, &husk_vmm_api::Request::Resume);
+            }
+            return Err(e);
+        }
+        // Its VMM goes; its memory with it.
+        let live = {
+            let mut inner = self.lock();
+            inner.parked_agents.remove(id);
+            inner.sandboxes.get_mut(id).map(|live| {
+                live.idle.clear();
+                live.clock = None;
+                (live.child.take(), live.proxy.take())
+            })
+        };
+        let Some((child, proxy)) = live else {
+            // Destroyed meanwhile.
+            return Err(DaemonError::NotFound(format!("no sandbox `{id}`")));
+        };
+        drop(proxy);
+        match child {
+            Some(mut child) => vmm_process::stop(&mut child),
+            None => vmm_process::kill(rec.pid, rec.pid_start),
+        }
+        self.remove_cgroup(id);
+        // What the next VMM makes anew (sockets, log, drive overlays: their
+        // contents are in the hibernation's drive layers); the console's
+        // lines and earlier hibernations' drive layers stay.
+        clear_run_dir(&rec.run_dir, &dir);
+        let bytes = disk_bytes(&dir);
+        let rec = {
+            let mut inner = self.lock();
+            let Some(live) = inner.sandboxes.get_mut(id) else {
+                return Err(DaemonError::NotFound(format!("no sandbox `{id}`")));
+            };
+            live.rec.state = SandboxState::Hibernated;
+            live.rec.pid = 0;
+            live.rec.pid_start = 0;
+            live.rec.hibernation = Some(dir.clone());
+            live.rec.hibernated_bytes = Some(bytes);
+            live.rec.clone()
+        };
+        self.store.put_sandbox(&rec)?;
+        self.store
+            .audit(who, "hibernate", Some(id), None, &format!("{bytes} bytes"))?;
+        tracing::info!(
+            sandbox = %id,
+            bytes,
+            ms = started.elapsed().as_secs_f64() * 1000.0,
+            "hibernated"
+        );
+        self.pool_wakeup.notify_all();
+        self.sandbox(id)
+    }
+
+    /// Wakes a hibernated sandbox (a running one is left as it is).
+    pub fn wake(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+        self.wake_if_hibernated(id, who)?;
+        self.sandbox(id)
+    }
+
+    /// Wakes sandbox `id` if it is hibernated; whether it was. Same id,
+    /// hostname, network and files; its clock is set by the next request;
+    /// a wake that cannot happen marks it failed with the reason.
+    pub(super) fn wake_if_hibernated(&self, id: &str, who: &str) -> Result<bool, DaemonError> {
+        if self.record(id)?.state != SandboxState::Hibernated {
+            return Ok(false);
+        }
+        let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
+        // Woken (or destroyed) while this call waited.
+        let rec = self.record(id)?;
+        if rec.state != SandboxState::Hibernated {
+            return Ok(false);
+        }
+        let started = Instant::now();
+        match self.bring_back(&rec) {
+            Ok(()) => {
+                let ms = started.elapsed().as_secs_f64() * 1000.0;
+                tracing::info!(sandbox = %id, ms, "woke");
+                self.store
+                    .audit(who, "wake", Some(id), None, &format!("{ms:.1} ms"))?;
+                Ok(true)
+            }
+            // No room for it now, or destroyed meanwhile: it is as it was.
+            Err(e @ (DaemonError::Limit(_) | DaemonError::NotFound(_))) => Err(e),
+            Err(e) => {
+                let why = format!("its wake failed: {e}");
+                if let Some(mut child) = self
+                    .lock()
+                    .sandboxes
+                    .get_mut(id)
+                    .and_then(|l| l.child.take())
+                {
+                    vmm_process::stop(&mut child);
+                }
+                self.remove_cgroup(id);
+                self.mark_failed(id, &why, "wake");
+                Err(DaemonError::Failed(why))
+            }
+        }
+    }
+
+    /// Restores `rec`'s last hibernation in a new VMM and waits for its
+    /// agent.
+    fn bring_back(&self, rec: &SandboxRecord) -> Result<(), DaemonError> {
+        let dir = rec
+            .hibernation
+            .clone()
+            .ok_or_else(|| DaemonError::Failed("it has no hibernation on record".into()))?;
+        for file in ["state", "memory"] {
+            if !dir.join(file).is_file() {
+                return Err(DaemonError::Failed(format!(
+                    "{} is missing",
+                    dir.join(file).display()
+                )));
+            }
+        }
+        let t = self.store.template(&rec.template)?.ok_or_else(|| {
+            DaemonError::Failed(format!("its template `{}` is gone", rec.template))
+        })?;
+        let room = self.make_room(&t)?;
+        let cgroup = match &self.cfg.cgroups {
+            Some(h) => Some(
+                Cgroup::create(h, &rec.id, Limits::for_vm(t.vcpus, t.mem_mib))
+                    .map_err(|e| DaemonError::Failed(e.to_string()))?,
+            ),
+            None => None,
+        };
+        let nic = match (&rec.tap, &rec.mac) {
+            (Some(tap), Some(mac)) => Some(vmm_process::Nic::known(tap, mac)?),
+            _ => None,
+        };
+        let jailing = self.cfg.jail.as_ref().map(|j| vmm_process::Jailing {
+            jailer: j.jailer.clone(),
+            // Its own uid, kept while it slept: its files are that uid's.
+            uid: rec.uid,
+            reads: t
+                .reads
+                .iter()
+                .cloned()
+                .chain([t.snapshot_dir.clone()])
+                .collect(),
+        });
+        let child = vmm_process::spawn(&vmm_process::VmSpawn {
+            vmm: &self.cfg.vmm,
+            id: &rec.id,
+            run_dir: &rec.run_dir,
+            launch: &Launch::Restore {
+                snapshot: dir.clone(),
+            },
+            cgroup: cgroup.as_ref(),
+            nic: nic.as_ref(),
+            jail: jailing.as_ref(),
+            limits: (t.block_limit.as_deref(), t.net_limit.as_deref()),
+        })
+        .map_err(|e| {
+            DaemonError::Failed(format!("cannot start {}: {e}", self.cfg.vmm.display()))
+        })?;
+        let pid = child.id();
+        let woken = {
+            let mut inner = self.lock();
+            let live = inner
+                .sandboxes
+                .get_mut(&rec.id)
+                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{}`", rec.id)))?;
+            live.child = Some(child);
+            live.rec.pid = pid;
+            live.rec.pid_start = vmm_process::start_time(pid).unwrap_or(0);
+            live.rec.clone()
+        };
+        // It counts itself now.
+        drop(room);
+        let client = self.bring_up(&woken, nic.map(|n| n.mac)).map_err(|e| {
+            DaemonError::Failed(format!(
+                "{e}\n{}",
+                vmm_process::last_words(
+                    &rec.run_dir.join(vmm_process::LOG),
+                    &rec.run_dir.join(vmm_process::CONSOLE),
+                    10
+                )
+            ))
+        })?;
+        let running = {
+            let mut inner = self.lock();
+            let live = inner
+                .sandboxes
+                .get_mut(&rec.id)
+                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{}`", rec.id)))?;
+            live.rec.state = SandboxState::Running;
+            live.rec.hibernated_bytes = None;
+            // Its clock stood still while it slept.
+            live.clock = Some(ClockGate::new());
+            live.idle.push(client);
+            live.rec.clone()
+        };
+        self.store.put_sandbox(&running)?;
+        if let Err(e) = self.start_proxy(&running) {
+            tracing::error!(sandbox = %rec.id, "its egress proxy did not start again: {e}");
+        }
+        Ok(())
+    }
+}
+
+/// Removes what a VMM leaves in its run directory but the console and the
+/// hibernations' drive layers; of hibernations before `current`, only
+/// their drive layers stay (its own drive layers may lie above them).
+fn clear_run_dir(run_dir: &Path, current: &Path) {
+    let Ok(entries) = std::fs::read_dir(run_dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if path == current || name == vmm_process::CONSOLE {
+            continue;
+        }
+        if name.starts_with(PREFIX) && path.is_dir() {
+            for file in ["state", "memory"] {
+                let _ = std::fs::remove_file(path.join(file));
+            }
+            continue;
+        }
+        if path.is_file() || entry.file_type().is_ok_and(|t| t.is_socket()) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+/// The bytes `dir`'s files take on disk (their allocated blocks: a memory
+/// diff is a sparse file).
+fn disk_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.blocks() * 512)
+                .sum()
+        })
+        .unwrap_or(0)
+}
