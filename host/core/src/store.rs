@@ -337,6 +337,8 @@ mod tests {
             mac: None,
             egress_allow: vec!["*.example.com:443".to_owned()],
             egress_secrets: Vec::new(),
+            hibernation: None,
+            hibernated_bytes: None,
         }
     }
 
