@@ -14,19 +14,7 @@ use husk_types::{CreateRequest, DirEntry, ExecEvent, ExecSpec};
 pub struct Remote(pub ApiClient);
 
 impl Backend for Remote {
-    fn create(
-        &self,
-        template: &str,
-        ttl_s: Option<u64>,
-        label: &str,
-        _who: &str,
-    ) -> Result<String, Refusal> {
-        let req = CreateRequest {
-            template: template.to_owned(),
-            ttl_s,
-            labels: [("mcp".to_owned(), label.to_owned())].into(),
-            ..Default::default()
-        };
+    fn create(&self, req: CreateRequest, _who: &str) -> Result<String, Refusal> {
         Ok(self.0.create_sandbox(&req)?.sandbox.id)
     }
 

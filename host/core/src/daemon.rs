@@ -1680,7 +1680,8 @@ impl Daemon {
         for (id, policy) in due {
             let result = match policy {
                 ExpiryPolicy::Destroy => self.destroy(&id, "ttl"),
-                ExpiryPolicy::Pause => self
+                // It stays: without a time to live from now on.
+                ExpiryPolicy::Pause | ExpiryPolicy::Hibernate => self
                     .update(
                         &id,
                         SandboxUpdate {
@@ -1689,21 +1690,11 @@ impl Daemon {
                         },
                         "ttl",
                     )
-                    .and_then(|s| match s.state {
-                        SandboxState::Running => self.pause(&id, "ttl").map(drop),
-                        _ => Ok(()),
-                    }),
-                ExpiryPolicy::Hibernate => self
-                    .update(
-                        &id,
-                        SandboxUpdate {
-                            ttl_s: Some(0),
-                            ..SandboxUpdate::default()
-                        },
-                        "ttl",
-                    )
-                    .and_then(|s| match s.state {
-                        SandboxState::Running | SandboxState::Paused => {
+                    .and_then(|s| match (policy, s.state) {
+                        (ExpiryPolicy::Pause, SandboxState::Running) => {
+                            self.pause(&id, "ttl").map(drop)
+                        }
+                        (ExpiryPolicy::Hibernate, SandboxState::Running | SandboxState::Paused) => {
                             self.hibernate(&id, "ttl").map(drop)
                         }
                         _ => Ok(()),

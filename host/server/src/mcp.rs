@@ -99,14 +99,8 @@ pub type ExecFailure = (Option<ErrorKind>, String);
 /// How the tools reach sandboxes. Calls block (the tools run them off the
 /// async runtime); `who` is the caller the audit log should name.
 pub trait Backend: Send + Sync + 'static {
-    /// Creates a sandbox from `template` labelled `mcp=<label>`; its id.
-    fn create(
-        &self,
-        template: &str,
-        ttl_s: Option<u64>,
-        label: &str,
-        who: &str,
-    ) -> Result<String, Refusal>;
+    /// Creates a sandbox as `req` says; its id.
+    fn create(&self, req: CreateRequest, who: &str) -> Result<String, Refusal>;
     /// Runs `spec` in sandbox `id`, handing its output to `output` as it
     /// comes.
     fn exec(
@@ -328,7 +322,13 @@ impl Tools {
             // pass the limit together.
             owned.insert(String::new());
         }
-        let created = self.backend.create(template, ttl_s, &self.label, who);
+        let req = CreateRequest {
+            template: template.to_owned(),
+            ttl_s,
+            labels: [("mcp".to_owned(), self.label.clone())].into(),
+            ..Default::default()
+        };
+        let created = self.backend.create(req, who);
         let mut owned = self.owned();
         owned.remove("");
         let id = created?;
@@ -429,11 +429,16 @@ impl Tools {
 
     /// Destroys what the session still holds (the client went).
     fn close(&self) {
-        let ids = std::mem::take(&mut *self.owned());
-        for id in ids.iter().filter(|id| !id.is_empty()) {
-            if let Err(Refusal(e)) = self.backend.destroy(id) {
-                tracing::warn!("mcp: destroying {id} at the end of the session: {e}");
-            }
+        destroy_all(&*self.backend, std::mem::take(&mut *self.owned()));
+    }
+}
+
+/// Destroys a session's sandboxes (`ids`; the empty one is a create in
+/// flight).
+fn destroy_all(backend: &dyn Backend, ids: BTreeSet<String>) {
+    for id in ids.iter().filter(|id| !id.is_empty()) {
+        if let Err(Refusal(e)) = backend.destroy(id) {
+            tracing::warn!("mcp: destroying {id} at the end of the session: {e}");
         }
     }
 }
@@ -448,13 +453,7 @@ impl Drop for Tools {
         let ids = std::mem::take(&mut *self.owned());
         if ids.iter().any(|id| !id.is_empty()) {
             let backend = self.backend.clone();
-            std::thread::spawn(move || {
-                for id in ids.iter().filter(|id| !id.is_empty()) {
-                    if let Err(Refusal(e)) = backend.destroy(id) {
-                        tracing::warn!("mcp: destroying {id} at the end of the session: {e}");
-                    }
-                }
-            });
+            std::thread::spawn(move || destroy_all(&*backend, ids));
         }
     }
 }
@@ -694,19 +693,7 @@ impl Write for Capped {
 }
 
 impl Backend for InProcess {
-    fn create(
-        &self,
-        template: &str,
-        ttl_s: Option<u64>,
-        label: &str,
-        who: &str,
-    ) -> Result<String, Refusal> {
-        let req = CreateRequest {
-            template: template.to_owned(),
-            ttl_s,
-            labels: [("mcp".to_owned(), label.to_owned())].into(),
-            ..Default::default()
-        };
+    fn create(&self, req: CreateRequest, who: &str) -> Result<String, Refusal> {
         let sandbox = self.daemon.create_sandbox(req, who)?;
         let id = sandbox.id().to_owned();
         self.handles().insert(id.clone(), Arc::new(sandbox));
@@ -768,8 +755,8 @@ mod tests {
     }
 
     impl Backend for Fake {
-        fn create(&self, _: &str, _: Option<u64>, label: &str, _: &str) -> Result<String, Refusal> {
-            assert!(!label.is_empty());
+        fn create(&self, req: CreateRequest, _: &str) -> Result<String, Refusal> {
+            assert!(req.labels.get("mcp").is_some_and(|l| !l.is_empty()));
             Ok("sb-fake".to_owned())
         }
         fn exec(
@@ -827,6 +814,16 @@ mod tests {
         answers
     }
 
+    fn initialize(version: &str) -> Value {
+        json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": version, "capabilities": {},
+            "clientInfo": { "name": "t", "version": "0" } } })
+    }
+
+    fn initialized() -> Value {
+        json!({ "jsonrpc": "2.0", "method": "notifications/initialized" })
+    }
+
     fn call(id: u64, tool: &str, args: Value) -> Value {
         json!({ "jsonrpc": "2.0", "id": id, "method": "tools/call",
             "params": { "name": tool, "arguments": args } })
@@ -853,10 +850,8 @@ mod tests {
             fake.clone(),
             limits,
             &[
-                json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                    "protocolVersion": "2025-03-26", "capabilities": {},
-                    "clientInfo": { "name": "t", "version": "0" } } }),
-                json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }),
+                initialize("2025-03-26"),
+                initialized(),
                 json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/list" }),
                 call(2, "create_sandbox", json!({})),
                 call(3, "create_sandbox", json!({ "ttl_s": -1 })),
@@ -913,10 +908,8 @@ mod tests {
         };
         let id = "sb-fake";
         let requests = [
-            json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-                "protocolVersion": "2025-11-25", "capabilities": {},
-                "clientInfo": { "name": "t", "version": "0" } } }),
-            json!({ "jsonrpc": "2.0", "method": "notifications/initialized" }),
+            initialize("2025-11-25"),
+            initialized(),
             call(1, "create_sandbox", json!({ "template": "base" })),
             call(
                 2,
