@@ -121,7 +121,13 @@ impl Daemon {
     /// hostname, network and files; its clock is set by the next request;
     /// a wake that cannot happen marks it failed with the reason.
     pub(super) fn wake_if_hibernated(&self, id: &str, who: &str) -> Result<bool, DaemonError> {
-        if self.record(id)?.state != SandboxState::Hibernated {
+        // On every request's path: a look, no copy.
+        let hibernated = self
+            .lock()
+            .sandboxes
+            .get(id)
+            .is_some_and(|l| l.rec.state == SandboxState::Hibernated);
+        if !hibernated {
             return Ok(false);
         }
         let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
