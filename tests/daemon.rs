@@ -1011,6 +1011,83 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     assert!(!d.state_dir.join("sandboxes").join(&s.id).exists());
 }
 
+/// The daemon's open descriptors.
+fn daemon_fds(d: &TestDaemon) -> usize {
+    let pid = d
+        .child
+        .lock()
+        .expect("lock")
+        .as_ref()
+        .expect("running")
+        .id();
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(Iterator::count)
+        .unwrap_or(0)
+}
+
+/// Every file and directory under `dir`.
+fn entries_under(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| {
+                    1 + if e.path().is_dir() {
+                        entries_under(&e.path())
+                    } else {
+                        0
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own() {
+    let d = daemon();
+    let _exclusive = DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner());
+    let s = create("base").sandbox;
+    let run_dir = d.state_dir.join("sandboxes").join(&s.id);
+    let vmms = || {
+        let out = Command::new("pgrep")
+            .args(["-f", &format!("id {}", s.id)])
+            .output()
+            .expect("pgrep");
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    api().hibernate(&s.id).expect("hibernate");
+    api().wake(&s.id).expect("wake");
+    let (fds, files, processes) = (daemon_fds(d), entries_under(&run_dir), vmms());
+    for _ in 0..20 {
+        api().hibernate(&s.id).expect("hibernate");
+        api().wake(&s.id).expect("wake");
+    }
+    let after = (daemon_fds(d), entries_under(&run_dir), vmms());
+    let ran = sh(&s.id, "echo still here");
+    // Hibernation has a limit of its own.
+    d.kill();
+    d.start(&["--max-hibernated", "0"]);
+    let refused = status(api().hibernate(&s.id));
+    let running = get(&s.id).expect("listed");
+    d.kill();
+    d.start(&[]);
+
+    // Idle agent connections come and go (at most a few per sandbox).
+    assert!(
+        after.0 <= fds + 4,
+        "daemon descriptors {fds} -> {}",
+        after.0
+    );
+    assert_eq!(after.1, files, "entries under {}", run_dir.display());
+    assert_eq!(after.2, processes, "processes with its id");
+    assert_eq!(ran.stdout, "still here\n");
+    assert_eq!(refused.0, 429, "{}", refused.1);
+    assert!(refused.1.contains("--max-hibernated"), "{}", refused.1);
+    assert_eq!(running.state, SandboxState::Running);
+    destroy(&s.id);
+}
+
 #[test]
 fn a_corrupt_hibernation_fails_the_sandbox_with_the_reason_and_runs_no_guest() {
     let (d, _g) = shared();

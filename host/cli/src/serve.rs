@@ -42,6 +42,10 @@ pub struct ServeArgs {
     /// Most sandboxes on this host, pooled clones included (default 64).
     #[arg(long)]
     pub max_sandboxes: Option<u32>,
+    /// Most hibernated sandboxes (default 4096; they do not count against
+    /// --max-sandboxes).
+    #[arg(long)]
+    pub max_hibernated: Option<u32>,
     /// Guest memory all sandboxes together may have, in MiB (default:
     /// three quarters of the host's memory).
     #[arg(long)]
@@ -180,6 +184,7 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     cfg.initramfs = real("--initramfs", args.initramfs)?;
     cfg.guest_init = real("--guest-init", args.guest_init)?;
     cfg.max_sandboxes = args.max_sandboxes.unwrap_or(cfg.max_sandboxes);
+    cfg.max_hibernated = args.max_hibernated.unwrap_or(cfg.max_hibernated);
     cfg.memory_mib = args.memory_mib.unwrap_or(cfg.memory_mib);
     cfg.restore_parallel = args.restore_parallel.unwrap_or(cfg.restore_parallel);
     if let Some(s) = args.restore_wait_s {

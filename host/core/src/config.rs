@@ -24,6 +24,9 @@ pub struct DaemonConfig {
     pub guest_init: Option<PathBuf>,
     /// Most sandboxes on this host, pooled ones included.
     pub max_sandboxes: u32,
+    /// Most hibernated sandboxes (they hold disk, not memory, and do not
+    /// count against `max_sandboxes`).
+    pub max_hibernated: u32,
     /// Guest memory all sandboxes together may have, in MiB.
     pub memory_mib: u64,
     /// Most restores at once (pool refills and creates together).
@@ -77,6 +80,7 @@ impl DaemonConfig {
             initramfs: None,
             guest_init: None,
             max_sandboxes: 64,
+            max_hibernated: 4096,
             memory_mib: host_memory_mib() * 3 / 4,
             restore_parallel: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             restore_wait: Duration::from_secs(120),

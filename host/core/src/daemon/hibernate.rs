@@ -35,6 +35,19 @@ impl Daemon {
                 )))
             }
         };
+        let asleep = self
+            .lock()
+            .sandboxes
+            .values()
+            .filter(|l| l.rec.state == SandboxState::Hibernated)
+            .count();
+        if asleep >= self.cfg.max_hibernated as usize {
+            return Err(DaemonError::Limit(format!(
+                "the host holds its maximum of {} hibernated sandboxes \
+                 (husk serve --max-hibernated): destroy some first",
+                self.cfg.max_hibernated
+            )));
+        }
         // Paused first, so that nothing runs between its snapshot and the
         // end of its VMM.
         if was_running {
@@ -282,6 +295,8 @@ fn clear_run_dir(run_dir: &Path, current: &Path) {
             for file in ["state", "memory"] {
                 let _ = std::fs::remove_file(path.join(file));
             }
+            // Gone whole if it held no drive layer.
+            let _ = std::fs::remove_dir(&path);
             continue;
         }
         if path.is_file() || entry.file_type().is_ok_and(|t| t.is_socket()) {
