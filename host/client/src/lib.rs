@@ -13,7 +13,8 @@ use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::pin::Pin;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -187,6 +188,67 @@ impl std::fmt::Debug for Payload<'_> {
     }
 }
 
+/// A connection whose writes, once the daemon stopped reading (it closed
+/// its end after refusing the request early, say a body over its limit),
+/// go nowhere instead of failing: hyper then reads the answer the daemon
+/// sent before closing, which is what the caller needs, instead of
+/// reporting a broken pipe. `stopped_reading` tells the body's reader.
+struct Unheard<T> {
+    io: TokioIo<T>,
+    stopped_reading: Arc<AtomicBool>,
+}
+
+impl<T> Unheard<T> {
+    fn swallow<R>(&self, result: Poll<std::io::Result<R>>, done: R) -> Poll<std::io::Result<R>> {
+        match result {
+            Poll::Ready(Err(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                self.stopped_reading.store(true, Ordering::SeqCst);
+                Poll::Ready(Ok(done))
+            }
+            other => other,
+        }
+    }
+}
+
+impl<T: tokio::io::AsyncRead + Unpin> hyper::rt::Read for Unheard<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> hyper::rt::Write for Unheard<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if self.stopped_reading.load(Ordering::SeqCst) {
+            return Poll::Ready(Ok(buf.len()));
+        }
+        let written = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.swallow(written, buf.len())
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let flushed = Pin::new(&mut self.io).poll_flush(cx);
+        self.swallow(flushed, ())
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let shut = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.swallow(shut, ())
+    }
+}
+
 /// A request body: whole, or chunks handed over by the calling thread as
 /// it reads them (an error ends the request).
 enum RequestBody {
@@ -272,28 +334,37 @@ impl ApiClient {
     /// runtime until the answer is read whole.
     async fn connect(
         &self,
+        stopped_reading: Arc<AtomicBool>,
     ) -> Result<hyper::client::conn::http1::SendRequest<RequestBody>, ApiClientError> {
-        let handshake = |e: hyper::Error| ApiClientError::Io(std::io::Error::other(e));
+        async fn shake<T>(
+            io: T,
+            stopped_reading: Arc<AtomicBool>,
+        ) -> Result<hyper::client::conn::http1::SendRequest<RequestBody>, ApiClientError>
+        where
+            T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+        {
+            let io = Unheard {
+                io: TokioIo::new(io),
+                stopped_reading,
+            };
+            let (sender, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| ApiClientError::Io(std::io::Error::other(e)))?;
+            tokio::spawn(conn);
+            Ok(sender)
+        }
         match &self.endpoint {
             Endpoint::Unix(path) => {
                 let s = tokio::net::UnixStream::connect(path)
                     .await
                     .map_err(|e| ApiClientError::Connect(path.display().to_string(), e))?;
-                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-                    .await
-                    .map_err(handshake)?;
-                tokio::spawn(conn);
-                Ok(sender)
+                shake(s, stopped_reading).await
             }
             Endpoint::Tcp(addr, _) => {
                 let s = tokio::net::TcpStream::connect(addr)
                     .await
                     .map_err(|e| ApiClientError::Connect(addr.clone(), e))?;
-                let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(s))
-                    .await
-                    .map_err(handshake)?;
-                tokio::spawn(conn);
-                Ok(sender)
+                shake(s, stopped_reading).await
             }
         }
     }
@@ -328,7 +399,8 @@ impl ApiClient {
         let req = req
             .body(body)
             .map_err(|e| ApiClientError::Malformed(format!("the request: {e}")))?;
-        let mut sender = wait(self.timeout, self.connect())?;
+        let stopped_reading = Arc::new(AtomicBool::new(false));
+        let mut sender = wait(self.timeout, self.connect(stopped_reading.clone()))?;
         let answer = runtime().spawn(async move { sender.send_request(req).await });
         // The body is read here, on the caller's thread, and handed over
         // as it comes. A daemon that refuses the request early (a body over
@@ -337,7 +409,8 @@ impl ApiClient {
         let mut reader_failed = None;
         if let Some((reader, tx)) = &mut stream {
             let mut buf = vec![0u8; 64 << 10];
-            loop {
+            // Once the daemon stopped reading, the rest is not read either.
+            while !stopped_reading.load(Ordering::SeqCst) {
                 match reader.read(&mut buf) {
                     Ok(0) => break,
                     Ok(n) => {
