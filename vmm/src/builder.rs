@@ -389,7 +389,8 @@ pub fn restore_vm(
     }
     // What differs from the root's memory file: the diffs' pages, and from
     // now on what is written (see `Vmm::snapshot`).
-    let cow = std::fs::canonicalize(&root).ok().map(|root| CowOrigin {
+    // (Its path is made canonical if a diff is ever taken, not here.)
+    let cow = Some(CowOrigin {
         root,
         overlaid: layers[1..]
             .iter()

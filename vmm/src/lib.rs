@@ -301,7 +301,9 @@ impl Vmm {
                     .map_err(|e| VmmError::Unsupported(format!("/proc/self/pagemap: {e}")))?;
                 vstate::memory::clear_dirty(&self.mem);
                 persist::MemoryLayout::Diff {
-                    base: cow.root,
+                    base: std::fs::canonicalize(&cow.root).map_err(|e| {
+                        VmmError::Unsupported(format!("{}: {e}", cow.root.display()))
+                    })?,
                     runs: vstate::memory::merge_runs(&written, &cow.overlaid),
                 }
             }

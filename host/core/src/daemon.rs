@@ -264,9 +264,7 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
                 .collect(),
         },
         agent_socket: Some(rec.run_dir.join(vmm_process::VSOCK).display().to_string()),
-        disk_bytes: rec
-            .hibernated_bytes
-            .filter(|_| rec.state == SandboxState::Hibernated),
+        disk_bytes: rec.hibernated_bytes,
     }
 }
 
@@ -1036,7 +1034,6 @@ impl Daemon {
     /// carries the guest's clock ahead of its request (see [`ClockGate`]);
     /// a sandbox whose clock could not be set is marked failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
-        self.wake_if_hibernated(id, "daemon (on use)")?;
         let (rec, kept, clock) = {
             let mut inner = self.lock();
             let live = inner
@@ -1057,6 +1054,11 @@ impl Daemon {
         };
         match rec.state {
             SandboxState::Running => {}
+            // Any use wakes it (one lock on the way for a running one).
+            SandboxState::Hibernated => {
+                self.wake_if_hibernated(id, "daemon (on use)")?;
+                return self.agent(id);
+            }
             SandboxState::Paused => {
                 return Err(DaemonError::Conflict(format!(
                     "sandbox `{id}` is paused: resume it first"

@@ -236,14 +236,24 @@ impl Daemon {
         let pid = child.id();
         let woken = {
             let mut inner = self.lock();
-            let live = inner
-                .sandboxes
-                .get_mut(&rec.id)
-                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{}`", rec.id)))?;
-            live.child = Some(child);
-            live.rec.pid = pid;
-            live.rec.pid_start = vmm_process::start_time(pid).unwrap_or(0);
-            live.rec.clone()
+            match inner.sandboxes.get_mut(&rec.id) {
+                Some(live) => {
+                    live.child = Some(child);
+                    live.rec.pid = pid;
+                    live.rec.pid_start = vmm_process::start_time(pid).unwrap_or(0);
+                    Ok(live.rec.clone())
+                }
+                None => Err(child),
+            }
+        };
+        let woken = match woken {
+            Ok(woken) => woken,
+            // Destroyed while it woke: the VMM just started goes too.
+            Err(mut child) => {
+                vmm_process::stop(&mut child);
+                self.remove_cgroup(&rec.id);
+                return Err(DaemonError::NotFound(format!("no sandbox `{}`", rec.id)));
+            }
         };
         // It counts itself now.
         drop(room);
