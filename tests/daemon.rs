@@ -22,6 +22,9 @@ use husk_types::{
 };
 use serde_json::{json, Value};
 
+/// The domain of the test daemon's front door.
+const FRONT_DOMAIN: &str = "sbx.test";
+
 /// How long a guest-side step may take here before a test gives up.
 const PATIENCE: Duration = Duration::from_secs(300);
 
@@ -30,6 +33,8 @@ struct TestDaemon {
     tcp: String,
     /// Where it serves the E2B API.
     e2b: String,
+    /// Where its front door serves sandboxes' ports (domain FRONT_DOMAIN).
+    expose: String,
     token: String,
     child: Mutex<Option<Child>>,
 }
@@ -83,6 +88,7 @@ impl TestDaemon {
             .arg("--template-source")
             .arg(template_sources(self))
             .args(["--mcp-max-sandboxes", "1", "--mcp-max-command-s", "60"])
+            .args(["--expose", &self.expose, "--expose-domain", FRONT_DOMAIN])
             .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
             .arg(self.state_dir.with_extension("e2bkeys"))
             .args(
@@ -240,6 +246,7 @@ fn daemon() -> &'static TestDaemon {
             state_dir,
             tcp: format!("127.0.0.1:{}", free_port()),
             e2b: format!("127.0.0.1:{}", free_port()),
+            expose: format!("127.0.0.1:{}", free_port()),
             token,
             child: Mutex::new(None),
         };
@@ -1122,6 +1129,190 @@ fn a_corrupt_hibernation_fails_the_sandbox_with_the_reason_and_runs_no_guest() {
     );
     assert!(running.stdout.is_empty(), "a VMM is left: {:?}", running);
     destroy(&s.id);
+}
+
+/// The guest-side test server (built with guest-init, not in the root
+/// file system), started in sandbox `id` on `port`.
+fn start_test_server(id: &str, port: u16) {
+    let tool = common::repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-testsrv");
+    let server = std::fs::read(&tool)
+        .unwrap_or_else(|e| panic!("{} (built with guest-init): {e}", tool.display()));
+    upload(id, "/tmp/husk-testsrv", &server).expect("upload the test server");
+    sh(
+        id,
+        &format!(
+            "chmod +x /tmp/husk-testsrv; setsid /tmp/husk-testsrv {port} \
+             </dev/null >/tmp/testsrv.log 2>&1 &"
+        ),
+    );
+    wait_until("the test server to listen", || {
+        api().port(id, port).is_ok_and(|p| p.listening)
+    });
+}
+
+/// An HTTP client whose every name resolves to the front door: what DNS
+/// with a wildcard record for the front door's domain would do.
+fn front_door_client(d: &TestDaemon) -> ureq::Agent {
+    let door: std::net::SocketAddr = d.expose.parse().expect("front door address");
+    ureq::AgentBuilder::new()
+        .resolver(move |_: &str| Ok(vec![door]))
+        .timeout(PATIENCE)
+        .build()
+}
+
+/// `url` fetched through the front door: its status and body (errors are
+/// answers too).
+fn front_get(agent: &ureq::Agent, url: &str, token: Option<&str>) -> (u16, String) {
+    let mut req = agent.get(url);
+    if let Some(t) = token {
+        req = req.set("e2b-traffic-access-token", t);
+    }
+    match req.call() {
+        Ok(r) => (r.status(), r.into_string().expect("body")),
+        Err(ureq::Error::Status(code, r)) => (code, r.into_string().expect("body")),
+        Err(e) => panic!("GET {url}: {e}"),
+    }
+}
+
+#[test]
+fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_private_tokens() {
+    let (d, _g) = shared();
+    let open = create("base").sandbox;
+    let private = create_with(json!({ "template": "base", "private_ports": true }))
+        .expect("create")
+        .sandbox;
+    let door_port = d.expose.rsplit_once(':').expect("port").1;
+    let url = |s: &SandboxInfo, port: u16, path: &str| {
+        format!("http://{port}-{}.{FRONT_DOMAIN}:{door_port}{path}", s.id)
+    };
+    let agent = front_door_client(d);
+    // Nothing listens yet.
+    let before = api().port(&open.id, 8000).expect("port");
+    let nobody = front_get(&agent, &url(&open, 8000, "/hello"), None);
+    start_test_server(&open.id, 8000);
+    start_test_server(&private.id, 8000);
+    let published = api().port(&open.id, 8000).expect("port");
+
+    let hello = front_get(&agent, &url(&open, 8000, "/hello"), None);
+    let streamed = agent
+        .get(&url(&open, 8000, "/stream"))
+        .call()
+        .expect("stream");
+    let chunked = streamed.header("transfer-encoding").map(str::to_owned);
+    let ticks = streamed.into_string().expect("ticks");
+    let sent: Vec<u8> = (0..1u32 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
+    let mut echoed = Vec::new();
+    agent
+        .post(&url(&open, 8000, "/echo"))
+        .send_bytes(&sent)
+        .expect("echo")
+        .into_reader()
+        .read_to_end(&mut echoed)
+        .expect("echo body");
+    // A WebSocket, with a client that checks the handshake.
+    let tcp = std::net::TcpStream::connect(&d.expose).expect("connect to the front door");
+    tcp.set_read_timeout(Some(PATIENCE)).expect("timeout");
+    let ws_url = url(&open, 8000, "/ws").replacen("http", "ws", 1);
+    let (mut ws, upgraded) = tungstenite::client::client(ws_url.as_str(), tcp).expect("upgrade");
+    let text = "through the front door and back";
+    ws.send(tungstenite::Message::text(text)).expect("send");
+    let text_back = ws.read().expect("read");
+    let blob: Vec<u8> = (0..100_000u32).map(|i| (i % 253) as u8).collect();
+    ws.send(tungstenite::Message::binary(blob.clone()))
+        .expect("send");
+    let blob_back = ws.read().expect("read");
+    ws.close(None).expect("close");
+    while ws.read().is_ok() {}
+
+    // What is not there, and what is private.
+    let not_ours = front_get(&agent, &format!("http://example.com:{door_port}/"), None);
+    let no_sandbox = front_get(
+        &agent,
+        &url(
+            &SandboxInfo {
+                id: "sb-00000000".into(),
+                ..open.clone()
+            },
+            8000,
+            "/hello",
+        ),
+        None,
+    );
+    let no_port = front_get(&agent, &url(&open, 8001, "/hello"), None);
+    let token = private
+        .traffic_token
+        .clone()
+        .expect("a private sandbox has a token");
+    let without = front_get(&agent, &url(&private, 8000, "/hello"), None);
+    let wrong = front_get(&agent, &url(&private, 8000, "/hello"), Some("tt-wrong"));
+    let with = front_get(&agent, &url(&private, 8000, "/hello"), Some(&token));
+    let private_port = api().port(&private.id, 8000).expect("port");
+    // Paused, hibernated (woken by the request), destroyed.
+    api().pause(&open.id).expect("pause");
+    let paused = front_get(&agent, &url(&open, 8000, "/hello"), None);
+    api().resume(&open.id).expect("resume");
+    api().hibernate(&open.id).expect("hibernate");
+    let woken = front_get(&agent, &url(&open, 8000, "/hello"), None);
+    let after_wake = get(&open.id).expect("listed");
+    destroy(&open.id);
+    destroy(&private.id);
+    let destroyed = front_get(&agent, &url(&open, 8000, "/hello"), None);
+
+    assert!(!before.listening, "{before:?}");
+    assert!(
+        before.reason.as_deref().unwrap_or("").contains("port 8000"),
+        "{before:?}"
+    );
+    assert_eq!(nobody.0, 502, "{}", nobody.1);
+    assert!(nobody.1.contains("port 8000"), "{}", nobody.1);
+    let host = format!("8000-{}.{FRONT_DOMAIN}", open.id);
+    assert_eq!(published.host.as_deref(), Some(host.as_str()));
+    assert_eq!(
+        published.url.as_deref(),
+        Some(format!("http://{host}:{door_port}/").as_str())
+    );
+    assert!(published.listening && !published.private, "{published:?}");
+    assert_eq!(hello.0, 200, "{}", hello.1);
+    assert!(
+        hello.1.starts_with("hello from ")
+            && hello.1.contains(&format!("host={host}:{door_port} "))
+            && hello.1.contains("forwarded-for=127.0.0.1 ")
+            && hello
+                .1
+                .contains(&format!("forwarded-host={host}:{door_port}")),
+        "{}",
+        hello.1
+    );
+    assert_eq!(chunked.as_deref(), Some("chunked"));
+    assert_eq!(ticks, "tick 0\ntick 1\ntick 2\n");
+    assert!(
+        echoed == sent,
+        "{} bytes back for {}",
+        echoed.len(),
+        sent.len()
+    );
+    assert_eq!(upgraded.status(), 101);
+    assert_eq!(text_back, tungstenite::Message::text(text));
+    assert_eq!(blob_back, tungstenite::Message::binary(blob));
+    assert_eq!(not_ours.0, 404, "{}", not_ours.1);
+    assert!(not_ours.1.contains(FRONT_DOMAIN), "{}", not_ours.1);
+    assert_eq!(no_sandbox.0, 404, "{}", no_sandbox.1);
+    assert_eq!(no_port.0, 502, "{}", no_port.1);
+    assert!(no_port.1.contains("port 8001"), "{}", no_port.1);
+    assert_eq!(without.0, 403, "{}", without.1);
+    assert!(
+        without.1.contains("e2b-traffic-access-token"),
+        "{}",
+        without.1
+    );
+    assert_eq!(wrong.0, 403, "{}", wrong.1);
+    assert_eq!(with.0, 200, "{}", with.1);
+    assert!(private_port.private, "{private_port:?}");
+    assert_eq!(paused.0, 409, "{}", paused.1);
+    assert!(paused.1.contains("paused"), "{}", paused.1);
+    assert_eq!(woken.0, 200, "{}", woken.1);
+    assert_eq!(after_wake.state, SandboxState::Running);
+    assert_eq!(destroyed.0, 404, "{}", destroyed.1);
 }
 
 #[test]

@@ -6,9 +6,8 @@
 //! this forwarder still has no route out (no NIC, or one whose namespace
 //! drops everything but the proxy).
 
-use std::fs::File;
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::io::{self, Write};
+use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use husk_protocol::{EGRESS_PROXY_PORT, EGRESS_VSOCK_PORT};
@@ -89,30 +88,5 @@ fn forward(mut tcp: TcpStream) {
             return;
         }
     };
-    let (Ok(tcp_in), Ok(vsock_out)) = (tcp.try_clone(), vsock.try_clone()) else {
-        return;
-    };
-    let up = std::thread::Builder::new()
-        .name("egress-up".into())
-        .spawn(move || {
-            pump(tcp_in, &vsock_out);
-            let _ = crate::vsock::shutdown_write(&vsock_out);
-        });
-    let mut vsock_in = vsock;
-    let _ = io::copy(&mut vsock_in, &mut tcp);
-    let _ = tcp.shutdown(Shutdown::Write);
-    if let Ok(up) = up {
-        let _ = up.join();
-    }
-}
-
-fn pump(mut from: TcpStream, mut to: &File) {
-    let mut buf = vec![0u8; 32 << 10];
-    while let Ok(n @ 1..) = from.read(&mut buf) {
-        if to.write_all(&buf[..n]).is_err() {
-            // The host side is gone: stop the program's side too.
-            let _ = from.shutdown(Shutdown::Both);
-            return;
-        }
-    }
+    crate::splice::both(tcp, vsock);
 }

@@ -27,10 +27,12 @@ mod conn;
 mod egress;
 mod exec;
 mod files;
+mod ports;
 mod probe;
 mod process;
 mod reaper;
 mod simd;
+mod splice;
 mod sys;
 mod vsock;
 mod watch;
@@ -83,6 +85,9 @@ fn main() -> std::process::ExitCode {
     };
     if let Err(e) = egress::start() {
         log(&format!("no egress proxy for programs: {e}"));
+    }
+    if let Err(e) = ports::start() {
+        log(&format!("no way in to the guest's ports: {e}"));
     }
     say(&format!(
         "ready uptime_ms={} init_ms={started_ms} hostname={hostname} {agent}",

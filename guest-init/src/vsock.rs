@@ -93,3 +93,34 @@ pub fn shutdown_write(stream: &File) -> io::Result<()> {
     // SAFETY: shutdown on a socket we own.
     check(unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_WR) }).map(|_| ())
 }
+
+/// Half-closes the read side.
+pub fn shutdown_read(stream: &File) -> io::Result<()> {
+    // SAFETY: shutdown on a socket we own.
+    check(unsafe { libc::shutdown(stream.as_raw_fd(), libc::SHUT_RD) }).map(|_| ())
+}
+
+/// Bounds each read (`None`: no bound).
+pub fn set_read_timeout(stream: &File, timeout: Option<std::time::Duration>) -> io::Result<()> {
+    let tv = timeout.map_or(
+        libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        },
+        |t| libc::timeval {
+            tv_sec: t.as_secs() as _,
+            tv_usec: t.subsec_micros() as _,
+        },
+    );
+    // SAFETY: setsockopt with a valid timeval of the right size.
+    check(unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    })
+    .map(|_| ())
+}

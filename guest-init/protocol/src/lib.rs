@@ -106,6 +106,20 @@ pub const EGRESS_VSOCK_PORT: u32 = 3128;
 /// The guest loopback port programs use as their HTTP(S) proxy
 /// (`HTTP_PROXY`/`HTTPS_PROXY` point here).
 pub const EGRESS_PROXY_PORT: u16 = 3128;
+/// The guest vsock port of the port forwarder: the host reaches a TCP port
+/// inside the guest through it (see [`port_request`]).
+pub const PORTS_VSOCK_PORT: u32 = 1025;
+/// Longest line of the port forwarder's handshake, either way.
+pub const PORT_LINE_MAX: usize = 256;
+
+/// The line a host sends on a new connection to [`PORTS_VSOCK_PORT`] to
+/// be connected to guest TCP port `port` on loopback. The forwarder
+/// answers `OK\n` and then carries the connection's bytes both ways, or
+/// `ERR <reason>\n` and closes (nothing listens on that port, too many
+/// connections are open).
+pub fn port_request(port: u16) -> String {
+    format!("PORT {port}\n")
+}
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
 /// Most directory entries in one `Entries` frame.

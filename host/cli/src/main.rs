@@ -212,9 +212,17 @@ enum Command {
         /// *:443. Without any, nothing leaves the sandbox.
         #[arg(long = "allow")]
         allow: Vec<String>,
+        /// Its ports answer at the front door only requests that carry its
+        /// traffic token (header e2b-traffic-access-token; `husk inspect`
+        /// shows it).
+        #[arg(long)]
+        private_ports: bool,
         #[arg(last = true)]
         argv: Vec<String>,
     },
+    /// Where a TCP port inside a sandbox is published (the daemon's front
+    /// door, `husk serve --expose`), and whether a program listens on it.
+    Port { id: String, port: u16 },
     /// Show a sandbox as JSON.
     Inspect { id: String },
     /// Print a sandbox's console.
@@ -782,6 +790,7 @@ fn through_daemon(command: &Command) -> bool {
         | Command::Rm { .. }
         | Command::Fork { .. }
         | Command::KillAll { .. }
+        | Command::Port { .. }
         | Command::Template(_)
         | Command::Pool(_)
         | Command::Audit { .. } => true,
@@ -836,6 +845,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         Command::Pause { target } => sandboxes::lifecycle(&target, Lifecycle::Pause),
         Command::Resume { target } => sandboxes::lifecycle(&target, Lifecycle::Resume),
         Command::Hibernate { id } => sandboxes::lifecycle(&id, Lifecycle::Hibernate),
+        Command::Port { id, port } => sandboxes::port(&id, port),
         Command::Wake { id } => sandboxes::lifecycle(&id, Lifecycle::Wake),
         Command::KillAll { id } => sandboxes::kill_all(&id),
         Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),
@@ -854,9 +864,17 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             labels,
             rm,
             allow,
+            private_ports,
             argv,
         } => {
-            let created = sandboxes::create(&template, ttl_s, &labels, pause_on_expiry, &allow)?;
+            let created = sandboxes::create(
+                &template,
+                ttl_s,
+                &labels,
+                pause_on_expiry,
+                &allow,
+                private_ports,
+            )?;
             let id = created.sandbox.id;
             eprintln!(
                 "{id}: created in {:.1} ms ({})",

@@ -83,6 +83,7 @@ pub fn create(
     labels: &[(String, String)],
     pause_on_expiry: bool,
     allow: &[String],
+    private_ports: bool,
 ) -> Result<Created, ApiClientError> {
     client().create_sandbox(&CreateRequest {
         template: template.to_owned(),
@@ -97,7 +98,30 @@ pub fn create(
             allow: allow.to_vec(),
             ..Default::default()
         },
+        private_ports,
     })
+}
+
+/// `husk port`: the port's address at the front door, and whether a
+/// program listens on it (exit 1 when none does).
+pub fn port(id: &str, port: u16) -> CliResult {
+    let p = client().port(id, port)?;
+    match &p.url {
+        Some(url) => println!("{url}"),
+        None => eprintln!(
+            "husk: the daemon has no front door (start it with husk serve --expose [ADDR])"
+        ),
+    }
+    if p.private {
+        eprintln!("private: requests need the e2b-traffic-access-token header (husk inspect {id})");
+    }
+    match &p.reason {
+        None => Ok(0),
+        Some(why) => {
+            eprintln!("husk: {why}");
+            Ok(1)
+        }
+    }
 }
 
 pub fn ps(labels: &[(String, String)], state: Option<&str>, as_json: bool) -> CliResult {

@@ -87,6 +87,17 @@ pub struct ServeArgs {
     /// The API keys E2B clients must send (X-API-KEY), one per line.
     #[arg(long)]
     pub e2b_api_key_file: Option<PathBuf>,
+    /// Serve sandboxes' ports over HTTP on this address (the front door;
+    /// `--expose` alone: 127.0.0.1:8080): a request for
+    /// PORT-SANDBOXID.DOMAIN reaches TCP PORT inside that sandbox
+    /// (WebSockets too). Open to whoever reaches the address, except the
+    /// ports of sandboxes created with private ports.
+    #[arg(long, num_args = 0..=1, default_missing_value = "127.0.0.1:8080")]
+    pub expose: Option<String>,
+    /// The domain of the front door's host names (default `localhost`:
+    /// browsers take *.localhost to be this machine).
+    #[arg(long, default_value = "localhost", requires = "expose")]
+    pub expose_domain: String,
     /// Sandboxes one MCP client (a session on `/mcp`) may hold at once.
     #[arg(long, default_value_t = 4)]
     pub mcp_max_sandboxes: usize,
@@ -208,6 +219,20 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     if let Some(mib) = args.max_upload_mib {
         cfg.max_upload_bytes = mib.saturating_mul(1 << 20);
     }
+    let expose = match &args.expose {
+        Some(addr) => {
+            let listener = std::net::TcpListener::bind(addr)
+                .map_err(|e| format!("--expose {addr}: cannot listen: {e}"))?;
+            let port = listener.local_addr().map_err(|e| e.to_string())?.port();
+            let domain = args.expose_domain.trim_matches('.').to_ascii_lowercase();
+            if domain.is_empty() || domain.contains(['/', ':', ' ']) {
+                return Err(format!("--expose-domain {domain:?}: not a domain"));
+            }
+            cfg.front_door = Some(husk_core::daemon::FrontDoorAddr { domain, port });
+            Some(listener)
+        }
+        None => None,
+    };
     let token = match &args.token_file {
         Some(f) => Some(
             std::fs::read_to_string(f)
@@ -257,19 +282,51 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let result = runtime.block_on(listen(daemon.clone(), mcp, &socket, args.tcp, token, e2b));
+    let front = expose
+        .zip(daemon.config().front_door.clone())
+        .map(|(listener, addr)| {
+            (
+                listener,
+                husk_server::front::FrontDoor::new(daemon.clone(), addr),
+            )
+        });
+    let result = runtime.block_on(listen(
+        daemon.clone(),
+        mcp,
+        &socket,
+        Listeners {
+            tcp: args.tcp,
+            token,
+            e2b,
+            front,
+        },
+    ));
     daemon.stop();
     let _ = std::fs::remove_file(&socket);
     result.map(|()| 0)
+}
+
+/// The daemon's listeners besides its Unix socket.
+struct Listeners {
+    /// The API on TCP, and the bearer token it wants.
+    tcp: Option<String>,
+    token: Option<String>,
+    /// The E2B API's address and gateway.
+    e2b: Option<(String, Arc<husk_server::e2b::E2b>)>,
+    /// The front door to sandboxes' ports (bound already).
+    front: Option<(std::net::TcpListener, Arc<husk_server::front::FrontDoor>)>,
 }
 
 async fn listen(
     daemon: Arc<Daemon>,
     mcp: Arc<husk_server::mcp::HttpService>,
     socket: &std::path::Path,
-    tcp: Option<String>,
-    token: Option<String>,
-    e2b: Option<(String, Arc<husk_server::e2b::E2b>)>,
+    Listeners {
+        tcp,
+        token,
+        e2b,
+        front,
+    }: Listeners,
 ) -> Result<(), String> {
     // A socket left by a daemon that died is replaced; one that answers
     // belongs to a running daemon.
@@ -338,6 +395,25 @@ async fn listen(
         }
         None => None,
     };
+    let front_server = match front {
+        Some((listener, door)) => {
+            let addr = listener.local_addr().map_err(|e| e.to_string())?;
+            let listener = listener
+                .set_nonblocking(true)
+                .and_then(|()| tokio::net::TcpListener::from_std(listener))
+                .map_err(|e| format!("the front door on {addr}: {e}"))?;
+            tracing::info!("front door on tcp {addr}");
+            let mut stop_front = stop_tx.subscribe();
+            Some(tokio::spawn(async move {
+                husk_server::front::serve(door, listener, async move {
+                    let _ = stop_front.recv().await;
+                })
+                .await;
+                Ok(())
+            }))
+        }
+        None => None,
+    };
     stop.await;
     tracing::info!("stopping; sandboxes keep running for the next daemon");
     let _ = stop_tx.send(());
@@ -346,7 +422,7 @@ async fn listen(
     mcp.shutdown();
     // Streams in flight (a long exec) are not waited for past a moment.
     let _ = tokio::time::timeout(Duration::from_secs(5), unix_server).await;
-    for t in [tcp_server, e2b_server].into_iter().flatten() {
+    for t in [tcp_server, e2b_server, front_server].into_iter().flatten() {
         let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
     }
     Ok(())

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 
 use husk_types::{
     AuditEntry, BuildEvent, CreateRequest, Created, DirEntry, ExecEvent, ExecSpec, ForkRequest,
-    Forked, Killed, PoolInfo, PoolSize, SandboxInfo, SandboxUpdate, SnapshotRequest,
+    Forked, Killed, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxUpdate, SnapshotRequest,
     TemplateRecord, TemplateSpec,
 };
 
@@ -626,6 +626,17 @@ impl ApiClient {
     pub fn hibernate(&self, id: &str) -> Result<SandboxInfo, ApiClientError> {
         self.send("POST", &Self::sandbox_path(id, "/hibernate"), Payload::None)?
             .json()
+    }
+
+    /// Where TCP `port` inside sandbox `id` is published, and whether a
+    /// program listens on it (`GET /v1/sandboxes/{id}/ports/{port}`).
+    pub fn port(&self, id: &str, port: u16) -> Result<PortInfo, ApiClientError> {
+        self.send(
+            "GET",
+            &Self::sandbox_path(id, &format!("/ports/{port}")),
+            Payload::None,
+        )?
+        .json()
     }
 
     /// Brings a hibernated sandbox back (`POST /v1/sandboxes/{id}/wake`).

@@ -56,6 +56,52 @@ pub struct DaemonConfig {
     /// Destroy every sandbox (pooled ones included) when the host stops;
     /// otherwise they run on for the next host on this state directory.
     pub destroy_on_stop: bool,
+    /// Where the host publishes sandboxes' ports (its front door), for the
+    /// API to name their addresses; None: no front door.
+    pub front_door: Option<FrontDoorAddr>,
+}
+
+/// A front door: `PORT-SANDBOXID.DOMAIN` reaches `PORT` inside sandbox
+/// `SANDBOXID`, over HTTP on `port` (E2B's host format, so its SDK's
+/// `get_host(port)` names it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrontDoorAddr {
+    /// The domain under which sandboxes' hosts are named.
+    pub domain: String,
+    /// The TCP port it listens on.
+    pub port: u16,
+}
+
+impl FrontDoorAddr {
+    /// The host name that reaches `port` in sandbox `id`.
+    pub fn host(&self, id: &str, port: u16) -> String {
+        format!("{port}-{id}.{}", self.domain)
+    }
+
+    /// Its URL (the front door's port written unless it is 80).
+    pub fn url(&self, id: &str, port: u16) -> String {
+        match self.port {
+            80 => format!("http://{}/", self.host(id, port)),
+            p => format!("http://{}:{p}/", self.host(id, port)),
+        }
+    }
+
+    /// The sandbox and port a request's `Host` names, if it is one of ours
+    /// (`PORT-SANDBOXID.DOMAIN`, any case, with or without `:PORT`).
+    pub fn route(&self, host: &str) -> Option<(String, u16)> {
+        let host = host.to_ascii_lowercase();
+        let name = match host.rsplit_once(':') {
+            Some((name, p)) if p.bytes().all(|b| b.is_ascii_digit()) => name,
+            _ => host.as_str(),
+        };
+        let label = name.strip_suffix(self.domain.as_str())?.strip_suffix('.')?;
+        let (port, id) = label.split_once('-')?;
+        if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) || id.is_empty() {
+            return None;
+        }
+        let port = port.parse::<u16>().ok().filter(|&p| p != 0)?;
+        (!id.contains('.')).then(|| (id.to_owned(), port))
+    }
 }
 
 impl DaemonConfig {
@@ -95,6 +141,7 @@ impl DaemonConfig {
             template_sources: Vec::new(),
             max_upload_bytes: 8 << 30,
             destroy_on_stop: false,
+            front_door: None,
         };
         cfg.set_vmm(vmm);
         cfg
@@ -118,4 +165,42 @@ fn host_memory_mib() -> u64 {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(4096, |kib| kib / 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FrontDoorAddr;
+
+    #[test]
+    fn a_host_names_a_sandbox_and_a_port_under_the_domain() {
+        let door = FrontDoorAddr {
+            domain: "sbx.example.com".into(),
+            port: 8080,
+        };
+        let host = door.host("sb-00ff", 3000);
+        assert_eq!(host, "3000-sb-00ff.sbx.example.com");
+        assert_eq!(
+            door.url("sb-00ff", 3000),
+            "http://3000-sb-00ff.sbx.example.com:8080/"
+        );
+        assert_eq!(door.route(&host), Some(("sb-00ff".into(), 3000)));
+        assert_eq!(
+            door.route("3000-SB-00FF.Sbx.Example.com:8080"),
+            Some(("sb-00ff".into(), 3000))
+        );
+        for other in [
+            "sbx.example.com",
+            "3000-sb-00ff.example.com",
+            "3000-sb-00ff.evilsbx.example.com",
+            "x3000-sb-00ff.sbx.example.com",
+            "0-sb-00ff.sbx.example.com",
+            "70000-sb-00ff.sbx.example.com",
+            "3000-.sbx.example.com",
+            "3000-a.b.sbx.example.com",
+            "-sb.sbx.example.com",
+            "",
+        ] {
+            assert_eq!(door.route(other), None, "{other}");
+        }
+    }
 }

@@ -20,7 +20,7 @@ use husk_types::{
 };
 
 use crate::cgroup::{Cgroup, Limits, Priority};
-pub use crate::config::{DaemonConfig, AGENT_TIMEOUT};
+pub use crate::config::{DaemonConfig, FrontDoorAddr, AGENT_TIMEOUT};
 use crate::egress::{Allowlist, Decision, Egress, Proxy, Secret};
 use crate::metrics::{Gauges, Metrics};
 use crate::store::{now_unix_ms, SandboxRecord, Store, StoreError};
@@ -30,6 +30,8 @@ use husk_agent_client::readiness::WaitBudget;
 use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
 mod hibernate;
+mod ports;
+pub use ports::{PortStream, MAX_PORT_CONNS};
 
 /// Egress decisions waiting for the audit log.
 const EGRESS_AUDIT_QUEUE: usize = 4096;
@@ -55,6 +57,9 @@ pub enum DaemonError {
     #[error("{0}")]
     /// It was tried and failed.
     Failed(String),
+    #[error("{0}")]
+    /// Nothing answers where the request was to go (a sandbox's port).
+    Unreachable(String),
     #[error(transparent)]
     /// A template build or check failed.
     Template(#[from] TemplateError),
@@ -94,6 +99,8 @@ struct Live {
     /// Set while its guest's clock has to be set by the next request (it
     /// was woken from a pool or a pause, or adopted by this daemon).
     clock: Option<Arc<ClockGate>>,
+    /// Connections to its ports open now (see [`Daemon::connect_port`]).
+    ports: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Live {
@@ -104,6 +111,7 @@ impl Live {
             proxy: None,
             idle: Vec::new(),
             clock: None,
+            ports: Arc::default(),
         }
     }
 }
@@ -265,7 +273,21 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         },
         agent_socket: Some(rec.run_dir.join(vmm_process::VSOCK).display().to_string()),
         disk_bytes: rec.hibernated_bytes,
+        traffic_token: rec.traffic_token.clone(),
     }
+}
+
+/// Why a sandbox that neither runs nor hibernates cannot be used.
+fn unusable(rec: &SandboxRecord) -> DaemonError {
+    let id = &rec.id;
+    DaemonError::Conflict(match rec.state {
+        SandboxState::Paused => format!("sandbox `{id}` is paused: resume it first"),
+        SandboxState::Failed => format!(
+            "sandbox `{id}` has failed: {}",
+            rec.error.as_deref().unwrap_or_default()
+        ),
+        _ => format!("sandbox `{id}` is not ready"),
+    })
 }
 
 /// The credentials of a create request, checked.
@@ -657,6 +679,11 @@ impl Daemon {
         rec.labels = req.labels;
         rec.egress_allow = req.egress.allow;
         rec.egress_secrets = req.egress.secrets;
+        rec.traffic_token = if req.private_ports {
+            Some(crate::ids::random_id("tt", 24)?)
+        } else {
+            None
+        };
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
@@ -908,6 +935,7 @@ impl Daemon {
             egress_secrets: Vec::new(),
             hibernation: None,
             hibernated_bytes: None,
+            traffic_token: None,
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1059,22 +1087,7 @@ impl Daemon {
                 self.wake_if_hibernated(id, "daemon (on use)")?;
                 return self.agent(id);
             }
-            SandboxState::Paused => {
-                return Err(DaemonError::Conflict(format!(
-                    "sandbox `{id}` is paused: resume it first"
-                )))
-            }
-            SandboxState::Failed => {
-                return Err(DaemonError::Conflict(format!(
-                    "sandbox `{id}` has failed: {}",
-                    rec.error.unwrap_or_default()
-                )))
-            }
-            _ => {
-                return Err(DaemonError::Conflict(format!(
-                    "sandbox `{id}` is not ready"
-                )))
-            }
+            _ => return Err(unusable(&rec)),
         }
         let mut client = match kept {
             Some(client) => client,
@@ -1344,6 +1357,7 @@ impl Daemon {
                     allow: parent.egress_allow.clone(),
                     secrets: parent.egress_secrets.clone(),
                 },
+                private_ports: parent.traffic_token.is_some(),
                 ..CreateRequest::default()
             };
             match self.create(req, who) {

@@ -115,6 +115,9 @@ pub struct SandboxRecord {
     /// The bytes its hibernation takes on disk while it is hibernated.
     #[serde(default)]
     pub hibernated_bytes: Option<u64>,
+    /// The token requests to its ports must carry, when they are private.
+    #[serde(default)]
+    pub traffic_token: Option<String>,
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -339,6 +342,7 @@ mod tests {
             egress_secrets: Vec::new(),
             hibernation: None,
             hibernated_bytes: None,
+            traffic_token: None,
         }
     }
 

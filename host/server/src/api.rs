@@ -80,6 +80,7 @@ pub(crate) fn daemon_status(e: &DaemonError) -> StatusCode {
         DaemonError::Upload(UploadError::TooLarge(_)) => StatusCode::PAYLOAD_TOO_LARGE,
         DaemonError::Upload(UploadError::Body(_)) => StatusCode::BAD_REQUEST,
         DaemonError::Agent(c) => agent_status(c),
+        DaemonError::Unreachable(_) => StatusCode::BAD_GATEWAY,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
@@ -178,6 +179,7 @@ routes! {
     post "/v1/sandboxes/{id}/hibernate" => hibernate,
     post "/v1/sandboxes/{id}/wake" => wake,
     post "/v1/sandboxes/{id}/kill-all" => kill_all,
+    get "/v1/sandboxes/{id}/ports/{port}" => port,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
     get "/v1/sandboxes/{id}/logs" => logs,
@@ -505,6 +507,24 @@ async fn wake(
 ) -> ApiResult<Response> {
     let s = blocking(move || d.wake(&id, &who.0)).await?;
     Ok(ok(StatusCode::OK, s))
+}
+
+async fn port(
+    State(d): State<Shared>,
+    Path((id, port)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|&p| p != 0)
+        .ok_or_else(|| {
+            ApiError(
+                StatusCode::BAD_REQUEST,
+                format!("`{port}` is not a TCP port"),
+            )
+        })?;
+    let p = blocking(move || d.port(&id, port)).await?;
+    Ok(ok(StatusCode::OK, p))
 }
 
 async fn resume(

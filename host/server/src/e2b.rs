@@ -361,7 +361,9 @@ fn sandbox_json(e2b: &E2b, info: &SandboxInfo, alias: &str) -> Value {
         "clientID": "husk",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": e2b.token(&info.id),
-        "domain": null,
+        "trafficAccessToken": info.traffic_token,
+        // The front door's: `get_host(port)` then names it.
+        "domain": e2b.daemon.config().front_door.as_ref().map(|d| d.domain.clone()),
     })
 }
 
@@ -407,6 +409,15 @@ struct CreateBody {
     metadata: BTreeMap<String, String>,
     #[serde(default)]
     env_vars: BTreeMap<String, String>,
+    #[serde(default)]
+    network: Network,
+}
+
+/// The create request's `network` options husk maps so far.
+#[derive(Debug, Default, Deserialize)]
+struct Network {
+    /// false: the sandbox's ports want its traffic access token.
+    allow_public_traffic: Option<bool>,
 }
 
 async fn create(
@@ -431,6 +442,7 @@ async fn create(
         template: body.template_id.clone(),
         ttl_s: Some(body.timeout.unwrap_or(DEFAULT_TIMEOUT_S).max(1)),
         labels,
+        private_ports: body.network.allow_public_traffic == Some(false),
         ..Default::default()
     };
     let e = e2b.clone();

@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod e2b;
+pub mod front;
 #[doc(hidden)]
 pub mod fuzz;
 pub mod mcp;

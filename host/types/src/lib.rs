@@ -16,7 +16,7 @@ pub use exec::{ExecEvent, ExecSpec};
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, Killed, PoolInfo,
-    PoolSize, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
+    PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
 };
 pub use template::{
     check_template_name, BuildEvent, KernelSource, RootfsSource, TemplateRecord, TemplateSpec,

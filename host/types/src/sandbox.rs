@@ -24,6 +24,11 @@ pub struct CreateRequest {
     /// absent.
     #[serde(default)]
     pub egress: EgressSpec,
+    /// Its ports answer only requests that carry its traffic token (the
+    /// `e2b-traffic-access-token` header; E2B's `allow_public_traffic:
+    /// false`); by default they are open to whoever reaches the front door.
+    #[serde(default)]
+    pub private_ports: bool,
 }
 
 /// A sandbox's way out (see `egress`).
@@ -94,6 +99,9 @@ pub struct SandboxInfo {
     /// While hibernated: the bytes its hibernation takes on disk.
     #[serde(default)]
     pub disk_bytes: Option<u64>,
+    /// The token its ports want, when they are private.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic_token: Option<String>,
 }
 
 /// What a create did.
@@ -245,4 +253,27 @@ pub struct Killed {
 pub struct PoolSize {
     /// Parked clones to keep ready.
     pub size: u32,
+}
+
+/// A port inside a sandbox, as the front door publishes it
+/// (`GET /v1/sandboxes/{id}/ports/{port}`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortInfo {
+    /// The sandbox's id.
+    pub sandbox: String,
+    /// The TCP port inside it.
+    pub port: u16,
+    /// Whether a guest program accepted a connection on it just now.
+    pub listening: bool,
+    /// Why not, when it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The host name that reaches it through the daemon's front door
+    /// (`PORT-SANDBOXID.DOMAIN`); none without a front door.
+    pub host: Option<String>,
+    /// Its URL at the front door.
+    pub url: Option<String>,
+    /// Requests must carry the sandbox's traffic token (in the
+    /// `e2b-traffic-access-token` header).
+    pub private: bool,
 }
