@@ -2037,7 +2037,9 @@ fn e2b_client(program: impl AsRef<std::ffi::OsStr>, d: &TestDaemon) -> Command {
     cmd.env("E2B_API_URL", &url)
         .env("E2B_SANDBOX_URL", &url)
         .env("E2B_API_KEY", E2B_KEY)
-        .env("HUSK_E2B_TEMPLATE", "base");
+        .env("HUSK_E2B_TEMPLATE", "base")
+        .env("HUSK_FRONT_DOOR", &d.expose)
+        .env("HUSK_FRONT_DOMAIN", FRONT_DOMAIN);
     cmd
 }
 

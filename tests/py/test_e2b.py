@@ -8,6 +8,7 @@ Every sandbox here is a real microVM restored from a snapshot.
 import os
 import time
 
+import httpx
 import pytest
 from e2b import (
     AuthenticationException,
@@ -107,6 +108,38 @@ def test_watch_dir(sbx):
         time.sleep(1)
     w.stop()
     assert "new.txt" in names
+
+
+def test_get_host_reaches_a_private_port_through_the_front_door(sbx):
+    # The daemon's front door (husk serve --expose): E2B's host format.
+    door, domain = os.environ["HUSK_FRONT_DOOR"], os.environ["HUSK_FRONT_DOMAIN"]
+    assert sbx.get_host(3000) == f"3000-{sbx.sandbox_id}.{domain}"
+    s = Sandbox.create(
+        TEMPLATE, timeout=600, network={"allow_public_traffic": False}, request_timeout=SLOW
+    )
+    try:
+        token = s.traffic_access_token
+        assert token
+        s.files.write("/tmp/www/index.html", "served from the sandbox\n", request_timeout=SLOW)
+        s.commands.run(
+            "busybox httpd -f -p 8000 -h /tmp/www", background=True, timeout=0, request_timeout=SLOW
+        )
+        host = s.get_host(8000)
+        assert host == f"8000-{s.sandbox_id}.{domain}"
+        with httpx.Client(base_url=f"http://{door}", timeout=SLOW) as http:
+            deadline = time.time() + SLOW
+            while True:
+                r = http.get("/index.html", headers={"Host": host, "e2b-traffic-access-token": token})
+                if r.status_code != 502 or time.time() > deadline:
+                    break
+                time.sleep(1)  # httpd is still starting
+            assert r.status_code == 200, r.text
+            assert r.text == "served from the sandbox\n"
+            r = http.get("/index.html", headers={"Host": host})
+            assert r.status_code == 403
+            assert "e2b-traffic-access-token" in r.text
+    finally:
+        s.kill()
 
 
 def test_list_timeout_pause_connect_kill():

@@ -415,8 +415,10 @@ struct CreateBody {
 
 /// The create request's `network` options husk maps so far.
 #[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct Network {
-    /// false: the sandbox's ports want its traffic access token.
+    /// `allowPublicTraffic: false`: the sandbox's ports want its traffic
+    /// access token.
     allow_public_traffic: Option<bool>,
 }
 
