@@ -1315,6 +1315,229 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
     assert_eq!(destroyed.0, 404, "{}", destroyed.1);
 }
 
+/// An entry of a test image's layer: path, content (None: a directory),
+/// symlink target, mode, uid.
+type LayerEntry<'a> = (&'a str, Option<&'a [u8]>, Option<&'a str>, u32, u64);
+
+/// A tar layer of `entries`.
+fn image_layer(entries: &[LayerEntry<'_>]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, content, link, mode, uid) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_uid(*uid);
+        h.set_gid(*uid);
+        h.set_mtime(1_700_000_000);
+        h.set_mode(*mode);
+        match (content, link) {
+            (_, Some(target)) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_size(0);
+                b.append_link(&mut h, path, target).expect("link");
+            }
+            (Some(data), None) => {
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_size(data.len() as u64);
+                b.append_data(&mut h, path, *data).expect("file");
+            }
+            (None, None) => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_size(0);
+                b.append_data(&mut h, path, &[][..]).expect("dir");
+            }
+        }
+    }
+    b.into_inner().expect("layer")
+}
+
+fn sha256_digest(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let hex: String = sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("sha256:{hex}")
+}
+
+/// A two-layer OCI image layout, as a tar archive, made here from the
+/// host's static busybox: layer one a small system with a user `app`
+/// (uid 1000) and files under /opt; layer two (gzip) whites out
+/// /opt/old, makes /opt/dir opaque and adds files. Its config sets env,
+/// working directory, user, entrypoint and command.
+fn busybox_image() -> Vec<u8> {
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let mut lower: Vec<LayerEntry<'_>> = vec![
+        ("bin", None, None, 0o755, 0),
+        ("bin/busybox", Some(&busybox), None, 0o755, 0),
+    ];
+    let applets = [
+        "sh", "id", "pwd", "ls", "cat", "echo", "env", "sleep", "mkdir",
+    ];
+    let links: Vec<String> = applets.iter().map(|a| format!("bin/{a}")).collect();
+    for l in &links {
+        lower.push((l, None, Some("busybox"), 0o777, 0));
+    }
+    let passwd = b"root:x:0:0:root:/root:/bin/sh\napp:x:1000:1000:app:/home/app:/bin/sh\n";
+    let group = b"root:x:0:\napp:x:1000:\n";
+    lower.extend_from_slice(&[
+        ("etc", None, None, 0o755, 0),
+        ("etc/passwd", Some(&passwd[..]), None, 0o644, 0),
+        ("etc/group", Some(&group[..]), None, 0o644, 0),
+        ("home", None, None, 0o755, 0),
+        ("home/app", None, None, 0o755, 1000),
+        ("opt", None, None, 0o755, 0),
+        ("opt/old", None, None, 0o755, 0),
+        ("opt/old/gone.txt", Some(b"gone"), None, 0o644, 0),
+        ("opt/dir", None, None, 0o755, 0),
+        ("opt/dir/lower.txt", Some(b"lower"), None, 0o644, 0),
+        ("opt/keep.txt", Some(b"kept"), None, 0o644, 0),
+    ]);
+    let lower = image_layer(&lower);
+    let upper = image_layer(&[
+        ("opt/.wh.old", Some(b""), None, 0o644, 0),
+        ("opt/dir/.wh..wh..opq", Some(b""), None, 0o644, 0),
+        ("opt/dir/upper.txt", Some(b"upper"), None, 0o644, 0),
+        ("app", None, None, 0o755, 1000),
+        (
+            "app/hello.txt",
+            Some(b"hello from the image's second layer\n"),
+            None,
+            0o644,
+            0,
+        ),
+    ]);
+    let upper = {
+        use std::io::Write;
+        let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        z.write_all(&upper).expect("gzip");
+        z.finish().expect("gzip")
+    };
+    let config = serde_json::to_vec(&json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/bin", "GREETING=hello from the image config"],
+            "WorkingDir": "/app",
+            "User": "app",
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": ["echo \"entry: $GREETING in $(pwd) as $(id -u):$(id -g) home $HOME\""]
+        },
+        "rootfs": { "type": "layers", "diff_ids": [] }
+    }))
+    .expect("config");
+    let manifest = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": sha256_digest(&config), "size": config.len()
+        },
+        "layers": [
+            { "mediaType": "application/vnd.oci.image.layer.v1.tar",
+              "digest": sha256_digest(&lower), "size": lower.len() },
+            { "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+              "digest": sha256_digest(&upper), "size": upper.len() },
+        ]
+    }))
+    .expect("manifest");
+    let index = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": sha256_digest(&manifest), "size": manifest.len(),
+            "platform": { "architecture": "amd64", "os": "linux" }
+        }]
+    }))
+    .expect("index");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |path: String, data: &[u8]| {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        b.append_data(&mut h, path, data).expect("entry");
+    };
+    add("oci-layout".into(), br#"{"imageLayoutVersion":"1.0.0"}"#);
+    add("index.json".into(), &index);
+    for blob in [&config, &manifest, &lower, &upper] {
+        add(format!("blobs/sha256/{}", &sha256_digest(blob)[7..]), blob);
+    }
+    b.into_inner().expect("image")
+}
+
+#[test]
+fn an_oci_image_becomes_a_template_with_its_layers_whiteouts_and_config() {
+    let (d, _g) = shared();
+    let image = d.state_dir.with_extension("image.tar");
+    std::fs::write(&image, busybox_image()).expect("image archive");
+    let husk = |args: &[&str]| {
+        Command::new(common::husk_binary())
+            .args(args)
+            .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+            .output()
+            .expect("husk")
+    };
+    let built = husk(&[
+        "template",
+        "build",
+        "busybox-image",
+        "--image",
+        image.to_str().expect("utf-8"),
+    ]);
+    let _ = std::fs::remove_file(&image);
+    assert!(built.status.success(), "{}", common::text(&built.stderr));
+    let template = get_template("busybox-image");
+    let s = create("busybox-image").sandbox;
+    let ran = exec(
+        &s.id,
+        &[
+            "/bin/sh",
+            "-c",
+            "echo $GREETING; pwd; id -u; id -g; echo $HOME; ls /opt; ls /opt/dir; cat hello.txt",
+        ],
+    )
+    .expect("exec");
+    // A request's own user, directory and environment win.
+    let as_root = exec_with(
+        &s.id,
+        json!({ "argv": ["/bin/sh", "-c", "id -u; pwd; echo $GREETING"],
+                "user": { "uid": 0, "gid": 0 }, "cwd": "/opt", "env": { "GREETING": "mine" } }),
+    )
+    .expect("exec");
+    destroy(&s.id);
+    // `husk run` without a command runs the entrypoint and command.
+    let run = husk(&["run", "--rm", "busybox-image"]);
+    let removed = husk(&["template", "rm", "busybox-image"]);
+
+    let image = template
+        .image
+        .expect("the template keeps the image's config");
+    assert_eq!(image.user.as_deref(), Some("app"));
+    assert_eq!(image.working_dir.as_deref(), Some("/app"));
+    assert_eq!(image.entrypoint, ["/bin/sh", "-c"]);
+    assert_eq!(
+        ran.stdout,
+        "hello from the image config\n/app\n1000\n1000\n/home/app\ndir\nkeep.txt\n\
+         upper.txt\nhello from the image's second layer\n",
+        "{}",
+        ran.stderr
+    );
+    assert_eq!(as_root.stdout, "0\n/opt\nmine\n", "{}", as_root.stderr);
+    assert_eq!(
+        common::text(&run.stdout),
+        "entry: hello from the image config in /app as 1000:1000 home /home/app\n",
+        "{}",
+        common::text(&run.stderr)
+    );
+    assert_eq!(run.status.code(), Some(0));
+    assert!(
+        removed.status.success(),
+        "{}",
+        common::text(&removed.stderr)
+    );
+}
+
 #[test]
 fn a_full_host_refuses_creates_with_429() {
     let d = daemon();

@@ -27,6 +27,7 @@ mod conn;
 mod egress;
 mod exec;
 mod files;
+mod image;
 mod ports;
 mod probe;
 mod process;
@@ -68,6 +69,7 @@ fn main() -> std::process::ExitCode {
     if let Err(e) = sys::exempt_from_oom() {
         log(&format!("the agent is not exempt from the OOM killer: {e}"));
     }
+    image::load();
     // Decided once, before any program runs (see simd.rs).
     simd::glibc_tunables();
     let hostname = hostname_from_cmdline(&cmdline);

@@ -507,7 +507,9 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
     if let Some(tunables) = crate::simd::glibc_tunables() {
         env.push(("GLIBC_TUNABLES".into(), tunables.into()));
     }
-    for (k, v) in &req.env {
+    // The image's settings, then the request's own.
+    let image = crate::image::get();
+    for (k, v) in image.env.iter().chain(&req.env) {
         env.retain(|(key, _)| key != k);
         env.push((k.clone(), v.clone()));
     }
@@ -527,7 +529,7 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
             .map(|d| cstring(&format!("{d}/{program}")))
             .collect::<Result<_, _>>()?
     };
-    let cwd = cstring(req.cwd.as_deref().unwrap_or("/"))?;
+    let cwd = cstring(req.cwd.as_deref().or(image.cwd.as_deref()).unwrap_or("/"))?;
     let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
     argv_ptrs.push(std::ptr::null());
     let mut envp_ptrs: Vec<*const libc::c_char> = envp.iter().map(|e| e.as_ptr()).collect();
@@ -591,7 +593,7 @@ fn finish_spawn(
     };
     let on_pty = pty.is_some();
     let report = exec_w.as_raw_fd();
-    let user = req.user;
+    let user = req.user.or(crate::image::get().user);
     let procs = cgroup.map(|c| c.procs.as_ptr());
     // SAFETY: sigset_t is plain data; sigemptyset initialises it.
     let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };

@@ -4,7 +4,7 @@
 //! state directory's socket), sandboxes are named by id:
 //!
 //!     husk serve [--state-dir DIR] [--kernel K] [--initramfs I] [--tcp ADDR --token-file F]
-//!     husk template build NAME [--dir DIR | --tar FILE] [--warmup CMD]... [--vcpus N] [--mem-mib N]
+//!     husk template build NAME [--dir DIR | --tar FILE | --image FILE] [--warmup CMD]... [--vcpus N] [--mem-mib N]
 //!     husk template ls|inspect|rm|verify [NAME]
 //!     husk pool set TEMPLATE SIZE | husk pool ls
 //!     husk run TEMPLATE [--ttl-s N] [--label K=V]... [--rm] [-- CMD [ARGS]...]
@@ -315,13 +315,19 @@ enum TemplateCommand {
         #[arg(long, conflicts_with = "tar")]
         dir: Option<PathBuf>,
         /// Root file system from this tar archive (an exported container).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "image")]
         tar: Option<PathBuf>,
+        /// Root file system from this container image: a `docker save`
+        /// archive, or an OCI image layout (a directory or a tar). Its env,
+        /// working directory and user hold for every exec; `husk run`
+        /// without a command runs its entrypoint and command.
+        #[arg(long, conflicts_with = "dir")]
+        image: Option<PathBuf>,
         /// Boot this guest kernel (an uncompressed vmlinux) instead of the
         /// daemon's.
         #[arg(long)]
         kernel: Option<PathBuf>,
-        /// --dir, --tar and --kernel name files on the daemon's host, in a
+        /// --dir, --tar, --image and --kernel name files on the daemon's host, in a
         /// directory it was started with (--template-source), instead of
         /// local files to upload.
         #[arg(long)]
@@ -885,6 +891,12 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                     "restored"
                 }
             );
+            // Without a command: the image's entrypoint and command, if
+            // the template came from an image that has them.
+            let argv = match argv.is_empty() {
+                true => sandboxes::image_command(&created.sandbox.template)?,
+                false => argv,
+            };
             if argv.is_empty() {
                 println!("{id}");
                 return Ok(0);
@@ -912,6 +924,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             name,
             dir,
             tar,
+            image,
             kernel,
             on_host,
             warmup,
@@ -921,6 +934,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             block_limit,
             net_limit,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
+            image,
             network,
             block_limit,
             net_limit,

@@ -267,6 +267,8 @@ pub struct BuildArgs {
     pub mem_mib: u32,
     pub dir: Option<PathBuf>,
     pub tar: Option<PathBuf>,
+    /// A container image (docker save archive, OCI layout dir or tar).
+    pub image: Option<PathBuf>,
     pub kernel: Option<PathBuf>,
     /// The paths are the daemon host's, in its --template-source
     /// directories: sent as they are, not uploaded.
@@ -275,6 +277,16 @@ pub struct BuildArgs {
     pub network: bool,
     pub block_limit: Option<String>,
     pub net_limit: Option<String>,
+}
+
+/// What `husk run` runs without a command: the entrypoint and command of
+/// the image template `template` was built from (none otherwise).
+pub fn image_command(template: &str) -> Result<Vec<String>, ApiClientError> {
+    Ok(client()
+        .template(template)?
+        .image
+        .map(|i| i.entrypoint.into_iter().chain(i.cmd).collect())
+        .unwrap_or_default())
 }
 
 /// Builds a template, showing its progress.
@@ -291,6 +303,24 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         client().upload(&mut file)
     };
     let rootfs = match (a.dir, a.tar, a.on_host) {
+        _ if a.image.is_some() => {
+            let path = a.image.unwrap_or_default();
+            if a.on_host {
+                RootfsSource::Image { path: abs(path) }
+            } else if path.is_dir() {
+                eprintln!(
+                    "uploading the image layout {} as a tar archive",
+                    path.display()
+                );
+                RootfsSource::ImageUpload {
+                    upload: client().upload_dir(&path)?,
+                }
+            } else {
+                RootfsSource::ImageUpload {
+                    upload: upload_file(&path)?,
+                }
+            }
+        }
         (Some(path), _, true) => RootfsSource::Dir { path: abs(path) },
         (None, Some(path), true) => RootfsSource::Tar { path: abs(path) },
         (Some(path), _, false) => {

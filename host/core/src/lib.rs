@@ -32,6 +32,7 @@ pub mod egress;
 pub mod fuzz;
 mod ids;
 pub mod metrics;
+pub mod oci;
 pub mod rootfs;
 pub mod sandbox;
 pub mod store;

@@ -12,7 +12,7 @@ use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 
 use crate::config::DaemonConfig;
-use husk_types::RootfsSource;
+use husk_types::{ImageConfig, RootfsSource};
 
 /// Errors making a root file system image.
 #[derive(Debug, thiserror::Error)]
@@ -36,13 +36,14 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError + '_ {
 }
 
 /// Makes `image` from `source`, staging the tree in `stage` (removed
-/// after). Returns how the source is recorded (`dir:PATH`, `tar:PATH`).
+/// after). Returns how the source is recorded (`dir:PATH`, `tar:PATH`,
+/// `image:PATH`) and, for a container image, its config.
 pub fn make_image(
     cfg: &DaemonConfig,
     source: &RootfsSource,
     image: &Path,
     stage: &Path,
-) -> Result<String, RootfsError> {
+) -> Result<(String, Option<ImageConfig>), RootfsError> {
     let guest_init = cfg.guest_init.as_ref().ok_or_else(|| {
         RootfsError::Invalid(
             "no guest-init binary to put in the root file system: start the daemon with \
@@ -62,9 +63,10 @@ fn stage_and_make(
     source: &RootfsSource,
     image: &Path,
     stage: &Path,
-) -> Result<String, RootfsError> {
+) -> Result<(String, Option<ImageConfig>), RootfsError> {
+    let mut config = None;
     let recorded = match source {
-        RootfsSource::Default | RootfsSource::Upload { .. } => {
+        RootfsSource::Default | RootfsSource::Upload { .. } | RootfsSource::ImageUpload { .. } => {
             return Err(RootfsError::Invalid(
                 "the default root file system and uploads are not images to stage".into(),
             ))
@@ -84,6 +86,16 @@ fn stage_and_make(
         RootfsSource::Tar { path } => {
             unpack(path, stage)?;
             format!("tar:{}", path.display())
+        }
+        RootfsSource::Image { path } => {
+            let c = crate::oci::unpack_image(path, stage, &stage.with_extension("image"))?;
+            std::fs::write(
+                stage.join(crate::oci::GUEST_CONFIG),
+                guest_config(stage, &c)?,
+            )
+            .map_err(io(stage))?;
+            config = Some(c);
+            format!("image:{}", path.display())
         }
     };
     for dir in MOUNT_POINTS {
@@ -120,7 +132,89 @@ fn stage_and_make(
     }
     debugfs.wait().map_err(io(&tmp))?;
     std::fs::rename(&tmp, image).map_err(io(image))?;
-    Ok(recorded)
+    Ok((recorded, config))
+}
+
+/// The image config as guest-init reads it at boot, one setting a line:
+/// `user UID GID`, `cwd DIR`, `env KEY=VALUE`. The image's user is
+/// resolved here against its own /etc/passwd and /etc/group, and its
+/// home becomes HOME unless the image sets one.
+fn guest_config(stage: &Path, c: &ImageConfig) -> Result<String, RootfsError> {
+    let settings = c.env.iter().chain(&c.working_dir).chain(&c.user);
+    if let Some(bad) = settings.into_iter().find(|v| v.contains(['\n', '\0'])) {
+        return Err(RootfsError::Invalid(format!(
+            "image: the setting {bad:?} has a line break or a NUL in it"
+        )));
+    }
+    let mut out = String::new();
+    let mut env = c.env.clone();
+    if let Some(user) = &c.user {
+        let (uid, gid, home) = image_user(stage, user)?;
+        out += &format!("user {uid} {gid}\n");
+        if let Some(home) = home.filter(|_| !env.iter().any(|e| e.starts_with("HOME="))) {
+            env.push(format!("HOME={home}"));
+        }
+    }
+    if let Some(dir) = &c.working_dir {
+        out += &format!("cwd {dir}\n");
+    }
+    for e in &env {
+        if !e.contains('=') {
+            return Err(RootfsError::Invalid(format!(
+                "image: env entry `{e}` is not KEY=VALUE"
+            )));
+        }
+        out += &format!("env {e}\n");
+    }
+    Ok(out)
+}
+
+/// `user` (`name`, `uid`, `name:group`, `uid:gid`) as numbers, with the
+/// user's home when /etc/passwd has one.
+fn image_user(stage: &Path, user: &str) -> Result<(u32, u32, Option<String>), RootfsError> {
+    let table = |name: &str| -> Vec<Vec<String>> {
+        let path = stage.join("etc").join(name);
+        // The image's own file, not one a link points at.
+        if !path.symlink_metadata().is_ok_and(|m| m.is_file()) {
+            return Vec::new();
+        }
+        std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.split(':').map(str::to_owned).collect())
+            .collect()
+    };
+    let (u, g) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
+    };
+    let passwd = table("passwd");
+    let entry = passwd
+        .iter()
+        .find(|f| f.len() >= 6 && (f[0] == u || f[2] == u));
+    let uid = match (u.parse::<u32>(), entry) {
+        (Ok(uid), _) => uid,
+        (Err(_), Some(f)) => f[2].parse().unwrap_or(0),
+        (Err(_), None) => {
+            return Err(RootfsError::Invalid(format!(
+                "image: its user `{u}` is not in its /etc/passwd"
+            )))
+        }
+    };
+    let gid = match g {
+        None => entry.and_then(|f| f[3].parse().ok()).unwrap_or(0),
+        Some(g) => match g.parse::<u32>() {
+            Ok(gid) => gid,
+            Err(_) => table("group")
+                .iter()
+                .find(|f| f.len() >= 3 && f[0] == g)
+                .and_then(|f| f[2].parse().ok())
+                .ok_or_else(|| {
+                    RootfsError::Invalid(format!("image: its group `{g}` is not in its /etc/group"))
+                })?,
+        },
+    };
+    Ok((uid, gid, entry.map(|f| f[5].clone())))
 }
 
 fn run(cmd: &mut Command) -> Result<(), RootfsError> {
@@ -157,61 +251,86 @@ fn tree_bytes(dir: &Path) -> u64 {
 /// it or make device nodes.
 pub fn unpack(archive: &Path, stage: &Path) -> Result<(), RootfsError> {
     let file = std::fs::File::open(archive).map_err(io(archive))?;
-    let mut tar = tar::Archive::new(file);
-    tar.set_preserve_permissions(true);
-    tar.set_preserve_ownerships(true);
-    tar.set_overwrite(true);
     let bad =
         |what: String| RootfsError::Invalid(format!("tar archive {}: {what}", archive.display()));
+    let mut tar = archive_reader(file);
     let entries = tar.entries().map_err(|e| bad(e.to_string()))?;
     for entry in entries {
         let mut entry = entry.map_err(|e| bad(format!("unreadable entry: {e}")))?;
-        let path: PathBuf = entry
-            .path()
-            .map_err(|e| bad(format!("entry with a bad name: {e}")))?
-            .into_owned();
-        if !is_contained(&path) {
-            return Err(bad(format!(
-                "entry `{}` is absolute or has a `..` component",
-                path.display()
-            )));
-        }
-        use tar::EntryType as T;
-        match entry.header().entry_type() {
-            T::Regular | T::Continuous | T::Directory | T::Symlink => {}
-            T::Link => {
-                let target = entry
-                    .link_name()
-                    .map_err(|e| bad(e.to_string()))?
-                    .map(|t| t.into_owned());
-                if !target.as_deref().is_some_and(is_contained) {
-                    return Err(bad(format!(
-                        "hard link `{}` points out of the archive",
-                        path.display()
-                    )));
-                }
-            }
-            T::XGlobalHeader | T::XHeader | T::GNULongName | T::GNULongLink => continue,
-            other => {
-                return Err(bad(format!(
-                    "entry `{}` is a {other:?} (device nodes and FIFOs are refused)",
-                    path.display()
-                )))
-            }
-        }
-        // unpack_in also refuses to write through a symlink that leads out
-        // of `stage`.
-        let inside = entry
-            .unpack_in(stage)
-            .map_err(|e| bad(format!("entry `{}`: {e}", path.display())))?;
-        if !inside {
-            return Err(bad(format!(
-                "entry `{}` leaves the archive",
-                path.display()
-            )));
+        if let Some(path) = checked_entry(&entry).map_err(bad)? {
+            unpack_entry(&mut entry, &path, stage).map_err(bad)?;
         }
     }
     Ok(())
+}
+
+/// A tar reader that keeps modes and owners and replaces what is there.
+pub(crate) fn archive_reader<R: std::io::Read>(from: R) -> tar::Archive<R> {
+    let mut tar = tar::Archive::new(from);
+    tar.set_preserve_permissions(true);
+    tar.set_preserve_ownerships(true);
+    tar.set_overwrite(true);
+    tar
+}
+
+/// The path of an archive entry that may be unpacked, None for one that
+/// carries no file (extended headers), or why it is refused: an absolute
+/// or `..` path, a hard link out of the tree, a device node or a FIFO.
+pub(crate) fn checked_entry<R: std::io::Read>(
+    entry: &tar::Entry<'_, R>,
+) -> Result<Option<PathBuf>, String> {
+    let path: PathBuf = entry
+        .path()
+        .map_err(|e| format!("entry with a bad name: {e}"))?
+        .into_owned();
+    if !is_contained(&path) {
+        return Err(format!(
+            "entry `{}` is absolute or has a `..` component",
+            path.display()
+        ));
+    }
+    use tar::EntryType as T;
+    match entry.header().entry_type() {
+        T::Regular | T::Continuous | T::Directory | T::Symlink => Ok(Some(path)),
+        T::Link => {
+            let target = entry
+                .link_name()
+                .map_err(|e| e.to_string())?
+                .map(|t| t.into_owned());
+            if target.as_deref().is_some_and(is_contained) {
+                Ok(Some(path))
+            } else {
+                Err(format!(
+                    "hard link `{}` points out of the archive",
+                    path.display()
+                ))
+            }
+        }
+        T::XGlobalHeader | T::XHeader | T::GNULongName | T::GNULongLink => Ok(None),
+        other => Err(format!(
+            "entry `{}` is a {other:?} (device nodes and FIFOs are refused)",
+            path.display()
+        )),
+    }
+}
+
+/// Unpacks one checked entry into `stage` (`unpack_in` also refuses to
+/// write through a symlink that leads out of `stage`).
+pub(crate) fn unpack_entry<R: std::io::Read>(
+    entry: &mut tar::Entry<'_, R>,
+    path: &Path,
+    stage: &Path,
+) -> Result<(), String> {
+    let inside = entry.unpack_in(stage).map_err(|e| {
+        // tar's error names the file; the cause is its source.
+        let cause = std::error::Error::source(&e).map_or_else(String::new, |c| format!(": {c}"));
+        format!("entry `{}`: {e}{cause}", path.display())
+    })?;
+    if inside {
+        Ok(())
+    } else {
+        Err(format!("entry `{}` leaves the archive", path.display()))
+    }
 }
 
 /// A path inside an archive that stays inside the directory it is

@@ -390,6 +390,7 @@ mod tests {
             reads: Vec::new(),
             block_limit: Some("bytes=1048576".to_owned()),
             net_limit: None,
+            image: None,
         };
         store.put_template(&t).expect("put");
 

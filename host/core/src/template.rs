@@ -126,30 +126,36 @@ fn build_in(
         })?,
     };
     let phase = Instant::now();
-    let (initramfs, drives, cmdline, source) = match &spec.rootfs {
+    let (initramfs, drives, cmdline, source, image_config) = match &spec.rootfs {
         RootfsSource::Default => {
             let initramfs = cfg.initramfs.clone().ok_or_else(|| {
                 TemplateError::Invalid(
                     "no default root file system: start the daemon with --initramfs".into(),
                 )
             })?;
-            (Some(initramfs), vec![], None, "default".to_owned())
+            (Some(initramfs), vec![], None, "default".to_owned(), None)
         }
-        RootfsSource::Dir { .. } | RootfsSource::Tar { .. } | RootfsSource::Upload { .. } => {
+        from => {
             progress("making the root file system image");
             let image = dir.join("rootfs.ext4");
-            let source = match &spec.rootfs {
-                RootfsSource::Upload { upload } => {
+            let stage = dir.join("stage");
+            let (source, config) = match from {
+                RootfsSource::Upload { upload } | RootfsSource::ImageUpload { upload } => {
                     let archive = dir.join("rootfs.tar");
                     crate::upload::take(&cfg.state_dir, upload, &archive)?;
-                    let from = RootfsSource::Tar {
-                        path: archive.clone(),
+                    let from = match from {
+                        RootfsSource::Upload { .. } => RootfsSource::Tar {
+                            path: archive.clone(),
+                        },
+                        _ => RootfsSource::Image {
+                            path: archive.clone(),
+                        },
                     };
-                    crate::rootfs::make_image(cfg, &from, &image, &dir.join("stage"))?;
+                    let (_, config) = crate::rootfs::make_image(cfg, &from, &image, &stage)?;
                     std::fs::remove_file(&archive).map_err(io(&archive))?;
-                    format!("upload:{upload}")
+                    (format!("upload:{upload}"), config)
                 }
-                from => crate::rootfs::make_image(cfg, from, &image, &dir.join("stage"))?,
+                from => crate::rootfs::make_image(cfg, from, &image, &stage)?,
             };
             phases.insert("rootfs".to_owned(), ms(phase));
             (
@@ -157,6 +163,7 @@ fn build_in(
                 vec![format!("path={}", image.display())],
                 Some("root=/dev/vda rw rootfstype=ext4 init=/init".to_owned()),
                 source,
+                config,
             )
         }
     };
@@ -261,6 +268,7 @@ fn build_in(
         reads: Vec::new(),
         block_limit: spec.block_limit,
         net_limit: spec.net_limit,
+        image: image_config,
     })
 }
 
@@ -446,6 +454,7 @@ pub fn from_sandbox(
         reads,
         block_limit: parent.and_then(|p| p.block_limit.clone()),
         net_limit: parent.and_then(|p| p.net_limit.clone()),
+        image: parent.and_then(|p| p.image.clone()),
     })
 }
 
@@ -529,10 +538,10 @@ pub fn verify(t: &TemplateRecord) -> Result<Vec<String>, TemplateError> {
 /// daemon's defaults need no check.
 pub fn check_sources(sources: &[PathBuf], spec: &mut TemplateSpec) -> Result<(), TemplateError> {
     match &mut spec.rootfs {
-        RootfsSource::Dir { path } | RootfsSource::Tar { path } => {
+        RootfsSource::Dir { path } | RootfsSource::Tar { path } | RootfsSource::Image { path } => {
             *path = allowed_source(sources, path, "root file system")?
         }
-        RootfsSource::Default | RootfsSource::Upload { .. } => {}
+        RootfsSource::Default | RootfsSource::Upload { .. } | RootfsSource::ImageUpload { .. } => {}
     }
     if let Some(KernelSource::Path(path)) = &mut spec.kernel {
         *path = allowed_source(sources, path, "kernel")?;
@@ -651,6 +660,7 @@ mod tests {
             reads: Vec::new(),
             block_limit: None,
             net_limit: None,
+            image: None,
         };
         assert!(verify(&t).is_ok());
 

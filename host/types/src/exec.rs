@@ -13,13 +13,15 @@ pub struct ExecSpec {
     /// The program and its arguments (the program by path, or looked up in `PATH`).
     pub argv: Vec<String>,
     #[serde(default)]
-    /// Environment variables, besides the guest's defaults.
+    /// Environment variables, besides the guest's defaults (and the
+    /// image's, which these override).
     pub env: BTreeMap<String, String>,
     #[serde(default)]
-    /// Working directory (default `/`).
+    /// Working directory (default `/`, or the image's for a template built
+    /// from a container image).
     pub cwd: Option<String>,
     #[serde(default)]
-    /// Who it runs as (default root).
+    /// Who it runs as (default root, or the image's user).
     pub user: Option<User>,
     /// Given to the program's stdin (UTF-8), which is then closed.
     #[serde(default)]

@@ -19,6 +19,6 @@ pub use sandbox::{
     PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
 };
 pub use template::{
-    check_template_name, BuildEvent, KernelSource, RootfsSource, TemplateRecord, TemplateSpec,
-    UploadInfo,
+    check_template_name, BuildEvent, ImageConfig, KernelSource, RootfsSource, TemplateRecord,
+    TemplateSpec, UploadInfo,
 };

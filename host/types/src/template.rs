@@ -48,6 +48,42 @@ pub enum RootfsSource {
         /// The upload's id.
         upload: String,
     },
+    /// A container image on the daemon's host (in a `--template-source`
+    /// directory): a `docker save` archive, or an OCI image layout (a
+    /// directory or a tar of one). Its layers are applied in order and its
+    /// config (env, working directory, user) holds for every exec.
+    Image {
+        /// The archive or layout directory.
+        path: PathBuf,
+    },
+    /// A container image archive the client uploaded (as `Image`).
+    ImageUpload {
+        /// The upload's id.
+        upload: String,
+    },
+}
+
+/// What a container image says about the programs run from it (its
+/// config's `Env`, `WorkingDir`, `User`, `Entrypoint` and `Cmd`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageConfig {
+    /// `KEY=VALUE` entries every program gets (a request's own win).
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// The working directory of a program that names none.
+    #[serde(default)]
+    pub working_dir: Option<String>,
+    /// The image's user (`name`, `uid`, `name:group`, `uid:gid`), as the
+    /// image gives it; programs that name no user run as it.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// What `husk run` without a command runs: the entrypoint, then the
+    /// command.
+    #[serde(default)]
+    pub entrypoint: Vec<String>,
+    /// See `entrypoint`.
+    #[serde(default)]
+    pub cmd: Vec<String>,
 }
 
 /// Where a template's guest kernel comes from, when not the daemon's: a
@@ -167,6 +203,9 @@ pub struct TemplateRecord {
     #[serde(default)]
     /// Rate limit of its sandboxes' network device.
     pub net_limit: Option<String>,
+    /// The config of the container image it was built from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageConfig>,
 }
 
 /// One line of a template build's progress stream.
