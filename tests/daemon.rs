@@ -1077,6 +1077,14 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     d.start(&["--max-hibernated", "0"]);
     let refused = status(api().hibernate(&s.id));
     let running = get(&s.id).expect("listed");
+    // And a disk budget: 1 MiB is less than a hibernation takes, which is
+    // found once it is written; it goes, and the sandbox runs on.
+    d.kill();
+    d.start(&["--hibernated-disk-mib", "1"]);
+    let over = status(api().hibernate(&s.id));
+    let after_over = get(&s.id).expect("listed");
+    let entries_after_over = entries_under(&run_dir);
+    let ran_after_over = sh(&s.id, "echo on");
     d.kill();
     d.start(&[]);
 
@@ -1092,6 +1100,18 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     assert_eq!(refused.0, 429, "{}", refused.1);
     assert!(refused.1.contains("--max-hibernated"), "{}", refused.1);
     assert_eq!(running.state, SandboxState::Running);
+    assert_eq!(over.0, 429, "{}", over.1);
+    assert!(
+        over.1.contains("--hibernated-disk-mib") && over.1.contains("this one needs"),
+        "{}",
+        over.1
+    );
+    assert_eq!(after_over.state, SandboxState::Running);
+    assert_eq!(
+        entries_after_over, files,
+        "a refused hibernation leaves nothing"
+    );
+    assert_eq!(ran_after_over.stdout, "on\n");
     destroy(&s.id);
 }
 
@@ -1535,6 +1555,52 @@ fn an_oci_image_becomes_a_template_with_its_layers_whiteouts_and_config() {
         removed.status.success(),
         "{}",
         common::text(&removed.stderr)
+    );
+}
+
+#[test]
+fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
+    let (_d, _g) = shared();
+    let s = create_with(json!({
+        "template": "base", "on_idle": { "after_s": 3, "action": "hibernate" }
+    }))
+    .expect("create")
+    .sandbox;
+    let gone = create_with(json!({
+        "template": "base", "on_idle": { "after_s": 2, "action": "destroy" }
+    }))
+    .expect("create")
+    .sandbox;
+    // A request in flight for longer than the idle time is a use.
+    let long = exec(&s.id, &["/bin/sh", "-c", "sleep 8; echo done"]).expect("exec");
+    let after_long = get(&s.id).expect("listed");
+    // Unused from then on: it hibernates; the other is destroyed.
+    wait_until("the idle sandbox to hibernate", || {
+        get(&s.id).is_ok_and(|i| i.state == SandboxState::Hibernated)
+    });
+    wait_until("the idle sandbox to be destroyed", || {
+        status(get(&gone.id)).0 == 404
+    });
+    // Any use wakes it, with its policy kept.
+    let back = exec(&s.id, &["echo", "back"]).expect("exec");
+    let woken = get(&s.id).expect("listed");
+    let audit = api().audit(Some(&s.id)).expect("audit");
+    destroy(&s.id);
+
+    assert_eq!(long.stdout, "done\n", "{}", long.stderr);
+    assert_eq!(after_long.state, SandboxState::Running);
+    assert_eq!(back.stdout, "back\n", "{}", back.stderr);
+    assert_eq!(woken.state, SandboxState::Running);
+    assert_eq!(
+        woken.on_idle.map(|p| p.after_s),
+        Some(3),
+        "the policy is kept: {woken:?}"
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|e| e.who == "idle" && e.action == "hibernate"),
+        "{audit:?}"
     );
 }
 

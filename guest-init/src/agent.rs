@@ -221,6 +221,8 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         }
         Body::Stat { path } => return Some(crate::files::stat(id, &path)),
         Body::Mkdir { path } => return Some(crate::files::mkdir(id, &path)),
+        Body::MkdirAs { path, user } => return Some(crate::files::mkdir_as(id, &path, user)),
+        Body::Chown { path, user } => return Some(crate::files::chown(id, &path, user)),
         Body::Remove { path, recursive } => {
             return Some(crate::files::remove(id, &path, recursive))
         }

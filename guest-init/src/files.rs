@@ -7,7 +7,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::conn::Conn;
-use husk_protocol::{Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, FILE_CHUNK, LIST_BATCH};
+use husk_protocol::{
+    Body, DirEntry, ErrorKind, FileKind, FileStat, Frame, User, FILE_CHUNK, LIST_BATCH,
+};
 
 pub(crate) fn kind_of(e: &std::io::Error) -> ErrorKind {
     match e.raw_os_error() {
@@ -98,6 +100,34 @@ pub fn list(id: u64, path: &str, conn: &Conn) -> Frame {
 /// `Mkdir` (with parents).
 pub fn mkdir(id: u64, path: &str) -> Frame {
     done(id, std::fs::create_dir_all(path), &format!("create {path}"))
+}
+
+/// `MkdirAs`: `mkdir -p`, each directory it creates given to `user` (as
+/// one the user made would be; those already there are left as they are).
+pub fn mkdir_as(id: u64, path: &str, user: User) -> Frame {
+    let path = std::path::Path::new(path);
+    let mut missing = Vec::new();
+    let mut at = Some(path);
+    while let Some(p) = at.filter(|p| !p.as_os_str().is_empty() && p.symlink_metadata().is_err()) {
+        missing.push(p);
+        at = p.parent();
+    }
+    let result = std::fs::create_dir_all(path).and_then(|()| {
+        missing
+            .iter()
+            .rev()
+            .try_for_each(|d| std::os::unix::fs::lchown(d, Some(user.uid), Some(user.gid)))
+    });
+    done(id, result, &format!("create {}", path.display()))
+}
+
+/// `Chown`: the path itself (a link, not what it points to).
+pub fn chown(id: u64, path: &str, user: User) -> Frame {
+    done(
+        id,
+        std::os::unix::fs::lchown(path, Some(user.uid), Some(user.gid)),
+        &format!("give {path} to {}:{}", user.uid, user.gid),
+    )
 }
 
 /// `Remove`: a file or symlink, an empty directory, or with `recursive` a tree.

@@ -59,6 +59,14 @@ def test_background_command_then_kill(sbx):
         h.wait()
 
 
+def test_stream_input_reaches_the_program_in_order(sbx):
+    h = sbx.commands.run("cat", background=True, stdin=True, timeout=0, request_timeout=SLOW)
+    sbx.commands.stream_input(h.pid, ["line one\n", b"line two\n", "three"], timeout=SLOW)
+    sbx.commands.close_stdin(h.pid, request_timeout=SLOW)
+    r = h.wait()
+    assert r.stdout == "line one\nline two\nthree"
+
+
 def test_a_command_that_times_out(sbx):
     with pytest.raises(TimeoutException):
         sbx.commands.run("sleep 600", timeout=3, request_timeout=SLOW)
@@ -95,6 +103,34 @@ def test_files(sbx):
     assert not sbx.files.exists("/home/user/made", request_timeout=SLOW)
     with pytest.raises(NotFoundException):
         sbx.files.read("/home/user/made/moved.txt", request_timeout=SLOW)
+
+
+def test_files_are_the_users_and_signed_urls_reach_them(sbx):
+    # Written through the API for `user` (the default): the file and the
+    # directories made for it are that user's, so its programs change them.
+    sbx.files.write("/home/user/owned/deep/new.txt", "mine\n", request_timeout=SLOW)
+    r = sbx.commands.run(
+        "stat -c %U /home/user/owned /home/user/owned/deep /home/user/owned/deep/new.txt"
+        " && echo more >> /home/user/owned/deep/new.txt && touch /home/user/owned/other && echo ok",
+        timeout=SLOW,
+        request_timeout=SLOW,
+    )
+    assert r.stdout == "user\nuser\nuser\nok\n"
+    # Signed URLs: plain HTTP, no SDK headers, the signature is the key.
+    up = sbx.upload_url("/home/user/signed.txt", use_signature_expiration=600)
+    with httpx.Client(timeout=SLOW) as http:
+        r = http.post(up, files={"file": ("signed.txt", b"via a signed url\n")})
+        assert r.status_code == 200, r.text
+        down = sbx.download_url("/home/user/signed.txt")
+        r = http.get(down)
+        assert r.status_code == 200, r.text
+        assert r.text == "via a signed url\n"
+        assert http.get(down.replace("signature=v1_", "signature=v1_A")).status_code == 401
+        # A signature for reading does not write.
+        assert http.post(down, files={"file": ("x", b"x")}).status_code == 401
+        expired = sbx.download_url("/home/user/signed.txt", use_signature_expiration=-60)
+        r = http.get(expired)
+        assert r.status_code == 401 and "expired" in r.text
 
 
 def test_watch_dir(sbx):
@@ -159,6 +195,82 @@ def test_list_timeout_pause_connect_kill():
     assert s2.kill() is True
     assert not s2.is_running()
     assert Sandbox.list(query=SandboxQuery(metadata={"suite": "lifecycle"})).next_items() == []
+
+
+def wait_for_state(sbx_id, suite, state):
+    deadline = time.time() + SLOW
+    while time.time() < deadline:
+        listed = Sandbox.list(query=SandboxQuery(metadata={"suite": suite})).next_items()
+        found = [x.state.value for x in listed if x.sandbox_id == sbx_id]
+        if found == [state]:
+            return
+        time.sleep(1)
+    raise AssertionError(f"{sbx_id} did not become {state}")
+
+
+def test_lifecycle_pauses_at_the_timeout_and_traffic_or_connect_resumes():
+    # on_timeout pause with auto_resume: the next request resumes it.
+    s = Sandbox.create(
+        TEMPLATE,
+        timeout=2,
+        metadata={"suite": "auto-resume"},
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+        request_timeout=SLOW,
+    )
+    try:
+        wait_for_state(s.sandbox_id, "auto-resume", "paused")
+        r = s.commands.run("echo resumed by traffic", timeout=SLOW, request_timeout=SLOW)
+        assert r.stdout == "resumed by traffic\n"
+    finally:
+        s.kill()
+    # Without its memory kept (husk hibernates it): connect wakes it, with
+    # what it had.
+    s = Sandbox.create(
+        TEMPLATE,
+        timeout=2,
+        metadata={"suite": "hibernate"},
+        lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}},
+        request_timeout=SLOW,
+    )
+    try:
+        s.files.write("/home/user/kept.txt", "kept\n", request_timeout=SLOW)
+        wait_for_state(s.sandbox_id, "hibernate", "paused")
+        s2 = Sandbox.connect(s.sandbox_id, timeout=600, request_timeout=SLOW)
+        r = s2.commands.run("cat /home/user/kept.txt", timeout=SLOW, request_timeout=SLOW)
+        assert r.stdout == "kept\n"
+    finally:
+        s.kill()
+
+
+def test_network_options_are_the_sandboxs_egress_policy():
+    s = Sandbox.create(
+        TEMPLATE,
+        timeout=600,
+        allow_internet_access=False,
+        network={
+            "allow_out": ["127.0.0.1"],
+            "rules": {"api.example.com": [{"transform": {"headers": {"Authorization": "Bearer k"}}}]},
+        },
+        request_timeout=SLOW,
+    )
+    try:
+        # Through the sandbox's egress proxy; both are refused before
+        # anything leaves: one by the allowlist, the other (allowed by it)
+        # as an address no sandbox reaches.
+        ask = "printf 'GET http://%s/ HTTP/1.0\\r\\n\\r\\n' {} | busybox nc 127.0.0.1 3128"
+        r = s.commands.run(
+            ask.format("blocked.example") + "; echo; " + ask.format("127.0.0.1"),
+            timeout=SLOW,
+            request_timeout=SLOW,
+        )
+        assert "blocked.example:80 is not in this sandbox's allowlist" in r.stdout, r.stdout
+        assert "127.0.0.1 is a loopback address" in r.stdout, r.stdout
+    finally:
+        s.kill()
+    # What husk cannot enforce is refused, not dropped.
+    with pytest.raises(Exception) as e:
+        Sandbox.create(TEMPLATE, network={"deny_out": ["10.0.0.0/8"]}, request_timeout=SLOW)
+    assert "denyOut" in str(e.value)
 
 
 def test_bad_input():

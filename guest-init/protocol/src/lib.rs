@@ -50,6 +50,8 @@
 //! | `List { path }` | host → guest | a directory's entries: `Entries` frames, the last with `more: false` |
 //! | `Entries { entries, more }` | guest → host | up to [`LIST_BATCH`] entries |
 //! | `Mkdir { path }` | host → guest | create a directory and its parents (`mkdir -p`) |
+//! | `MkdirAs { path, user }` | host → guest | `mkdir -p`, the directories it creates owned by `user` |
+//! | `Chown { path, user }` | host → guest | give a file, directory or link (not what it points to) to `user` |
 //! | `Remove { path, recursive }` | host → guest | remove a file, an empty directory, or a tree |
 //! | `Rename { from, to }` | host → guest | rename within the guest |
 //! | `Watch { path, recursive }` | host → guest | watch a directory (inotify): `Watching`, then `FsEvents` until `Cancel` |
@@ -253,6 +255,16 @@ pub enum Body {
     KillAll,
     KilledAll {
         tasks: u64,
+    },
+    // Added after version 4 shipped: an older agent answers these
+    // `Error(Malformed)`, and a client may fall back.
+    MkdirAs {
+        path: String,
+        user: User,
+    },
+    Chown {
+        path: String,
+        user: User,
     },
 }
 

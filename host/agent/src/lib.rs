@@ -16,7 +16,7 @@ use std::time::{Duration, SystemTime};
 use crate::readiness::WaitBudget;
 use husk_protocol::{
     read_frame, write_frame, Body, DirEntry, ErrorKind, ExecRequest, ExitReport, FileStat, Frame,
-    FsEvent, Health, ProcessInfo, ProtocolError, Stream, AGENT_PORT, FILE_CHUNK, VERSION,
+    FsEvent, Health, ProcessInfo, ProtocolError, Stream, User, AGENT_PORT, FILE_CHUNK, VERSION,
 };
 
 /// Longest wait for the guest to accept a connection and shake hands.
@@ -290,6 +290,8 @@ pub struct AgentClient {
     reader: BufReader<UnixStream>,
     sender: Arc<Sender>,
     clock: Option<Carried>,
+    /// Whatever its holder ties to its being in use (see `set_lease`).
+    lease: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl AgentClient {
@@ -333,6 +335,7 @@ impl AgentClient {
                 next_id: AtomicU64::new(1),
             }),
             clock: None,
+            lease: None,
         };
         let id = client.send(Body::Hello { version: VERSION })?;
         if !ready(client.reader.get_ref())? {
@@ -423,6 +426,13 @@ impl AgentClient {
             std::thread::sleep(backoff);
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
+    }
+
+    /// Ties `lease` to this connection: it is dropped with the connection,
+    /// or when replaced (None drops it now). A host uses it to know which
+    /// sandboxes have requests in flight.
+    pub fn set_lease(&mut self, lease: Option<Arc<dyn std::any::Any + Send + Sync>>) {
+        self.lease = lease;
     }
 
     /// Bounds each read from the agent (`None`: wait for ever, e.g. for a
@@ -815,6 +825,22 @@ impl AgentClient {
     pub fn mkdir(&mut self, path: &str) -> Result<(), ClientError> {
         self.expect_done(Body::Mkdir {
             path: path.to_owned(),
+        })
+    }
+
+    /// `mkdir -p` in the guest, the directories it creates owned by `user`.
+    pub fn mkdir_as(&mut self, path: &str, user: User) -> Result<(), ClientError> {
+        self.expect_done(Body::MkdirAs {
+            path: path.to_owned(),
+            user,
+        })
+    }
+
+    /// Gives a file, directory or link (not what it points to) to `user`.
+    pub fn chown(&mut self, path: &str, user: User) -> Result<(), ClientError> {
+        self.expect_done(Body::Chown {
+            path: path.to_owned(),
+            user,
         })
     }
 

@@ -217,6 +217,13 @@ enum Command {
         /// shows it).
         #[arg(long)]
         private_ports: bool,
+        /// After this many seconds without use (no request, no connection
+        /// to its ports), hibernate it (or --on-idle destroy).
+        #[arg(long)]
+        idle_s: Option<u64>,
+        /// What --idle-s does: hibernate (any use wakes it) or destroy.
+        #[arg(long, value_enum, default_value = "hibernate", requires = "idle_s")]
+        on_idle: IdleChoice,
         #[arg(last = true)]
         argv: Vec<String>,
     },
@@ -304,6 +311,13 @@ enum Command {
         #[arg(long)]
         parallel: Option<u32>,
     },
+}
+
+/// `husk run --on-idle`.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum IdleChoice {
+    Hibernate,
+    Destroy,
 }
 
 #[derive(Debug, Subcommand)]
@@ -871,8 +885,17 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             rm,
             allow,
             private_ports,
+            idle_s,
+            on_idle,
             argv,
         } => {
+            let on_idle = idle_s.map(|after_s| husk_types::IdlePolicy {
+                after_s,
+                action: match on_idle {
+                    IdleChoice::Hibernate => husk_types::IdleAction::Hibernate,
+                    IdleChoice::Destroy => husk_types::IdleAction::Destroy,
+                },
+            });
             let created = sandboxes::create(
                 &template,
                 ttl_s,
@@ -880,6 +903,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                 pause_on_expiry,
                 &allow,
                 private_ports,
+                on_idle,
             )?;
             let id = created.sandbox.id;
             eprintln!(

@@ -84,6 +84,7 @@ pub fn create(
     pause_on_expiry: bool,
     allow: &[String],
     private_ports: bool,
+    on_idle: Option<husk_types::IdlePolicy>,
 ) -> Result<Created, ApiClientError> {
     client().create_sandbox(&CreateRequest {
         template: template.to_owned(),
@@ -99,6 +100,7 @@ pub fn create(
             ..Default::default()
         },
         private_ports,
+        on_idle,
     })
 }
 

@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// --max-sandboxes).
     #[arg(long)]
     pub max_hibernated: Option<u32>,
+    /// Disk the hibernated sandboxes may take together, in MiB (default:
+    /// half the state directory's file system); a hibernation past it is
+    /// refused with 429 and the sandbox left as it was.
+    #[arg(long)]
+    pub hibernated_disk_mib: Option<u64>,
     /// Guest memory all sandboxes together may have, in MiB (default:
     /// three quarters of the host's memory).
     #[arg(long)]
@@ -196,6 +201,9 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     cfg.guest_init = real("--guest-init", args.guest_init)?;
     cfg.max_sandboxes = args.max_sandboxes.unwrap_or(cfg.max_sandboxes);
     cfg.max_hibernated = args.max_hibernated.unwrap_or(cfg.max_hibernated);
+    if let Some(mib) = args.hibernated_disk_mib {
+        cfg.max_hibernated_bytes = mib.saturating_mul(1 << 20);
+    }
     cfg.memory_mib = args.memory_mib.unwrap_or(cfg.memory_mib);
     cfg.restore_parallel = args.restore_parallel.unwrap_or(cfg.restore_parallel);
     if let Some(s) = args.restore_wait_s {

@@ -27,6 +27,8 @@ pub struct DaemonConfig {
     /// Most hibernated sandboxes (they hold disk, not memory, and do not
     /// count against `max_sandboxes`).
     pub max_hibernated: u32,
+    /// Disk all hibernated sandboxes together may take, in bytes.
+    pub max_hibernated_bytes: u64,
     /// Guest memory all sandboxes together may have, in MiB.
     pub memory_mib: u64,
     /// Most restores at once (pool refills and creates together).
@@ -107,7 +109,8 @@ impl FrontDoorAddr {
 impl DaemonConfig {
     /// The defaults `husk serve` runs with, for a host whose state lives in
     /// `state_dir`: husk-vmm (and husk-jailer) next to this program; at most
-    /// 64 sandboxes and three quarters of the host's memory for guests;
+    /// 64 sandboxes and three quarters of the host's memory for guests; 4096
+    /// hibernated ones in half the state directory's file system;
     /// restores at once as many as CPUs; a clone's agent 120 s and a
     /// template boot 900 s to answer on a quiet host; cgroup limits where
     /// a writable hierarchy exists; each VMM in its jail when running as
@@ -127,6 +130,7 @@ impl DaemonConfig {
             guest_init: None,
             max_sandboxes: 64,
             max_hibernated: 4096,
+            max_hibernated_bytes: 0,
             memory_mib: host_memory_mib() * 3 / 4,
             restore_parallel: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             restore_wait: Duration::from_secs(120),
@@ -144,6 +148,7 @@ impl DaemonConfig {
             front_door: None,
         };
         cfg.set_vmm(vmm);
+        cfg.max_hibernated_bytes = half_the_disk(&cfg.state_dir);
         cfg
     }
 
@@ -155,6 +160,15 @@ impl DaemonConfig {
             jail.jailer = self.vmm.with_file_name("husk-jailer");
         }
     }
+}
+
+/// Half the size of the file system `dir` is on (or will be: its nearest
+/// existing parent); 64 GiB if that cannot be told.
+fn half_the_disk(dir: &std::path::Path) -> u64 {
+    let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(dir);
+    nix::sys::statvfs::statvfs(existing)
+        .map(|s| s.blocks() * s.fragment_size() / 2)
+        .unwrap_or(64 << 30)
 }
 
 /// The host's memory in MiB (4096 if /proc/meminfo cannot say).

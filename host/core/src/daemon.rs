@@ -15,8 +15,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use husk_types::{
-    CreateRequest, Created, EgressSpec, ExpiryPolicy, PoolInfo, SandboxInfo, SandboxState,
-    SandboxUpdate, SecretSpec, TemplateRecord, TemplateSpec,
+    CreateRequest, Created, EgressSpec, ExpiryPolicy, IdleAction, PoolInfo, SandboxInfo,
+    SandboxState, SandboxUpdate, SecretSpec, TemplateRecord, TemplateSpec,
 };
 
 use crate::cgroup::{Cgroup, Limits, Priority};
@@ -101,6 +101,55 @@ struct Live {
     clock: Option<Arc<ClockGate>>,
     /// Connections to its ports open now (see [`Daemon::connect_port`]).
     ports: Arc<std::sync::atomic::AtomicUsize>,
+    /// When it was last used, and (its other holders) what uses it now.
+    activity: Arc<Activity>,
+}
+
+/// When a sandbox was last used; each [`InUse`] holding it is a request or
+/// a port connection in flight.
+#[derive(Debug)]
+struct Activity {
+    last: Mutex<Instant>,
+}
+
+impl Activity {
+    fn new() -> Arc<Self> {
+        Arc::new(Activity {
+            last: Mutex::new(Instant::now()),
+        })
+    }
+
+    fn touch(&self) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// How long nothing has used it (zero while something does).
+    fn idle_for(self: &Arc<Self>) -> Duration {
+        if Arc::strong_count(self) > 1 {
+            return Duration::ZERO;
+        }
+        self.last
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+}
+
+/// A use of a sandbox in flight; its end counts as the last use.
+#[derive(Debug)]
+struct InUse(Arc<Activity>);
+
+impl InUse {
+    fn of(activity: &Arc<Activity>) -> Self {
+        activity.touch();
+        InUse(activity.clone())
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.0.touch();
+    }
 }
 
 impl Live {
@@ -112,6 +161,7 @@ impl Live {
             idle: Vec::new(),
             clock: None,
             ports: Arc::default(),
+            activity: Activity::new(),
         }
     }
 }
@@ -274,6 +324,7 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         agent_socket: Some(rec.run_dir.join(vmm_process::VSOCK).display().to_string()),
         disk_bytes: rec.hibernated_bytes,
         traffic_token: rec.traffic_token.clone(),
+        on_idle: rec.on_idle,
     }
 }
 
@@ -684,10 +735,20 @@ impl Daemon {
         } else {
             None
         };
+        if let Some(p) = &req.on_idle {
+            if p.after_s == 0 {
+                return Err(DaemonError::Invalid(
+                    "on_idle.after_s must be at least 1".into(),
+                ));
+            }
+        }
+        rec.on_idle = req.on_idle;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
             live.rec = rec.clone();
+            // Idle from now, not from when it was parked.
+            live.activity.touch();
         }
         if let Err(e) = self.start_proxy(&rec) {
             self.destroy_quietly(&rec.id);
@@ -936,6 +997,7 @@ impl Daemon {
             hibernation: None,
             hibernated_bytes: None,
             traffic_token: None,
+            on_idle: None,
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1078,8 +1140,13 @@ impl Daemon {
                     }
                 }
             }
-            (live.rec.clone(), kept, live.clock.clone())
+            (
+                live.rec.clone(),
+                kept,
+                (live.clock.clone(), live.activity.clone()),
+            )
         };
+        let (clock, activity) = clock;
         match rec.state {
             SandboxState::Running => {}
             // Any use wakes it (one lock on the way for a running one).
@@ -1093,6 +1160,8 @@ impl Daemon {
             Some(client) => client,
             None => AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT)?,
         };
+        // In use while the caller holds it (see `on_idle`).
+        client.set_lease(Some(Arc::new(InUse::of(&activity))));
         if let Some(gate) = clock {
             if let Err(e) = client.carry_clock(gate) {
                 self.fail(id, &e.to_string());
@@ -1135,6 +1204,8 @@ impl Daemon {
         if client.set_read_timeout(Some(AGENT_TIMEOUT)).is_err() {
             return;
         }
+        // Kept, it is no use of the sandbox.
+        client.set_lease(None);
         let mut inner = self.lock();
         if let Some(live) = inner.sandboxes.get_mut(id) {
             if live.rec.state == SandboxState::Running && live.idle.len() < MAX_IDLE_AGENTS {
@@ -1213,6 +1284,10 @@ impl Daemon {
                 )));
             }
             live.rec.state = to;
+            if to == SandboxState::Running {
+                // Resumed: a fresh idle period.
+                live.activity.touch();
+            }
             live.rec.clone()
         };
         self.store.put_sandbox(&rec)?;
@@ -1358,6 +1433,7 @@ impl Daemon {
                     secrets: parent.egress_secrets.clone(),
                 },
                 private_ports: parent.traffic_token.is_some(),
+                on_idle: parent.on_idle,
                 ..CreateRequest::default()
             };
             match self.create(req, who) {
@@ -1619,6 +1695,7 @@ impl Daemon {
             std::thread::sleep(Duration::from_millis(250));
             self.reap();
             self.expire();
+            self.idle();
         }
     }
 
@@ -1719,6 +1796,41 @@ impl Daemon {
             match result {
                 Ok(()) => tracing::info!(sandbox = %id, ?policy, "time to live ran out"),
                 Err(e) => tracing::warn!(sandbox = %id, "expiry failed: {e}"),
+            }
+        }
+    }
+
+    /// Hibernates or destroys the running sandboxes nobody has used for
+    /// their `on_idle.after_s`.
+    fn idle(&self) {
+        let due: Vec<(String, IdleAction)> = {
+            let inner = self.lock();
+            inner
+                .sandboxes
+                .values()
+                .filter(|l| l.rec.state == SandboxState::Running)
+                .filter_map(|l| {
+                    let p = l.rec.on_idle?;
+                    let idle = l.activity.idle_for();
+                    (idle >= Duration::from_secs(p.after_s) && l.ports.load(Ordering::SeqCst) == 0)
+                        .then(|| (l.rec.id.clone(), p.action))
+                })
+                .collect()
+        };
+        for (id, action) in due {
+            let result = match action {
+                IdleAction::Destroy => self.destroy(&id, "idle"),
+                IdleAction::Hibernate => self.hibernate(&id, "idle").map(drop),
+            };
+            match result {
+                Ok(()) => tracing::info!(sandbox = %id, ?action, "idle"),
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, "idle {action:?} failed: {e}");
+                    // Not again at once: a full idle period from now.
+                    if let Some(l) = self.lock().sandboxes.get(&id) {
+                        l.activity.touch();
+                    }
+                }
             }
         }
     }

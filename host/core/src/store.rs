@@ -118,6 +118,9 @@ pub struct SandboxRecord {
     /// The token requests to its ports must carry, when they are private.
     #[serde(default)]
     pub traffic_token: Option<String>,
+    /// What happens when nobody uses it for a while.
+    #[serde(default)]
+    pub on_idle: Option<husk_types::IdlePolicy>,
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -343,6 +346,7 @@ mod tests {
             hibernation: None,
             hibernated_bytes: None,
             traffic_token: None,
+            on_idle: None,
         }
     }
 

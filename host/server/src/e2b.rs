@@ -17,9 +17,8 @@
 //! resolve there) unless the SDK names another user, as `/bin/bash -l -c`
 //! (husk's root file system carries bash and the user).
 //!
-//! Not served: `StreamInput`, presigned file URLs,
-//! file metadata headers; the SDK is told envd [`ENVD_VERSION`], the
-//! lowest version whose features these are.
+//! Not served: file metadata (envd 0.6.2); the SDK is told envd
+//! [`ENVD_VERSION`], the lowest version whose features these are.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
@@ -41,7 +40,9 @@ use tokio::sync::mpsc;
 
 use husk_agent_client::{AgentClient, ClientError, Event};
 use husk_core::daemon::{Daemon, DaemonError};
-use husk_types::{CreateRequest, SandboxInfo, SandboxState, SandboxUpdate};
+use husk_types::{
+    CreateRequest, EgressSpec, ExpiryPolicy, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec,
+};
 
 /// What husk's envd speaks (see the module docs).
 pub const ENVD_VERSION: &str = "0.5.7";
@@ -286,6 +287,7 @@ pub fn router(e2b: Shared) -> Router {
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/health", get(health))
         .route("/files", get(download).post(upload))
+        .route("/process.Process/StreamInput", post(stream_input))
         .route("/process.Process/{method}", post(process_rpc))
         .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
         .route("/{*rest}", delete(not_found).get(not_found).post(not_found))
@@ -411,15 +413,126 @@ struct CreateBody {
     env_vars: BTreeMap<String, String>,
     #[serde(default)]
     network: Network,
+    /// false: as `denyOut: ["0.0.0.0/0"]` (the one snake_case field).
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    /// At its timeout: pause (`lifecycle.on_timeout: pause`), else kill.
+    #[serde(default)]
+    auto_pause: bool,
+    /// With `autoPause`: keep its memory (`mode: full`, the default), or
+    /// not (`mode: filesystem`), which husk does as a hibernation.
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResume>,
 }
 
-/// The create request's `network` options husk maps so far.
+#[derive(Debug, Deserialize)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: bool,
+}
+
+/// The label of a sandbox that any envd request resumes when paused.
+const AUTO_RESUME: &str = "e2b.auto-resume";
+
+/// The create request's `network` options.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Network {
-    /// `allowPublicTraffic: false`: the sandbox's ports want its traffic
-    /// access token.
+    /// false: the sandbox's ports want its traffic access token.
     allow_public_traffic: Option<bool>,
+    allow_out: Option<Vec<String>>,
+    deny_out: Option<Vec<String>>,
+    /// Per host, header transforms of its outbound requests.
+    #[serde(default)]
+    rules: BTreeMap<String, Vec<NetRule>>,
+    /// Options husk does not map: refused by name when given.
+    egress_proxy: Option<Value>,
+    mask_request_host: Option<Value>,
+    https_ports: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct NetRule {
+    #[serde(default)]
+    transform: Option<Transform>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Transform {
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+/// E2B's egress options as husk's egress policy. E2B lets a sandbox out
+/// by default: that is `*` here (any public address; private, loopback
+/// and link-local ones stay refused by the proxy). `allow_internet_access:
+/// false` or `denyOut: ["0.0.0.0/0"]` leave only `allowOut` (names,
+/// `*.` wildcards, addresses, `/32` blocks); `rules` become the proxy's
+/// credentials (headers added on the host, never seen by the guest).
+/// What husk cannot do is refused with a message, never dropped: other
+/// `denyOut` blocks, wider `allowOut` blocks, a SOCKS proxy, host masks,
+/// HTTPS ports.
+fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
+    let n = &body.network;
+    for (given, name) in [
+        (&n.egress_proxy, "egressProxy"),
+        (&n.mask_request_host, "maskRequestHost"),
+        (&n.https_ports, "httpsPorts"),
+    ] {
+        if given.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(format!("network.{name} is not supported by husk"));
+        }
+    }
+    let everything = |e: &String| matches!(e.as_str(), "0.0.0.0/0" | "::/0");
+    let deny = n.deny_out.as_deref().unwrap_or_default();
+    if let Some(other) = deny.iter().find(|e| !everything(e)) {
+        return Err(format!(
+            "network.denyOut `{other}`: husk denies only everything (0.0.0.0/0) and \
+             allows by allowOut"
+        ));
+    }
+    let closed = body.allow_internet_access == Some(false) || !deny.is_empty();
+    let mut allow: Vec<String> = if closed { Vec::new() } else { vec!["*".into()] };
+    for entry in n.allow_out.as_deref().unwrap_or_default() {
+        allow.push(match entry.split_once('/') {
+            None => entry.clone(),
+            Some((ip, "32" | "128")) => ip.to_owned(),
+            Some(_) if everything(entry) => "*".to_owned(),
+            Some(_) => {
+                return Err(format!(
+                    "network.allowOut `{entry}`: husk allows names, addresses and /32 \
+                     blocks, not wider ranges"
+                ))
+            }
+        });
+    }
+    let secrets = n
+        .rules
+        .iter()
+        .flat_map(|(host, rules)| {
+            rules
+                .iter()
+                .filter_map(|r| r.transform.as_ref())
+                .flat_map(move |t| {
+                    t.headers.iter().map(move |(header, value)| SecretSpec {
+                        host: host.clone(),
+                        header: header.clone(),
+                        value: value.clone(),
+                    })
+                })
+        })
+        .collect();
+    Ok(EgressSpec { allow, secrets })
+}
+
+/// At its time to live: kill, pause in memory, or (a pause without its
+/// memory kept, in E2B's words) hibernate.
+fn expiry_of(body: &CreateBody) -> ExpiryPolicy {
+    match (body.auto_pause, body.auto_pause_memory) {
+        (false, _) => ExpiryPolicy::Destroy,
+        (true, Some(false)) => ExpiryPolicy::Hibernate,
+        (true, _) => ExpiryPolicy::Pause,
+    }
 }
 
 async fn create(
@@ -440,12 +553,18 @@ async fn create(
         .map(|(k, v)| (format!("{META}{k}"), v.clone()))
         .collect();
     labels.insert("e2b".into(), "1".into());
+    if body.auto_resume.as_ref().is_some_and(|a| a.enabled) {
+        labels.insert(AUTO_RESUME.into(), "1".into());
+    }
+    let egress = egress_of(&body).map_err(|e| RestError(StatusCode::BAD_REQUEST, e))?;
     let req = CreateRequest {
         template: body.template_id.clone(),
         ttl_s: Some(body.timeout.unwrap_or(DEFAULT_TIMEOUT_S).max(1)),
+        on_expiry: expiry_of(&body),
         labels,
+        egress,
         private_ports: body.network.allow_public_traffic == Some(false),
-        ..Default::default()
+        on_idle: None,
     };
     let e = e2b.clone();
     let (created, alias) = blocking(move || {
@@ -626,7 +745,9 @@ async fn pause(
                 format!("sandbox {id} is already paused"),
             ));
         }
-        e.daemon.pause(&id, "e2b")?;
+        // E2B's pause persists the sandbox: here, a hibernation (its
+        // memory on disk, its VMM gone; connect or auto-resume wakes it).
+        e.daemon.hibernate(&id, "e2b")?;
         Ok(())
     })
     .await?;
@@ -728,6 +849,14 @@ fn envd_sandbox(e2b: &E2b, headers: &HeaderMap) -> Result<String, Unreachable> {
     };
     match e2b.daemon.sandbox(id) {
         Ok(info) if info.state == SandboxState::Running => {}
+        // Created with `lifecycle.auto_resume`: a request resumes it.
+        Ok(info)
+            if matches!(info.state, SandboxState::Paused | SandboxState::Hibernated)
+                && info.labels.contains_key(AUTO_RESUME) =>
+        {
+            tokio::task::block_in_place(|| e2b.daemon.resume(id, "e2b (auto-resume)"))
+                .map_err(|e| gone(format!("sandbox {id} could not be resumed: {e}")))?;
+        }
         Ok(info) => {
             return Err(gone(format!(
                 "sandbox {id} is {:?}: it was not found running",
@@ -764,6 +893,43 @@ struct GuestUser {
     uid: u32,
     gid: u32,
     home: String,
+}
+
+impl GuestUser {
+    fn id(&self) -> husk_protocol::User {
+        husk_protocol::User {
+            uid: self.uid,
+            gid: self.gid,
+        }
+    }
+
+    /// `mkdir -p` as envd does it, running as the user: what it creates is
+    /// the user's. (An agent older than `MkdirAs` makes them root's.)
+    fn mkdir(&self, agent: &mut AgentClient, dir: &str) -> Result<(), RpcError> {
+        if self.uid == 0 {
+            return agent.mkdir(dir).map_err(RpcError::from);
+        }
+        match agent.mkdir_as(dir, self.id()) {
+            Err(e) if e.kind() == Some(husk_protocol::ErrorKind::Malformed) => {
+                agent.mkdir(dir).map_err(RpcError::from)
+            }
+            other => other.map_err(RpcError::from),
+        }
+    }
+
+    /// A file written for the user becomes the user's, as one envd wrote.
+    fn own(&self, agent: &mut AgentClient, path: &str) -> Result<(), RpcError> {
+        if self.uid == 0 {
+            return Ok(());
+        }
+        match agent.chown(path, self.id()) {
+            Err(e) if e.kind() == Some(husk_protocol::ErrorKind::Malformed) => {
+                tracing::warn!("{path} stays root's: this sandbox's agent predates Chown");
+                Ok(())
+            }
+            other => other.map_err(RpcError::from),
+        }
+    }
 }
 
 /// The user a request names (Basic auth `user:`), else `user`.
@@ -933,6 +1099,82 @@ fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: V
         Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(out)),
     )
         .into_response()
+}
+
+/// `StreamInput` (client streaming): a `start` naming the process, then
+/// `data` messages whose input goes to its stdin (or terminal) as each
+/// arrives, and `keepalive`s; the end of the request body ends it. Answered
+/// with the end-of-stream envelope, or one that carries the error.
+async fn stream_input(State(e2b): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    use tokio_stream::StreamExt;
+    let id = match envd_sandbox(&e2b, &headers) {
+        Ok(id) => id,
+        Err(r) => return r.into_response(),
+    };
+    let e = e2b.clone();
+    let agent = match blocking(move || e.daemon.agent(&id).map_err(RpcError::from)).await {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    let mut chunks = body.into_data_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut input = None;
+    let outcome: Result<(), RpcError> = async {
+        loop {
+            // Whole envelopes first; then more of the body.
+            while buf.len() >= 5 {
+                let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+                if len > MAX_RPC {
+                    return Err(RpcError("resource_exhausted", "message too large".into()));
+                }
+                if buf.len() < 5 + len {
+                    break;
+                }
+                let frame: Vec<u8> = buf.drain(..5 + len).collect();
+                if frame[0] & 1 != 0 {
+                    return Err(RpcError(
+                        "unimplemented",
+                        "compressed messages are not supported".into(),
+                    ));
+                }
+                let msg: Value = serde_json::from_slice(&frame[5..])
+                    .map_err(|e| RpcError("invalid_argument", format!("a message: {e}")))?;
+                if msg.get("start").is_some() {
+                    input = Some(agent.input(pid_of(&msg["start"])?));
+                } else if let Some(data) = msg.get("data") {
+                    let input = input.as_ref().ok_or_else(|| {
+                        RpcError("failed_precondition", "data before `start`".into())
+                    })?;
+                    let bytes = data["input"]["stdin"]
+                        .as_str()
+                        .or_else(|| data["input"]["pty"].as_str())
+                        .map(decode_b64)
+                        .unwrap_or_default();
+                    // A write to the agent's socket: short, but it may wait
+                    // for a slow guest.
+                    tokio::task::block_in_place(|| input.write(&bytes)).map_err(RpcError::from)?;
+                }
+            }
+            match chunks.next().await {
+                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
+                Some(Err(e)) => return Err(RpcError("canceled", format!("the request: {e}"))),
+                None if buf.is_empty() => return Ok(()),
+                None => return Err(RpcError("invalid_argument", "a cut message".into())),
+            }
+        }
+    }
+    .await;
+    // A client stream's answer: its one (empty) message, then the end of
+    // the stream; or only the end, carrying the error.
+    let mut answer = Vec::new();
+    match outcome {
+        Ok(()) => {
+            answer.extend_from_slice(&envelope(0, &json!({})));
+            answer.extend_from_slice(&envelope(2, &json!({})));
+        }
+        Err(e) => answer.extend_from_slice(&envelope(2, &json!({ "error": e.json() }))),
+    }
+    ([(header::CONTENT_TYPE, "application/connect+json")], answer).into_response()
 }
 
 fn pid_of(msg: &Value) -> Result<i32, RpcError> {
@@ -1288,7 +1530,7 @@ async fn filesystem_rpc(
                     if agent.stat(&p).is_ok() {
                         return Err(RpcError("already_exists", format!("{p} already exists")));
                     }
-                    agent.mkdir(&p).map_err(RpcError::from)?;
+                    user.mkdir(&mut agent, &p)?;
                     let st = agent.stat(&p).map_err(RpcError::from)?;
                     Ok(json!({ "entry": entry_info(&p, &st) }))
                 }
@@ -1496,6 +1738,65 @@ fn create_watcher(
 struct FileQuery {
     path: Option<String>,
     username: Option<String>,
+    /// A signed URL's signature (the SDK's `download_url`/`upload_url`).
+    signature: Option<String>,
+    signature_expiration: Option<u64>,
+}
+
+/// The sandbox a `/files` request is for: by its `E2b-Sandbox-Id` and
+/// access token, or, for a signed URL (which carries neither: it is made
+/// to be handed to a browser or `curl`), by its signature, which only the
+/// sandbox's access token makes (E2B's v1: base64 of the SHA-256 of
+/// `path:operation:username:token[:expiration]`).
+fn file_sandbox(
+    e2b: &E2b,
+    headers: &HeaderMap,
+    q: &FileQuery,
+    operation: &str,
+) -> Result<String, Unreachable> {
+    let Some(signature) = q
+        .signature
+        .as_deref()
+        .filter(|_| !headers.contains_key("e2b-sandbox-id"))
+    else {
+        return envd_sandbox(e2b, headers);
+    };
+    let refused = |msg: &str| {
+        let e = RpcError("unauthenticated", msg.to_owned());
+        Unreachable(e.status(), e.json())
+    };
+    if let Some(expiry) = q.signature_expiration {
+        if expiry.saturating_mul(1000) < now_ms() {
+            return Err(refused("the signed URL has expired"));
+        }
+    }
+    let path = q.path.as_deref().unwrap_or_default();
+    let user = q.username.as_deref().unwrap_or_default();
+    let expected = |token: &str| {
+        let raw = match q.signature_expiration {
+            Some(exp) => format!("{path}:{operation}:{user}:{token}:{exp}"),
+            None => format!("{path}:{operation}:{user}:{token}"),
+        };
+        let digest = Sha256::digest(raw.as_bytes());
+        format!(
+            "v1_{}",
+            base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+        )
+    };
+    let labels = BTreeMap::from([("e2b".to_owned(), "1".to_owned())]);
+    // Each candidate compared in full (no early exit on a match).
+    let found = e2b
+        .daemon
+        .list(&labels, Some(SandboxState::Running))
+        .into_iter()
+        .fold(None, |found, info| {
+            let same = crate::api::constant_time_eq(
+                signature.as_bytes(),
+                expected(&e2b.token(&info.id)).as_bytes(),
+            );
+            found.or(same.then_some(info.id))
+        });
+    found.ok_or_else(|| refused("the URL's signature is not valid for any running sandbox"))
 }
 
 fn file_error(status: StatusCode, message: String) -> Response {
@@ -1511,7 +1812,7 @@ async fn download(
     headers: HeaderMap,
     Query(q): Query<FileQuery>,
 ) -> Response {
-    let id = match envd_sandbox(&e2b, &headers) {
+    let id = match file_sandbox(&e2b, &headers, &q, "read") {
         Ok(id) => id,
         Err(r) => return r.into_response(),
     };
@@ -1606,7 +1907,7 @@ async fn upload(
     Query(q): Query<FileQuery>,
     body: Bytes,
 ) -> Response {
-    let id = match envd_sandbox(&e2b, &headers) {
+    let id = match file_sandbox(&e2b, &headers, &q, "write") {
         Ok(id) => id,
         Err(r) => return r.into_response(),
     };
@@ -1651,11 +1952,12 @@ async fn upload(
             let path = resolve(&user, &path);
             e.daemon.audit(ENVD_WHO, "upload", &id, &path)?;
             if let Some((dir, _)) = path.rsplit_once('/').filter(|(d, _)| !d.is_empty()) {
-                agent.mkdir(dir).map_err(RpcError::from)?;
+                user.mkdir(&mut agent, dir)?;
             }
             agent
                 .write_file(&path, 0o644, &data[..])
                 .map_err(RpcError::from)?;
+            user.own(&mut agent, &path)?;
             let file = path.rsplit('/').next().unwrap_or_default().to_owned();
             out.push(json!({ "name": file, "type": "file", "path": path }));
         }
@@ -1671,6 +1973,77 @@ async fn upload(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn body(json: Value) -> CreateBody {
+        serde_json::from_value(json).expect("a create body")
+    }
+
+    #[test]
+    fn network_options_become_the_egress_policy_or_are_refused_by_name() {
+        let open = egress_of(&body(json!({ "templateID": "t" }))).expect("default");
+        assert_eq!(open.allow, ["*"]);
+        let closed = egress_of(&body(json!({
+            "templateID": "t",
+            "allow_internet_access": false,
+            "network": {
+                "allowOut": ["api.example.com", "*.pypi.org", "203.0.113.7/32", "198.51.100.1"],
+                "rules": { "api.example.com": [
+                    { "transform": { "headers": { "Authorization": "Bearer k", "X-Team": "a" } } }
+                ] }
+            }
+        })))
+        .expect("closed");
+        assert_eq!(
+            closed.allow,
+            [
+                "api.example.com",
+                "*.pypi.org",
+                "203.0.113.7",
+                "198.51.100.1"
+            ]
+        );
+        assert_eq!(closed.secrets.len(), 2);
+        assert_eq!(
+            (
+                closed.secrets[0].host.as_str(),
+                closed.secrets[0].header.as_str()
+            ),
+            ("api.example.com", "Authorization")
+        );
+        assert_eq!(closed.secrets[0].value, "Bearer k");
+        let denied = egress_of(&body(json!({
+            "templateID": "t", "network": { "denyOut": ["0.0.0.0/0"], "allowOut": ["a.example"] }
+        })))
+        .expect("deny all");
+        assert_eq!(denied.allow, ["a.example"]);
+        for (network, named) in [
+            (json!({ "denyOut": ["10.0.0.0/8"] }), "denyOut `10.0.0.0/8`"),
+            (
+                json!({ "allowOut": ["203.0.113.0/24"] }),
+                "allowOut `203.0.113.0/24`",
+            ),
+            (json!({ "egressProxy": { "address": "x" } }), "egressProxy"),
+            (json!({ "httpsPorts": [8443] }), "httpsPorts"),
+        ] {
+            let err = egress_of(&body(json!({ "templateID": "t", "network": network })))
+                .expect_err(named);
+            assert!(err.contains(named), "{err}");
+        }
+    }
+
+    #[test]
+    fn lifecycle_options_become_the_expiry_policy() {
+        let expiry = |json: Value| expiry_of(&body(json));
+        assert_eq!(expiry(json!({ "templateID": "t" })), ExpiryPolicy::Destroy);
+        assert_eq!(
+            expiry(json!({ "templateID": "t", "autoPause": true })),
+            ExpiryPolicy::Pause
+        );
+        assert_eq!(
+            expiry(json!({ "templateID": "t", "autoPause": true, "autoPauseMemory": false })),
+            ExpiryPolicy::Hibernate
+        );
+    }
 
     #[test]
     fn times_are_rfc3339() {

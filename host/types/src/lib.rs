@@ -15,8 +15,9 @@ pub use exec::{ExecEvent, ExecSpec};
 /// A guest file's metadata and a directory's entries, as the agent gives them.
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
-    CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, Killed, PoolInfo,
-    PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
+    CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,
+    Killed, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec,
+    SnapshotRequest,
 };
 pub use template::{
     check_template_name, BuildEvent, ImageConfig, KernelSource, RootfsSource, TemplateRecord,

@@ -29,6 +29,32 @@ pub struct CreateRequest {
     /// false`); by default they are open to whoever reaches the front door.
     #[serde(default)]
     pub private_ports: bool,
+    /// What happens when nobody has used it for a while.
+    #[serde(default)]
+    pub on_idle: Option<IdlePolicy>,
+}
+
+/// What happens to a running sandbox nobody uses: no request reached it
+/// (exec, files, any agent call) and no connection to its ports was open
+/// for `after_s` seconds. A request in flight (a long exec, a watch, a
+/// port connection) keeps it in use; what runs inside it does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdlePolicy {
+    /// Seconds without use.
+    pub after_s: u64,
+    /// Then this.
+    pub action: IdleAction,
+}
+
+/// See [`IdlePolicy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IdleAction {
+    /// Hibernate it (any use wakes it).
+    Hibernate,
+    /// Destroy it.
+    Destroy,
 }
 
 /// A sandbox's way out (see `egress`).
@@ -102,6 +128,9 @@ pub struct SandboxInfo {
     /// The token its ports want, when they are private.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_token: Option<String>,
+    /// What happens when nobody uses it for a while.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<IdlePolicy>,
 }
 
 /// What a create did.

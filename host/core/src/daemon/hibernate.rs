@@ -14,6 +14,20 @@ use std::os::unix::fs::FileTypeExt;
 
 use super::*;
 
+/// The refusal of a hibernation that would pass the disk budget.
+fn over_budget(budget: u64, used: u64, needed: u64) -> String {
+    format!(
+        "hibernated sandboxes may take {} MiB of disk (husk serve --hibernated-disk-mib); \
+         {} MiB are taken{}: destroy or wake some first (the sandbox is left as it was)",
+        budget >> 20,
+        used >> 20,
+        match needed {
+            0 => String::new(),
+            n => format!(" and this one needs {} MiB", n.div_ceil(1 << 20)),
+        }
+    )
+}
+
 /// A hibernation's directory in the run directory: `hibernation-<ms>`.
 const PREFIX: &str = "hibernation-";
 
@@ -35,12 +49,11 @@ impl Daemon {
                 )))
             }
         };
-        let asleep = self
-            .lock()
-            .sandboxes
-            .values()
-            .filter(|l| l.rec.state == SandboxState::Hibernated)
-            .count();
+        let (asleep, used) = self.hibernated();
+        let budget = self.cfg.max_hibernated_bytes;
+        if used >= budget {
+            return Err(DaemonError::Limit(over_budget(budget, used, 0)));
+        }
         if asleep >= self.cfg.max_hibernated as usize {
             return Err(DaemonError::Limit(format!(
                 "the host holds its maximum of {} hibernated sandboxes \
@@ -66,6 +79,15 @@ impl Daemon {
             other => Err(DaemonError::Failed(format!(
                 "the VMM refused the hibernation: {other:?}"
             ))),
+        });
+        // Within the disk budget, with what others took meanwhile.
+        let written = written.and_then(|()| {
+            let bytes = disk_bytes(&dir);
+            let (_, used) = self.hibernated();
+            match used.saturating_add(bytes) > budget {
+                true => Err(DaemonError::Limit(over_budget(budget, used, bytes))),
+                false => Ok(()),
+            }
         });
         if let Err(e) = written {
             let _ = std::fs::remove_dir_all(&dir);
@@ -122,6 +144,17 @@ impl Daemon {
         );
         self.pool_wakeup.notify_all();
         self.sandbox(id)
+    }
+
+    /// How many sandboxes are hibernated, and the bytes they take on disk.
+    fn hibernated(&self) -> (usize, u64) {
+        self.lock()
+            .sandboxes
+            .values()
+            .filter(|l| l.rec.state == SandboxState::Hibernated)
+            .fold((0, 0), |(n, bytes), l| {
+                (n + 1, bytes + l.rec.hibernated_bytes.unwrap_or(0))
+            })
     }
 
     /// Wakes a hibernated sandbox (a running one is left as it is).
@@ -275,6 +308,8 @@ impl Daemon {
                 .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{}`", rec.id)))?;
             live.rec.state = SandboxState::Running;
             live.rec.hibernated_bytes = None;
+            // A fresh idle period.
+            live.activity.touch();
             // Its clock stood still while it slept.
             live.clock = Some(ClockGate::new());
             live.idle.push(client);

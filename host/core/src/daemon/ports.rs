@@ -31,8 +31,10 @@ pub struct PortStream {
     _held: PortHeld,
 }
 
+/// Counted against the sandbox's port connections, and a use of it (see
+/// `on_idle`) while it lasts.
 #[derive(Debug)]
-struct PortHeld(Arc<AtomicUsize>);
+struct PortHeld(Arc<AtomicUsize>, #[allow(dead_code)] InUse);
 
 impl Drop for PortHeld {
     fn drop(&mut self) {
@@ -78,12 +80,15 @@ impl Daemon {
         if port == 0 {
             return Err(DaemonError::Invalid("port 0 is not a port".into()));
         }
-        let (rec, clock, count) = {
+        let (rec, clock, count, activity) = {
             let inner = self.lock();
             match inner.sandboxes.get(id) {
-                Some(live) if live.rec.state != SandboxState::Pooled => {
-                    (live.rec.clone(), live.clock.clone(), live.ports.clone())
-                }
+                Some(live) if live.rec.state != SandboxState::Pooled => (
+                    live.rec.clone(),
+                    live.clock.clone(),
+                    live.ports.clone(),
+                    live.activity.clone(),
+                ),
                 _ => return Err(DaemonError::NotFound(format!("no sandbox `{id}`"))),
             }
         };
@@ -107,7 +112,7 @@ impl Daemon {
                 "{MAX_PORT_CONNS} connections to sandbox `{id}`'s ports are open already"
             )));
         }
-        let held = PortHeld(count);
+        let held = PortHeld(count, InUse::of(&activity));
         let uds = rec.run_dir.join(vmm_process::VSOCK);
         let mut stream = UnixStream::connect(&uds).map_err(|e| {
             DaemonError::Unreachable(format!("sandbox `{id}`'s VMM does not answer: {e}"))
