@@ -24,6 +24,7 @@
 
 #![deny(missing_docs)]
 
+pub mod archive;
 pub mod cgroup;
 pub mod config;
 pub mod daemon;

@@ -7,7 +7,7 @@
 //! are tar, gzip or uncompressed; zstd is refused with a message.
 //!
 //! An image is hostile input like any archive (see `rootfs`): its entries
-//! get the same checks, blob and layer paths must stay in the image, a
+//! get the same checks (`archive`), blob and layer paths must stay in the image, a
 //! whiteout never acts through a symbolic link out of the stage, and the
 //! unpacked size is bounded ([`MAX_UNPACKED`]).
 
@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::rootfs::RootfsError;
-use crate::rootfs::{archive_reader, checked_entry, is_contained, unpack, unpack_entry};
+use crate::archive::{
+    archive_reader, checked_entry, is_contained, unpack, unpack_entry, ArchiveError,
+};
 use husk_types::ImageConfig;
 
 /// The most bytes an image's layers may unpack to, all together.
@@ -33,8 +34,8 @@ pub const GUEST_CONFIG: &str = ".husk-image";
 const WHITEOUT: &str = ".wh.";
 const OPAQUE: &str = ".wh..wh..opq";
 
-fn invalid(what: impl std::fmt::Display) -> RootfsError {
-    RootfsError::Invalid(format!("image: {what}"))
+fn invalid(what: impl std::fmt::Display) -> ArchiveError {
+    ArchiveError::Invalid(format!("image: {what}"))
 }
 
 /// Unpacks the image at `source` onto `stage`, using `scratch` (removed
@@ -43,12 +44,12 @@ pub fn unpack_image(
     source: &Path,
     stage: &Path,
     scratch: &Path,
-) -> Result<ImageConfig, RootfsError> {
+) -> Result<ImageConfig, ArchiveError> {
     let result = if source.is_dir() {
         apply(source, stage)
     } else {
         let _ = std::fs::remove_dir_all(scratch);
-        std::fs::create_dir_all(scratch).map_err(|e| RootfsError::Io(scratch.to_owned(), e))?;
+        std::fs::create_dir_all(scratch).map_err(|e| ArchiveError::Io(scratch.to_owned(), e))?;
         unpack(source, scratch).and_then(|()| apply(scratch, stage))
     };
     let _ = std::fs::remove_dir_all(scratch);
@@ -67,7 +68,7 @@ struct Blob {
     digest: Option<String>,
 }
 
-fn apply(root: &Path, stage: &Path) -> Result<ImageConfig, RootfsError> {
+fn apply(root: &Path, stage: &Path) -> Result<ImageConfig, ArchiveError> {
     let parts = if root.join("index.json").is_file() {
         oci_parts(root)?
     } else if root.join("manifest.json").is_file() {
@@ -136,7 +137,7 @@ struct Manifest {
     layers: Vec<Descriptor>,
 }
 
-fn oci_parts(root: &Path) -> Result<Parts, RootfsError> {
+fn oci_parts(root: &Path) -> Result<Parts, ArchiveError> {
     let mut index: Index = json(&root.join("index.json"))?;
     for _ in 0..3 {
         let chosen = pick(index.manifests)?;
@@ -161,7 +162,7 @@ fn oci_parts(root: &Path) -> Result<Parts, RootfsError> {
 }
 
 /// The manifest for linux/amd64, or the only one.
-fn pick(manifests: Vec<Descriptor>) -> Result<Descriptor, RootfsError> {
+fn pick(manifests: Vec<Descriptor>) -> Result<Descriptor, ArchiveError> {
     if manifests.len() == 1 {
         return manifests
             .into_iter()
@@ -185,7 +186,7 @@ struct DockerManifest {
     layers: Vec<String>,
 }
 
-fn docker_parts(root: &Path) -> Result<Parts, RootfsError> {
+fn docker_parts(root: &Path) -> Result<Parts, ArchiveError> {
     let mut images: Vec<DockerManifest> = json(&root.join("manifest.json"))?;
     if images.len() != 1 {
         return Err(invalid(format!(
@@ -217,12 +218,12 @@ fn docker_parts(root: &Path) -> Result<Parts, RootfsError> {
     })
 }
 
-fn blob_of(root: &Path, d: &Descriptor) -> Result<Blob, RootfsError> {
+fn blob_of(root: &Path, d: &Descriptor) -> Result<Blob, ArchiveError> {
     blob(root, &d.digest)
 }
 
 /// `blobs/sha256/HEX` for a well-formed sha256 digest.
-fn blob(root: &Path, digest: &str) -> Result<Blob, RootfsError> {
+fn blob(root: &Path, digest: &str) -> Result<Blob, ArchiveError> {
     let hex = digest
         .strip_prefix("sha256:")
         .filter(|h| h.len() == 64 && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
@@ -233,7 +234,7 @@ fn blob(root: &Path, digest: &str) -> Result<Blob, RootfsError> {
     })
 }
 
-fn json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, RootfsError> {
+fn json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ArchiveError> {
     let bytes = read_limited(path)?;
     serde_json::from_slice(&bytes).map_err(|e| invalid(format!("{}: {e}", file_name(path))))
 }
@@ -243,12 +244,12 @@ fn file_name(path: &Path) -> String {
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
 }
 
-fn read_limited(path: &Path) -> Result<Vec<u8>, RootfsError> {
+fn read_limited(path: &Path) -> Result<Vec<u8>, ArchiveError> {
     let file = open(path)?;
     let mut bytes = Vec::new();
     file.take(MAX_JSON + 1)
         .read_to_end(&mut bytes)
-        .map_err(|e| RootfsError::Io(path.to_owned(), e))?;
+        .map_err(|e| ArchiveError::Io(path.to_owned(), e))?;
     if bytes.len() as u64 > MAX_JSON {
         return Err(invalid(format!(
             "{} is over {MAX_JSON} bytes",
@@ -258,19 +259,19 @@ fn read_limited(path: &Path) -> Result<Vec<u8>, RootfsError> {
     Ok(bytes)
 }
 
-fn open(path: &Path) -> Result<std::fs::File, RootfsError> {
+fn open(path: &Path) -> Result<std::fs::File, ArchiveError> {
     // Not through a symbolic link: the archive's own files only.
     if path.symlink_metadata().is_ok_and(|m| !m.is_file()) {
         return Err(invalid(format!("{} is not a plain file", file_name(path))));
     }
     std::fs::File::open(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => invalid(format!("{} is missing", file_name(path))),
-        _ => RootfsError::Io(path.to_owned(), e),
+        _ => ArchiveError::Io(path.to_owned(), e),
     })
 }
 
 /// A small blob, its digest checked.
-fn read_blob(blob: &Blob) -> Result<Vec<u8>, RootfsError> {
+fn read_blob(blob: &Blob) -> Result<Vec<u8>, ArchiveError> {
     let bytes = read_limited(&blob.path)?;
     if let Some(digest) = &blob.digest {
         check_digest(digest, &Sha256::digest(&bytes).into())?;
@@ -278,7 +279,7 @@ fn read_blob(blob: &Blob) -> Result<Vec<u8>, RootfsError> {
     Ok(bytes)
 }
 
-fn check_digest(expected: &str, got: &[u8; 32]) -> Result<(), RootfsError> {
+fn check_digest(expected: &str, got: &[u8; 32]) -> Result<(), ArchiveError> {
     let hex: String = got.iter().map(|b| format!("{b:02x}")).collect();
     if expected.strip_prefix("sha256:") == Some(hex.as_str()) {
         Ok(())
