@@ -1561,8 +1561,10 @@ fn an_oci_image_becomes_a_template_with_its_layers_whiteouts_and_config() {
 #[test]
 fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
     let (_d, _g) = shared();
+    // Its own template: that a hibernated sandbox keeps it is seen alone.
+    let t = own_template("idle-own");
     let s = create_with(json!({
-        "template": "base", "on_idle": { "after_s": 3, "action": "hibernate" }
+        "template": "idle-own", "on_idle": { "after_s": 3, "action": "hibernate" }
     }))
     .expect("create")
     .sandbox;
@@ -1581,13 +1583,19 @@ fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
     wait_until("the idle sandbox to be destroyed", || {
         status(get(&gone.id)).0 == 404
     });
+    // A hibernated sandbox keeps its template.
+    let kept_template = status(api().remove_template(&t.name));
     // Any use wakes it, with its policy kept.
     let back = exec(&s.id, &["echo", "back"]).expect("exec");
     let woken = get(&s.id).expect("listed");
     let audit = api().audit(Some(&s.id)).expect("audit");
     destroy(&s.id);
+    let removed = api().remove_template(&t.name);
 
     assert_eq!(long.stdout, "done\n", "{}", long.stderr);
+    assert_eq!(kept_template.0, 409, "{}", kept_template.1);
+    assert!(kept_template.1.contains("sandbox"), "{}", kept_template.1);
+    assert!(removed.is_ok(), "{removed:?}");
     assert_eq!(after_long.state, SandboxState::Running);
     assert_eq!(back.stdout, "back\n", "{}", back.stderr);
     assert_eq!(woken.state, SandboxState::Running);

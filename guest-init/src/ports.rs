@@ -84,24 +84,32 @@ fn serve(mut conn: File) {
     }
 }
 
-/// The request line, read a byte at a time (nothing past it is consumed:
-/// what follows belongs to the guest program).
+/// The request line. The host sends it in one write and then waits for
+/// the answer, so one read takes it whole (a syscall costs here).
 fn read_line(mut conn: &File) -> io::Result<String> {
     crate::vsock::set_read_timeout(conn, Some(LINE_TIMEOUT))?;
-    let mut line = Vec::with_capacity(16);
-    let mut byte = [0u8; 1];
-    loop {
-        match conn.read(&mut byte)? {
+    let mut line = [0u8; PORT_LINE_MAX];
+    let mut len = 0;
+    while !line[..len].contains(&b'\n') {
+        match conn.read(&mut line[len..])? {
             0 => return Err(io::ErrorKind::UnexpectedEof.into()),
-            _ if byte[0] == b'\n' => break,
-            _ if line.len() >= PORT_LINE_MAX => {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"))
-            }
-            _ => line.push(byte[0]),
+            n => len += n,
+        }
+        if len == line.len() && !line.contains(&b'\n') {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "line too long"));
         }
     }
     crate::vsock::set_read_timeout(conn, None)?;
-    String::from_utf8(line).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8"))
+    let end = line[..len].iter().position(|&b| b == b'\n').unwrap_or(len);
+    if end + 1 != len {
+        // Nothing may follow it before the answer.
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "data after the request line, before the answer",
+        ));
+    }
+    String::from_utf8(line[..end].to_vec())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "not UTF-8"))
 }
 
 fn parse(line: &str) -> io::Result<u16> {

@@ -1158,7 +1158,16 @@ impl Daemon {
         }
         let mut client = match kept {
             Some(client) => client,
-            None => AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT)?,
+            None => {
+                match AgentClient::connect(&rec.run_dir.join(vmm_process::VSOCK), AGENT_TIMEOUT) {
+                    Ok(client) => client,
+                    // Hibernated while this connected (its idle policy): wake it.
+                    Err(_) if self.state_of(id) == Some(SandboxState::Hibernated) => {
+                        return self.agent(id)
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
         };
         // In use while the caller holds it (see `on_idle`).
         client.set_lease(Some(Arc::new(InUse::of(&activity))));
@@ -1171,6 +1180,11 @@ impl Daemon {
             }
         }
         Ok(client)
+    }
+
+    /// Where sandbox `id` is in its life now, if it exists.
+    fn state_of(&self, id: &str) -> Option<SandboxState> {
+        self.lock().sandboxes.get(id).map(|l| l.rec.state)
     }
 
     /// Runs `op` for `who` on a connection to sandbox `id`'s agent (an
@@ -1803,7 +1817,7 @@ impl Daemon {
     /// Hibernates or destroys the running sandboxes nobody has used for
     /// their `on_idle.after_s`.
     fn idle(&self) {
-        let due: Vec<(String, IdleAction)> = {
+        let due: Vec<(String, IdleAction, Duration)> = {
             let inner = self.lock();
             inner
                 .sandboxes
@@ -1811,16 +1825,16 @@ impl Daemon {
                 .filter(|l| l.rec.state == SandboxState::Running)
                 .filter_map(|l| {
                     let p = l.rec.on_idle?;
-                    let idle = l.activity.idle_for();
-                    (idle >= Duration::from_secs(p.after_s) && l.ports.load(Ordering::SeqCst) == 0)
-                        .then(|| (l.rec.id.clone(), p.action))
+                    let after = Duration::from_secs(p.after_s);
+                    (l.activity.idle_for() >= after && l.ports.load(Ordering::SeqCst) == 0)
+                        .then(|| (l.rec.id.clone(), p.action, after))
                 })
                 .collect()
         };
-        for (id, action) in due {
+        for (id, action, after) in due {
             let result = match action {
                 IdleAction::Destroy => self.destroy(&id, "idle"),
-                IdleAction::Hibernate => self.hibernate(&id, "idle").map(drop),
+                IdleAction::Hibernate => self.hibernate_idle(&id, after),
             };
             match result {
                 Ok(()) => tracing::info!(sandbox = %id, ?action, "idle"),

@@ -36,6 +36,22 @@ impl Daemon {
     /// its VMM exits. A hibernation that fails leaves the sandbox as it
     /// was.
     pub fn hibernate(&self, id: &str, who: &str) -> Result<SandboxInfo, DaemonError> {
+        self.hibernate_unless_used(id, who, None)
+    }
+
+    /// Hibernates sandbox `id` for its idle policy: unless it was used
+    /// in the last `idle` (checked again once it is paused, so that a
+    /// request that came meanwhile is not cut).
+    pub(super) fn hibernate_idle(&self, id: &str, idle: Duration) -> Result<(), DaemonError> {
+        self.hibernate_unless_used(id, "idle", Some(idle)).map(drop)
+    }
+
+    fn hibernate_unless_used(
+        &self,
+        id: &str,
+        who: &str,
+        idle: Option<Duration>,
+    ) -> Result<SandboxInfo, DaemonError> {
         let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
         let rec = self.record(id)?;
@@ -65,6 +81,21 @@ impl Daemon {
         // end of its VMM.
         if was_running {
             control(&rec.run_dir, &husk_vmm_api::Request::Pause)?;
+        }
+        if let Some(idle) = idle {
+            let used = self
+                .lock()
+                .sandboxes
+                .get(id)
+                .is_some_and(|l| l.activity.idle_for() < idle);
+            if used {
+                if was_running {
+                    control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
+                }
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` was used again: it stays"
+                )));
+            }
         }
         let dir = rec.run_dir.join(format!("{PREFIX}{}", now_unix_ms()));
         let written = control(
