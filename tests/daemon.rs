@@ -1670,6 +1670,13 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
         status(api().send(method, path, Payload::Json(body.to_vec())))
     };
     let s = create("base").sandbox;
+    let listed = || {
+        api()
+            .call::<Vec<SandboxInfo>>("GET", "/v1/sandboxes", None)
+            .expect("list")
+            .len()
+    };
+    let sandboxes_before = listed();
 
     let cases = [
         (raw("POST", "/v1/sandboxes", b"{bad"), 400, "malformed JSON"),
@@ -1701,6 +1708,20 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
             raw("GET", "/v1/sandboxes?state=weird", b""),
             400,
             "unknown state",
+        ),
+        (
+            raw(
+                "POST",
+                "/v1/sandboxes",
+                br#"{"template":"base","on_idle":{"after_s":0,"action":"hibernate"}}"#,
+            ),
+            400,
+            "after_s",
+        ),
+        (
+            raw("GET", &format!("/v1/sandboxes/{}/ports/70000", s.id), b""),
+            400,
+            "not a TCP port",
         ),
         (
             raw(
@@ -1770,10 +1791,15 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
         json!({ "name": "noboot", "kernel": { "upload": not_a_kernel } }),
     );
 
+    let sandboxes_after = listed();
     for ((code, message), want, says) in cases {
         assert_eq!(code, want, "{message}");
         assert!(message.contains(says), "{message} (wanted `{says}`)");
     }
+    assert_eq!(
+        sandboxes_before, sandboxes_after,
+        "a refused create left a sandbox"
+    );
     let (code, message) = tar_build.expect_err("hostile tar");
     assert_eq!(code, 400, "{message}");
     assert!(message.contains("absolute"), "{message}");

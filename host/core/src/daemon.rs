@@ -714,6 +714,16 @@ impl Daemon {
         }
         allowlist(&req.egress)?;
         secrets(&req.egress)?;
+        if req.on_idle.is_some_and(|p| p.after_s == 0) {
+            return Err(DaemonError::Invalid(
+                "on_idle.after_s must be at least 1".into(),
+            ));
+        }
+        // Before a clone is taken: nothing below may fail and leave it.
+        let traffic_token = match req.private_ports {
+            true => Some(crate::ids::random_id("tt", 24)?),
+            false => None,
+        };
         let t = self.template(&req.template)?;
         let expires = req.ttl_s.map(|s| now_unix_ms() + s * 1000);
         let (mut rec, pooled) = match self.claim(&t)? {
@@ -730,18 +740,7 @@ impl Daemon {
         rec.labels = req.labels;
         rec.egress_allow = req.egress.allow;
         rec.egress_secrets = req.egress.secrets;
-        rec.traffic_token = if req.private_ports {
-            Some(crate::ids::random_id("tt", 24)?)
-        } else {
-            None
-        };
-        if let Some(p) = &req.on_idle {
-            if p.after_s == 0 {
-                return Err(DaemonError::Invalid(
-                    "on_idle.after_s must be at least 1".into(),
-                ));
-            }
-        }
+        rec.traffic_token = traffic_token;
         rec.on_idle = req.on_idle;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;

@@ -163,11 +163,14 @@ impl FrontDoor {
             .handshake::<_, Incoming>(TokioIo::new(stream))
             .await
             .map_err(|e| (StatusCode::BAD_GATEWAY, e.to_string()))?;
-        // The guest connection lives as long as its exchange (an upgraded
-        // one until both sides close), counted against the sandbox's limit.
+        // The guest connection is counted against the sandbox's limit, and
+        // is a use of it, as long as its exchange lasts: an upgraded one
+        // until both sides of the upgrade close.
+        let held = Arc::new(held);
+        let exchange = held.clone();
         tokio::spawn(async move {
             let _ = connection.with_upgrades().await;
-            drop(held);
+            drop(exchange);
         });
 
         let upgrade = req.headers().contains_key(header::UPGRADE);
@@ -217,6 +220,7 @@ impl FrontDoor {
                         )
                         .await;
                     }
+                    drop(held);
                 });
             }
         }

@@ -34,11 +34,14 @@ pub struct PortStream {
 /// Counted against the sandbox's port connections, and a use of it (see
 /// `on_idle`) while it lasts.
 #[derive(Debug)]
-struct PortHeld(Arc<AtomicUsize>, #[allow(dead_code)] InUse);
+struct PortHeld {
+    count: Arc<AtomicUsize>,
+    _in_use: InUse,
+}
 
 impl Drop for PortHeld {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.count.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -112,7 +115,10 @@ impl Daemon {
                 "{MAX_PORT_CONNS} connections to sandbox `{id}`'s ports are open already"
             )));
         }
-        let held = PortHeld(count, InUse::of(&activity));
+        let held = PortHeld {
+            count,
+            _in_use: InUse::of(&activity),
+        };
         let uds = rec.run_dir.join(vmm_process::VSOCK);
         let mut stream = UnixStream::connect(&uds).map_err(|e| {
             DaemonError::Unreachable(format!("sandbox `{id}`'s VMM does not answer: {e}"))
