@@ -7,21 +7,14 @@ Needs root (drop_caches), a daemon with nothing else running:
     husk template build base
     HUSK_HOST=DIR/husk.sock python3 benches/density.py 60
 """
-import http.client, json, os, socket, subprocess, sys, time, re
-SOCK = os.environ["HUSK_HOST"]; N = int(sys.argv[1])
-class U(http.client.HTTPConnection):
-    def __init__(s): super().__init__("husk", timeout=900)
-    def connect(s):
-        s.sock = socket.socket(socket.AF_UNIX); s.sock.connect(SOCK)
-def req(m, p, b=None):
-    c = U(); c.request(m, p, body=json.dumps(b) if b is not None else None, headers={"Content-Type": "application/json"} if b is not None else {})
-    r = c.getresponse(); d = r.read(); c.close(); assert r.status < 300, (r.status, d); return d
-def mi(k):
-    for l in open("/proc/meminfo"):
-        if l.startswith(k + ":"): return int(l.split()[1])
+import json, os, re, subprocess, sys, time
+
+from husk_api import drop_caches, meminfo_kib as mi, req
+
+N = int(sys.argv[1])
 def slab():
     return mi("Slab"), mi("KernelStack"), mi("PageTables"), mi("SecPageTables") if mi("SecPageTables") is not None else 0
-subprocess.run(["sync"]); open("/proc/sys/vm/drop_caches","w").write("3"); time.sleep(1)
+drop_caches(); time.sleep(1)
 a0 = mi("MemAvailable"); s0 = slab(); c0 = mi("Cached")
 req("PUT", "/v1/pools/base", {"size": N})
 deadline = time.time() + 1800

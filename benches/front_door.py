@@ -16,35 +16,11 @@ import socket
 import sys
 import time
 
-SOCK = os.environ["HUSK_HOST"]
+from husk_api import pct, req
+
 DOOR, N = sys.argv[1], int(sys.argv[2])
 SERVER = os.path.join(os.path.dirname(__file__), "..",
                       "target/x86_64-unknown-linux-musl/guest/husk-testsrv")
-
-
-class Unix(http.client.HTTPConnection):
-    def __init__(self):
-        super().__init__("husk", timeout=900)
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(SOCK)
-
-
-def req(method, path, body=None, raw=None):
-    c = Unix()
-    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
-    c.request(method, path, body=data,
-              headers={"Content-Type": "application/json"} if body is not None else {})
-    r = c.getresponse()
-    out = r.read()
-    c.close()
-    return r.status, out
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
 def line(s):
@@ -57,15 +33,14 @@ def line(s):
     return b
 
 
-status, out = req("POST", "/v1/sandboxes", {"template": "base"})
-sb = json.loads(out)["sandbox"]
+sb = json.loads(req("POST", "/v1/sandboxes", {"template": "base"}))["sandbox"]
 sid = sb["id"]
 try:
     with open(SERVER, "rb") as f:
         req("PUT", f"/v1/sandboxes/{sid}/files?path=/tmp/srv", raw=f.read())
     req("POST", f"/v1/sandboxes/{sid}/exec", {"argv": ["/bin/sh", "-c",
         "chmod +x /tmp/srv; setsid /tmp/srv 8000 </dev/null >/dev/null 2>&1 &"]})
-    while not json.loads(req("GET", f"/v1/sandboxes/{sid}/ports/8000")[1]).get("listening"):
+    while not json.loads(req("GET", f"/v1/sandboxes/{sid}/ports/8000")).get("listening"):
         time.sleep(0.5)
     host, port = DOOR.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=300)

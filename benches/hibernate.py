@@ -16,47 +16,18 @@ many:    N sandboxes restored, a file written, hibernated; the host's
          memory (with and without the page cache), the daemon's PSS, disk.
 """
 
-import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-SOCK = os.environ["HUSK_HOST"]
-
-
-class Unix(http.client.HTTPConnection):
-    def __init__(self):
-        super().__init__("husk", timeout=900)
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(SOCK)
-
-
-def req(method, path, body=None, raw=None):
-    c = Unix()
-    data = raw if raw is not None else (json.dumps(body) if body is not None else None)
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    c.request(method, path, body=data, headers=headers)
-    r = c.getresponse()
-    out = r.read()
-    c.close()
-    assert r.status < 300, (r.status, out)
-    return out
-
+from husk_api import drop_caches, meminfo_kib, pct, req
 
 def ms(f):
     t = time.perf_counter()
     out = f()
     return (time.perf_counter() - t) * 1000, out
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * p))]
 
 
 def create(template):
@@ -132,9 +103,7 @@ def compare(template, n):
 
 
 def meminfo(key):
-    for line in open("/proc/meminfo"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) // 1024
+    return meminfo_kib(key) // 1024
 
 
 def daemon_pss():
@@ -142,12 +111,6 @@ def daemon_pss():
     for line in open(f"/proc/{pid}/smaps_rollup"):
         if line.startswith("Pss:"):
             return int(line.split()[1]) / 1024
-
-
-def drop_caches():
-    subprocess.run(["sync"])
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3")
 
 
 def many(template, n):

@@ -304,37 +304,33 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         eprintln!("uploading {}", path.display());
         client().upload(&mut file)
     };
-    let rootfs = match (a.dir, a.tar, a.on_host) {
-        _ if a.image.is_some() => {
-            let path = a.image.unwrap_or_default();
-            if a.on_host {
-                RootfsSource::Image { path: abs(path) }
-            } else if path.is_dir() {
-                eprintln!(
-                    "uploading the image layout {} as a tar archive",
-                    path.display()
-                );
-                RootfsSource::ImageUpload {
-                    upload: client().upload_dir(&path)?,
-                }
-            } else {
-                RootfsSource::ImageUpload {
-                    upload: upload_file(&path)?,
-                }
-            }
-        }
-        (Some(path), _, true) => RootfsSource::Dir { path: abs(path) },
-        (None, Some(path), true) => RootfsSource::Tar { path: abs(path) },
-        (Some(path), _, false) => {
+    // clap lets at most one of --dir, --tar and --image through.
+    let rootfs = match (a.dir, a.tar, a.image, a.on_host) {
+        (Some(path), _, _, true) => RootfsSource::Dir { path: abs(path) },
+        (_, Some(path), _, true) => RootfsSource::Tar { path: abs(path) },
+        (_, _, Some(path), true) => RootfsSource::Image { path: abs(path) },
+        (Some(path), _, _, false) => {
             eprintln!("uploading {} as a tar archive", path.display());
             RootfsSource::Upload {
                 upload: client().upload_dir(&path)?,
             }
         }
-        (None, Some(path), false) => RootfsSource::Upload {
+        (_, Some(path), _, false) => RootfsSource::Upload {
             upload: upload_file(&path)?,
         },
-        (None, None, _) => RootfsSource::Default,
+        (_, _, Some(path), false) if path.is_dir() => {
+            eprintln!(
+                "uploading the image layout {} as a tar archive",
+                path.display()
+            );
+            RootfsSource::ImageUpload {
+                upload: client().upload_dir(&path)?,
+            }
+        }
+        (_, _, Some(path), false) => RootfsSource::ImageUpload {
+            upload: upload_file(&path)?,
+        },
+        (None, None, None, _) => RootfsSource::Default,
     };
     let kernel = match (a.kernel, a.on_host) {
         (Some(path), true) => Some(KernelSource::Path(abs(path))),

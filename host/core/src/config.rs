@@ -122,15 +122,16 @@ impl DaemonConfig {
             .unwrap_or_else(|_| PathBuf::from("husk-vmm"));
         // SAFETY: geteuid cannot fail.
         let root = unsafe { libc::geteuid() } == 0;
+        let state_dir = state_dir.into();
         let mut cfg = DaemonConfig {
-            state_dir: state_dir.into(),
+            max_hibernated_bytes: half_the_disk(&state_dir),
+            state_dir,
             vmm: PathBuf::new(),
             kernel: None,
             initramfs: None,
             guest_init: None,
             max_sandboxes: 64,
             max_hibernated: 4096,
-            max_hibernated_bytes: 0,
             memory_mib: host_memory_mib() * 3 / 4,
             restore_parallel: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             restore_wait: Duration::from_secs(120),
@@ -148,7 +149,6 @@ impl DaemonConfig {
             front_door: None,
         };
         cfg.set_vmm(vmm);
-        cfg.max_hibernated_bytes = half_the_disk(&cfg.state_dir);
         cfg
     }
 

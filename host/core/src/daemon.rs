@@ -1123,7 +1123,7 @@ impl Daemon {
     /// carries the guest's clock ahead of its request (see [`ClockGate`]);
     /// a sandbox whose clock could not be set is marked failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
-        let (rec, kept, clock) = {
+        let (rec, kept, clock, activity) = {
             let mut inner = self.lock();
             let live = inner
                 .sandboxes
@@ -1142,10 +1142,10 @@ impl Daemon {
             (
                 live.rec.clone(),
                 kept,
-                (live.clock.clone(), live.activity.clone()),
+                live.clock.clone(),
+                live.activity.clone(),
             )
         };
-        let (clock, activity) = clock;
         match rec.state {
             SandboxState::Running => {}
             // Any use wakes it (one lock on the way for a running one).
@@ -1823,10 +1823,10 @@ impl Daemon {
                 .values()
                 .filter(|l| l.rec.state == SandboxState::Running)
                 .filter_map(|l| {
+                    // An open port connection holds a use too.
                     let p = l.rec.on_idle?;
                     let after = Duration::from_secs(p.after_s);
-                    (l.activity.idle_for() >= after && l.ports.load(Ordering::SeqCst) == 0)
-                        .then(|| (l.rec.id.clone(), p.action, after))
+                    (l.activity.idle_for() >= after).then(|| (l.rec.id.clone(), p.action, after))
                 })
                 .collect()
         };

@@ -141,20 +141,20 @@ fn oci_parts(root: &Path) -> Result<Parts, ArchiveError> {
     let mut index: Index = json(&root.join("index.json"))?;
     for _ in 0..3 {
         let chosen = pick(index.manifests)?;
-        let blob = blob(root, &chosen.digest)?;
+        let bytes = read_blob(&blob(root, &chosen.digest)?)?;
         if chosen.media_type.contains("index") || chosen.media_type.contains("manifest.list") {
-            index = serde_json::from_slice(&read_blob(&blob)?)
+            index = serde_json::from_slice(&bytes)
                 .map_err(|e| invalid(format!("index {}: {e}", chosen.digest)))?;
             continue;
         }
-        let manifest: Manifest = serde_json::from_slice(&read_blob(&blob)?)
+        let manifest: Manifest = serde_json::from_slice(&bytes)
             .map_err(|e| invalid(format!("manifest {}: {e}", chosen.digest)))?;
         return Ok(Parts {
-            config: blob_of(root, &manifest.config)?,
+            config: blob(root, &manifest.config.digest)?,
             layers: manifest
                 .layers
                 .iter()
-                .map(|l| blob_of(root, l))
+                .map(|l| blob(root, &l.digest))
                 .collect::<Result<_, _>>()?,
         });
     }
@@ -216,10 +216,6 @@ fn docker_parts(root: &Path) -> Result<Parts, ArchiveError> {
             .map(|l| file(l))
             .collect::<Result<_, _>>()?,
     })
-}
-
-fn blob_of(root: &Path, d: &Descriptor) -> Result<Blob, ArchiveError> {
-    blob(root, &d.digest)
 }
 
 /// `blobs/sha256/HEX` for a well-formed sha256 digest.

@@ -1035,18 +1035,9 @@ fn request_message(headers: &HeaderMap, body: &[u8]) -> Result<Value, RpcError> 
         .and_then(|v| v.to_str().ok())
         .is_some_and(|c| c.starts_with("application/connect+"));
     let json = if streaming {
-        if body.len() < 5 {
-            return Err(RpcError("invalid_argument", "no request envelope".into()));
-        }
-        if body[0] & 1 != 0 {
-            return Err(RpcError(
-                "unimplemented",
-                "compressed messages are not supported".into(),
-            ));
-        }
-        let len = u32::from_be_bytes([body[1], body[2], body[3], body[4]]) as usize;
-        body.get(5..5 + len)
-            .ok_or_else(|| RpcError("invalid_argument", "a short request envelope".into()))?
+        envelope_in(body)?
+            .map(|(json, _)| json)
+            .ok_or_else(|| RpcError("invalid_argument", "no whole request envelope".into()))?
     } else {
         body
     };
@@ -1058,6 +1049,34 @@ fn request_message(headers: &HeaderMap, body: &[u8]) -> Result<Value, RpcError> 
     }
     serde_json::from_slice(json)
         .map_err(|e| RpcError("invalid_argument", format!("malformed message: {e}")))
+}
+
+/// The first envelope in `buf`: its message and the bytes it takes; None
+/// while it has not all arrived.
+fn envelope_in(buf: &[u8]) -> Result<Option<(&[u8], usize)>, RpcError> {
+    let Some(head) = buf.get(..5) else {
+        return Ok(None);
+    };
+    if head[0] & 1 != 0 {
+        return Err(RpcError(
+            "unimplemented",
+            "compressed messages are not supported".into(),
+        ));
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > MAX_RPC {
+        return Err(RpcError("resource_exhausted", "request too large".into()));
+    }
+    Ok(buf.get(5..5 + len).map(|json| (json, 5 + len)))
+}
+
+/// The bytes of a `ProcessInput` (`{stdin}` or `{pty}`, base64).
+fn input_bytes(input: &Value) -> Vec<u8> {
+    input["stdin"]
+        .as_str()
+        .or_else(|| input["pty"].as_str())
+        .map(decode_b64)
+        .unwrap_or_default()
 }
 
 fn unary(result: Result<Value, RpcError>) -> Response {
@@ -1122,34 +1141,17 @@ async fn stream_input(State(e2b): State<Shared>, headers: HeaderMap, body: Body)
     let outcome: Result<(), RpcError> = async {
         loop {
             // Whole envelopes first; then more of the body.
-            while buf.len() >= 5 {
-                let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
-                if len > MAX_RPC {
-                    return Err(RpcError("resource_exhausted", "message too large".into()));
-                }
-                if buf.len() < 5 + len {
-                    break;
-                }
-                let frame: Vec<u8> = buf.drain(..5 + len).collect();
-                if frame[0] & 1 != 0 {
-                    return Err(RpcError(
-                        "unimplemented",
-                        "compressed messages are not supported".into(),
-                    ));
-                }
-                let msg: Value = serde_json::from_slice(&frame[5..])
+            while let Some((json, taken)) = envelope_in(&buf)? {
+                let msg: Value = serde_json::from_slice(json)
                     .map_err(|e| RpcError("invalid_argument", format!("a message: {e}")))?;
+                buf.drain(..taken);
                 if msg.get("start").is_some() {
                     input = Some(agent.input(pid_of(&msg["start"])?));
                 } else if let Some(data) = msg.get("data") {
                     let input = input.as_ref().ok_or_else(|| {
                         RpcError("failed_precondition", "data before `start`".into())
                     })?;
-                    let bytes = data["input"]["stdin"]
-                        .as_str()
-                        .or_else(|| data["input"]["pty"].as_str())
-                        .map(decode_b64)
-                        .unwrap_or_default();
+                    let bytes = input_bytes(&data["input"]);
                     // A write to the agent's socket: short, but it may wait
                     // for a slow guest.
                     tokio::task::block_in_place(|| input.write(&bytes)).map_err(RpcError::from)?;
@@ -1335,11 +1337,7 @@ async fn process_rpc(
             blocking(move || {
                 let agent = agent;
                 let pid = pid_of(&msg)?;
-                let data = msg["input"]["stdin"]
-                    .as_str()
-                    .or_else(|| msg["input"]["pty"].as_str())
-                    .map(decode_b64)
-                    .unwrap_or_default();
+                let data = input_bytes(&msg["input"]);
                 agent.input(pid).write(&data).map_err(RpcError::from)?;
                 Ok(json!({}))
             })

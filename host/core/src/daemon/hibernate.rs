@@ -111,22 +111,26 @@ impl Daemon {
                 "the VMM refused the hibernation: {other:?}"
             ))),
         });
-        // Within the disk budget, with what others took meanwhile.
+        // Within the disk budget, with what others took meanwhile (its
+        // size is final: nothing below changes the hibernation's files).
         let written = written.and_then(|()| {
             let bytes = disk_bytes(&dir);
             let (_, used) = self.hibernated();
             match used.saturating_add(bytes) > budget {
                 true => Err(DaemonError::Limit(over_budget(budget, used, bytes))),
-                false => Ok(()),
+                false => Ok(bytes),
             }
         });
-        if let Err(e) = written {
-            let _ = std::fs::remove_dir_all(&dir);
-            if was_running {
-                let _ = control(&rec.run_dir, &husk_vmm_api::Request::Resume);
+        let bytes = match written {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                if was_running {
+                    let _ = control(&rec.run_dir, &husk_vmm_api::Request::Resume);
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         // Its VMM goes; its memory with it.
         let live = {
             let mut inner = self.lock();
@@ -151,7 +155,6 @@ impl Daemon {
         // contents are in the hibernation's drive layers); the console's
         // lines and earlier hibernations' drive layers stay.
         clear_run_dir(&rec.run_dir, &dir);
-        let bytes = disk_bytes(&dir);
         let rec = {
             let mut inner = self.lock();
             let Some(live) = inner.sandboxes.get_mut(id) else {
