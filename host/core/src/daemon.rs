@@ -466,8 +466,8 @@ impl Daemon {
         }
         if self.cfg.destroy_on_stop {
             for rec in self.store.sandboxes().unwrap_or_default() {
-                self.destroy_quietly(&rec.id);
                 let _ = self.audit("host", "destroy", &rec.id, "the host stopped");
+                self.destroy_quietly(&rec.id);
             }
         }
     }
@@ -1466,8 +1466,11 @@ impl Daemon {
     /// Destroys a sandbox: its VMM is killed and its run directory removed.
     pub fn destroy(&self, id: &str, who: &str) -> Result<(), DaemonError> {
         self.record(id)?;
+        // Audited before it goes: whoever sees it gone finds the entry (it
+        // goes even when the entry cannot be written).
+        let audited = self.store.audit(who, "destroy", Some(id), None, "");
         self.destroy_quietly(id);
-        self.store.audit(who, "destroy", Some(id), None, "")?;
+        audited?;
         tracing::info!(sandbox = %id, "destroyed");
         self.pool_wakeup.notify_all();
         Ok(())
@@ -1670,8 +1673,8 @@ impl Daemon {
             Ok((rec, _)) if !wanted => {
                 // The pool shrank while this clone restored.
                 drop(inner);
+                let _ = self.audit("host", "destroy", &rec.id, "the pool shrank");
                 self.destroy_quietly(&rec.id);
-                let _ = self.audit("host", "destroy", &rec.id, "the host stopped");
             }
             Ok((mut rec, agent)) => {
                 rec.state = SandboxState::Pooled;
