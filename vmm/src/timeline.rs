@@ -7,8 +7,8 @@ use std::time::Instant;
 /// Phases in the order they happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// The seccomp filters of every thread kind compiled: first, so that
-    /// vCPU threads started early in the build install theirs meanwhile.
+    /// The seccomp filters of every thread kind ready (compiled at build
+    /// time, so this is about when `main` began).
     FiltersReady,
     /// Restore only: the snapshot's state read, checked and decoded.
     StateLoaded,
