@@ -71,7 +71,15 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
     );
 
     let out = Command::new(common::husk_binary())
-        .args(["bench", "--iterations", "2", "--clones", "2"])
+        .args([
+            "bench",
+            "--iterations",
+            "2",
+            "--clones",
+            "2",
+            "--parked",
+            "3",
+        ])
         .arg("--kernel")
         .arg(common::kernel())
         .arg("--initramfs")
@@ -251,6 +259,42 @@ fn a_tiny_bench_run_reports_sane_phases_that_validate_against_the_schema() {
     let clones = &report.clones[0];
     assert_eq!((clones.contender.as_str(), clones.count), ("husk", 2));
     assert!(clones.pss_total_kib > 0 && clones.pss_total_kib <= clones.rss_total_kib);
+    // Three clones parked at once: what each costs the host, and where it
+    // goes (the guest pages each touched since the template's snapshot are
+    // its own).
+    let parked = report.parked.as_ref().expect("parked clones measured");
+    assert_eq!(parked.count, 3);
+    assert!(
+        parked.host_kib_per_clone > 0.0 && parked.per_gib > 0.0,
+        "{parked:?}"
+    );
+    assert!(parked.threads_per_vmm >= 2.0, "{parked:?}");
+    assert!(
+        parked
+            .vmm
+            .iter()
+            .any(|m| m.kind == "guest memory" && m.private_kib > 0.0),
+        "{parked:?}"
+    );
+    assert!(
+        stdout.contains("clones parked in the warm pool"),
+        "{stdout}"
+    );
+    // Every target is stated against this run, met or missed; only the
+    // Firecracker ratio may lack a measurement (no Firecracker at hand).
+    assert_eq!(report.targets.len(), 6, "{:?}", report.targets);
+    for t in &report.targets {
+        let unmeasured_ok = t.what.contains("Firecracker") && !firecracker_expected();
+        assert!(
+            t.measured.is_some() || unmeasured_ok,
+            "{} not measured: {:?}",
+            t.what,
+            report.targets
+        );
+        assert_eq!(t.met.is_some(), t.measured.is_some(), "{t:?}");
+        let line = format!("  {} ", t.what);
+        assert!(stdout.contains(&line), "no target line {line:?}: {stdout}");
+    }
     // The table shows every phase that ran; the chart a bar per series
     // that ran, with the peers' ratios.
     let chart = std::fs::read_to_string(&svg).expect("svg");

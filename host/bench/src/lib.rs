@@ -19,6 +19,7 @@
 //! cold boot likewise becomes its migration file, and Firecracker's its
 //! snapshot.
 
+pub mod density;
 pub mod firecracker;
 pub mod husk_vm;
 pub mod pooled;
@@ -47,6 +48,9 @@ pub struct BenchConfig {
     /// Clones of one snapshot kept alive at once for the memory figure
     /// (0: none).
     pub clones: usize,
+    /// Clones to park in the daemon's warm pool at once, for the memory
+    /// each costs (0: none; needs the pooled path).
+    pub parked: usize,
     /// The `husk` binary, to run a private daemon for the pooled path
     /// (None: no pooled runs).
     pub husk: Option<PathBuf>,
@@ -257,6 +261,19 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
             }
         }
     }
+    let parked = match (&daemon, config.parked) {
+        (Some(daemon), n) if n > 0 => {
+            progress(&format!("husk: {n} clones parked in the warm pool at once"));
+            match daemon.park(n, config.restore_budget * n as u32) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    progress(&format!("husk parked clones: FAILED: {e}"));
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
     drop(daemon);
     if snapshot.is_none() {
         husk_restore
@@ -294,8 +311,11 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
         series,
         clones,
         ratios: Vec::new(),
+        parked,
+        targets: Vec::new(),
     };
     report.compute_ratios();
+    report.compute_targets();
     Ok(report)
 }
 

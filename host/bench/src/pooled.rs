@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::report::{Memory, Sample, Side};
+use super::density;
+use super::report::{Memory, Parked, Sample, Side};
 use super::{monotonic_ns, BenchConfig, BenchError};
 use husk_client::{ApiClient, Endpoint};
 use husk_types::{CreateRequest, ExecEvent, ExecSpec, TemplateSpec};
@@ -110,6 +111,49 @@ impl Daemon {
                 return Err(format!("the pool had no clone ready after {budget:?}"));
             }
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Parks `n` clones in the pool at once and measures what each costs
+    /// the host (see [`density`](super::density)); the pool is back to one
+    /// after.
+    pub fn park(&self, n: usize, budget: Duration) -> Result<Parked, String> {
+        let failed = |e: husk_client::ApiClientError| e.to_string();
+        self.api.set_pool(TEMPLATE, 0).map_err(failed)?;
+        let result = self.wait_parked(0, budget).and_then(|()| {
+            let before = density::before()?;
+            let since = Instant::now();
+            self.api
+                .set_pool(TEMPLATE, u32::try_from(n).unwrap_or(u32::MAX))
+                .map_err(failed)?;
+            self.wait_parked(n, budget)?;
+            density::measure(self.child.id(), n, before, since)
+        });
+        self.api.set_pool(TEMPLATE, 1).map_err(failed)?;
+        result
+    }
+
+    /// Waits until exactly `n` clones are parked and none is restoring.
+    fn wait_parked(&self, n: usize, budget: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + budget;
+        loop {
+            let vmms = density::vmms_below(self.child.id()).len();
+            let ready = self
+                .api
+                .pools()
+                .map_err(|e| e.to_string())?
+                .iter()
+                .find(|p| p.template_name == TEMPLATE)
+                .map_or(0, |p| p.ready as usize);
+            if ready == n && vmms == n {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the pool had {ready} clones parked ({vmms} VMMs) for {n} after {budget:?}"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(500));
         }
     }
 

@@ -276,6 +276,62 @@ pub struct Clones {
     pub rss_total_kib: u64,
 }
 
+/// Clones parked in the daemon's warm pool at once (`husk bench --parked`):
+/// what each costs the host, and where it goes. Figures are per clone, in
+/// KiB (kernel figures may be slightly negative on a noisy host).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Parked {
+    pub count: usize,
+    /// How long the pool took to fill.
+    pub fill_s: f64,
+    /// Whether the page cache was dropped before each reading (root only;
+    /// without it, cache the host drops meanwhile hides some of the cost).
+    pub caches_dropped: bool,
+    /// The fall in the host's `MemAvailable`.
+    pub host_kib_per_clone: f64,
+    /// Parked clones per GiB of host memory at that cost.
+    pub per_gib: f64,
+    pub slab_kib: f64,
+    pub kernel_stack_kib: f64,
+    pub page_tables_kib: f64,
+    /// KVM's page tables for the guests (EPT, or PVM's shadow tables).
+    pub secondary_page_tables_kib: f64,
+    /// The page cache's growth (the template's files, shared by all).
+    pub page_cache_kib: f64,
+    /// The slab caches that grew most, per clone (root only).
+    pub slab_caches: Vec<SlabCost>,
+    pub threads_per_vmm: f64,
+    /// Each VMM's mappings by kind: private and proportional memory.
+    pub vmm: Vec<MappingCost>,
+}
+
+/// A kernel slab cache's growth per parked clone.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SlabCost {
+    pub name: String,
+    pub kib: f64,
+}
+
+/// One kind of mapping of a VMM, averaged over the parked clones.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MappingCost {
+    pub kind: String,
+    pub private_kib: f64,
+    pub pss_kib: f64,
+}
+
+/// A performance target of the project's, against this run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Target {
+    pub what: String,
+    /// `at_most` or `at_least`.
+    pub bound: String,
+    pub limit: f64,
+    /// None: this run did not measure it.
+    pub measured: Option<f64>,
+    pub met: Option<bool>,
+}
+
 /// A contender's p50 over husk's in the same mode, to the same endpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ratio {
@@ -319,6 +375,8 @@ pub struct Report {
     pub series: Vec<Series>,
     pub clones: Vec<Clones>,
     pub ratios: Vec<Ratio>,
+    pub parked: Option<Parked>,
+    pub targets: Vec<Target>,
 }
 
 impl Report {
@@ -344,6 +402,60 @@ impl Report {
             }
         }
         self.ratios = ratios;
+    }
+
+    /// The project's targets (issue 25) against this run: restore to the
+    /// guest running, the ratio to Firecracker's, the pooled claim (the
+    /// API call to a resumed clone), and parked clones per GiB.
+    pub fn compute_targets(&mut self) {
+        let series = |mode: &str| {
+            self.series
+                .iter()
+                .find(|s| s.contender == "husk" && s.mode == mode)
+        };
+        let restore = series("restore").and_then(|s| s.comparable);
+        let claim = series("pooled_create").and_then(|s| {
+            s.phases
+                .iter()
+                .find(|p| p.name == "claim_and_resume")
+                .map(|p| p.stats)
+        });
+        let firecracker = self
+            .ratios
+            .iter()
+            .find(|r| r.contender == "firecracker" && r.mode == "restore")
+            .map(|r| r.p50_over_husk);
+        let parked = self.parked.as_ref().map(|p| p.per_gib);
+        let target = |what: &str, at_most: bool, limit: f64, measured: Option<f64>| Target {
+            what: what.to_owned(),
+            bound: if at_most { "at_most" } else { "at_least" }.to_owned(),
+            limit,
+            measured,
+            met: measured.map(|m| if at_most { m <= limit } else { m >= limit }),
+        };
+        self.targets = vec![
+            target(
+                "restore to the guest running, p50 ms",
+                true,
+                3.0,
+                restore.map(|s| s.p50),
+            ),
+            target(
+                "restore to the guest running, p90 ms",
+                true,
+                5.0,
+                restore.map(|s| s.p90),
+            ),
+            target(
+                "restore: Firecracker's p50 over husk's",
+                false,
+                5.0,
+                firecracker,
+            ),
+            target("pooled claim, p50 ms", true, 10.0, claim.map(|s| s.p50)),
+            target("pooled claim, p99 ms", true, 20.0, claim.map(|s| s.p99)),
+            target("parked clones per GiB", false, 1000.0, parked),
+        ];
     }
 
     /// The terminal table.
@@ -435,6 +547,60 @@ impl Report {
                 c.contender, c.count, c.pss_total_kib, c.rss_total_kib
             );
         }
+        if let Some(p) = &self.parked {
+            let _ = writeln!(
+                out,
+                "\nhusk {} clones parked in the warm pool (filled in {:.0} s): {:.0} KiB of the host's \
+                 available memory each, {:.0} per GiB{}",
+                p.count,
+                p.fill_s,
+                p.host_kib_per_clone,
+                p.per_gib,
+                if p.caches_dropped { "" } else { " (page cache not dropped: not root)" }
+            );
+            let _ = writeln!(
+                out,
+                "  kernel, per clone: slab {:.0} KiB, kernel stacks {:.0} KiB ({:.1} threads per VMM), \
+                 page tables {:.0} KiB, KVM's page tables {:.0} KiB; page cache {:+.0} KiB (shared)",
+                p.slab_kib,
+                p.kernel_stack_kib,
+                p.threads_per_vmm,
+                p.page_tables_kib,
+                p.secondary_page_tables_kib,
+                p.page_cache_kib
+            );
+            if !p.slab_caches.is_empty() {
+                let caches: Vec<String> = p
+                    .slab_caches
+                    .iter()
+                    .map(|c| format!("{} {:.0}", c.name, c.kib))
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "  slab caches that grew, KiB per clone: {}",
+                    caches.join(", ")
+                );
+            }
+            for m in &p.vmm {
+                let _ = writeln!(
+                    out,
+                    "  VMM {}: private {:.0} KiB, PSS {:.0} KiB",
+                    m.kind, m.private_kib, m.pss_kib
+                );
+            }
+        }
+        if !self.targets.is_empty() {
+            let _ = writeln!(out, "\ntargets:");
+            for t in &self.targets {
+                let sign = if t.bound == "at_most" { "<=" } else { ">=" };
+                let verdict = match (t.measured, t.met) {
+                    (Some(m), Some(true)) => format!("met: {m:.2}"),
+                    (Some(m), _) => format!("MISSED: {m:.2}"),
+                    (None, _) => "not measured in this run".to_owned(),
+                };
+                let _ = writeln!(out, "  {} {sign} {}: {verdict}", t.what, t.limit);
+            }
+        }
         if !self.ratios.is_empty() {
             let _ = writeln!(out);
             for r in &self.ratios {
@@ -480,8 +646,71 @@ pub fn total(phases: &[Segment]) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    pub(crate) fn labels() -> Labels {
+        Labels {
+            cpu_model: "CPU <model> & co".into(),
+            cpus: 2,
+            kvm: "hardware".into(),
+            host_kernel: "6.1".into(),
+            guest_kernel: "vmlinux".into(),
+            guest_kernel_bytes: 1,
+            initramfs: "initramfs".into(),
+            initramfs_bytes: 1,
+            guest_mem_mib: 128,
+            guest_vcpus: 1,
+            guest_clocksource: None,
+            husk_version: "0".into(),
+            commit: "c".into(),
+            started_unix_s: 0,
+            iterations: 2,
+            warning: None,
+        }
+    }
+
+    #[test]
+    fn targets_say_met_missed_or_not_measured() {
+        let mut restore = Series::new("husk", "restore", "");
+        for (i, ms) in [2.0, 2.5, 6.0].into_iter().enumerate() {
+            let mut sample = Sample::from_points(i, 0, &[], None);
+            sample.comparable_ms = Some(ms);
+            restore.samples.push(sample);
+        }
+        restore.summarize();
+        let mut report = Report {
+            schema: SCHEMA.into(),
+            labels: labels(),
+            series: vec![restore],
+            clones: Vec::new(),
+            ratios: vec![Ratio {
+                contender: "firecracker".into(),
+                mode: "restore".into(),
+                endpoint: String::new(),
+                p50_over_husk: 4.0,
+            }],
+            parked: None,
+            targets: Vec::new(),
+        };
+
+        report.compute_targets();
+
+        let verdict = |what: &str| {
+            report
+                .targets
+                .iter()
+                .find(|t| t.what.starts_with(what))
+                .map(|t| t.met)
+                .expect(what)
+        };
+        assert_eq!(verdict("restore to the guest running, p50"), Some(true));
+        assert_eq!(verdict("restore to the guest running, p90"), Some(false));
+        assert_eq!(verdict("restore: Firecracker"), Some(false));
+        assert_eq!(verdict("pooled claim, p50"), None);
+        assert_eq!(verdict("parked clones per GiB"), None);
+        assert!(report.table().contains("MISSED: 4.00"));
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {
@@ -519,7 +748,9 @@ mod tests {
         let schema: serde_json::Value = serde_json::from_str(JSON_SCHEMA).expect("schema JSON");
 
         let required = schema["required"].as_array().expect("required");
-        for field in ["schema", "labels", "series", "clones", "ratios"] {
+        for field in [
+            "schema", "labels", "series", "clones", "ratios", "parked", "targets",
+        ] {
             assert!(required.iter().any(|r| r == field), "{field}");
         }
     }

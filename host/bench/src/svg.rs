@@ -204,28 +204,7 @@ fn format_ms(ms: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{Labels, Sample, Segment, Series};
-
-    fn labels() -> Labels {
-        Labels {
-            cpu_model: "CPU <model> & co".into(),
-            cpus: 2,
-            kvm: "hardware".into(),
-            host_kernel: "6.1".into(),
-            guest_kernel: "vmlinux".into(),
-            guest_kernel_bytes: 1,
-            initramfs: "initramfs".into(),
-            initramfs_bytes: 1,
-            guest_mem_mib: 128,
-            guest_vcpus: 1,
-            guest_clocksource: None,
-            husk_version: "0".into(),
-            commit: "c".into(),
-            started_unix_s: 0,
-            iterations: 2,
-            warning: None,
-        }
-    }
+    use crate::report::{tests::labels, Sample, Segment, Series};
 
     #[test]
     fn each_series_is_one_stacked_bar_with_its_whisker_and_ratio() {
@@ -267,6 +246,8 @@ mod tests {
                 endpoint: String::new(),
                 p50_over_husk: 4.25,
             }],
+            parked: None,
+            targets: Vec::new(),
         };
 
         let svg = render(&report);

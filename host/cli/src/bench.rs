@@ -18,6 +18,10 @@ pub struct BenchArgs {
     /// together (0: none).
     #[arg(long, default_value_t = 4)]
     clones: usize,
+    /// Clones parked in the daemon's warm pool at once, for what each
+    /// costs the host and where it goes (0: none).
+    #[arg(long, default_value_t = 0)]
+    parked: usize,
     #[arg(long, env = "HUSK_KERNEL")]
     kernel: Option<PathBuf>,
     #[arg(long, env = "HUSK_INITRAMFS")]
@@ -62,6 +66,9 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
     if args.iterations == 0 {
         return Err("--iterations must be at least 1".into());
     }
+    if args.parked > 0 && args.no_pooled {
+        return Err("--parked needs the pooled path (leave out --no-pooled)".into());
+    }
     let need = |p: Option<PathBuf>, what: &str| {
         p.ok_or_else(|| {
             format!(
@@ -88,6 +95,7 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
         vcpus: args.vcpus,
         iterations: args.iterations,
         clones: args.clones,
+        parked: args.parked,
         husk: (!args.no_pooled).then_some(this),
         qemu,
         firecracker,
