@@ -83,7 +83,7 @@ fn serve(stream: File) {
     let conn = Arc::new(Conn::new(out));
     let mut input = BufReader::new(stream);
     let mut greeted = false;
-    let mut writing: Option<crate::files::PendingWrite> = None;
+    let mut writing: Option<Pending> = None;
     loop {
         let frame = match read_frame(&mut input) {
             Ok(frame) => frame,
@@ -127,26 +127,26 @@ fn serve(stream: File) {
             }
         } else {
             match frame.body {
-                Body::WriteFile { path, mode } => match writing {
+                body @ (Body::WriteFile { .. } | Body::Unpack { .. }) => match writing {
                     Some(_) => Some(error(
                         id,
                         ErrorKind::Invalid,
                         "a write is already in progress",
                     )),
                     None => {
-                        writing = Some(crate::files::PendingWrite::start(id, &path, mode));
+                        writing = Some(Pending::start(id, body));
                         None
                     }
                 },
                 Body::FileChunk { data } => match writing.as_mut() {
-                    Some(w) if w.id == id => {
+                    Some(w) if w.id() == id => {
                         w.chunk(&data);
                         None
                     }
                     _ => Some(error(id, ErrorKind::Invalid, "no write in progress")),
                 },
                 Body::FileCommit => match writing.take() {
-                    Some(w) if w.id == id => Some(w.commit()),
+                    Some(w) if w.id() == id => Some(w.commit()),
                     other => {
                         writing = other;
                         Some(error(id, ErrorKind::Invalid, "no write in progress"))
@@ -166,6 +166,46 @@ fn serve(stream: File) {
     for pid in foreground {
         if let Some(p) = crate::process::find(pid) {
             let _ = p.signal(libc::SIGKILL);
+        }
+    }
+}
+
+/// A streamed write in progress on a connection: a file, or a tree.
+enum Pending {
+    File(crate::files::PendingWrite),
+    Tree(crate::unpack::PendingUnpack),
+}
+
+impl Pending {
+    /// `body` is `WriteFile` or `Unpack`.
+    fn start(id: u64, body: Body) -> Self {
+        match body {
+            Body::Unpack { dir } => Pending::Tree(crate::unpack::PendingUnpack::start(id, &dir)),
+            Body::WriteFile { path, mode } => {
+                Pending::File(crate::files::PendingWrite::start(id, &path, mode))
+            }
+            _ => unreachable!("only writes start a pending write"),
+        }
+    }
+
+    fn id(&self) -> u64 {
+        match self {
+            Pending::File(w) => w.id,
+            Pending::Tree(u) => u.id,
+        }
+    }
+
+    fn chunk(&mut self, data: &[u8]) {
+        match self {
+            Pending::File(w) => w.chunk(data),
+            Pending::Tree(u) => u.chunk(data),
+        }
+    }
+
+    fn commit(self) -> Frame {
+        match self {
+            Pending::File(w) => w.commit(),
+            Pending::Tree(u) => u.commit(),
         }
     }
 }
@@ -245,6 +285,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         }
         Body::Hello { .. } => return Some(error(id, ErrorKind::Malformed, "already greeted")),
         body @ (Body::Exec(_)
+        | Body::ExecIn { .. }
         | Body::Attach { .. }
         | Body::Wait { .. }
         | Body::ReadFile { .. }
@@ -316,7 +357,8 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         .spawn(move || {
             let conn = worker;
             let run = std::panic::AssertUnwindSafe(|| match body {
-                Body::Exec(req) => crate::exec::exec(id, req, &conn),
+                Body::Exec(req) => crate::exec::exec(id, req, None, &conn),
+                Body::ExecIn { root, request } => crate::exec::exec(id, request, Some(root), &conn),
                 Body::Attach { pid } => crate::exec::attach(id, pid, &conn),
                 Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
                 Body::ReadFile { path } => crate::files::read(id, &path, &conn),

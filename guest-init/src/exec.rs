@@ -25,12 +25,13 @@ fn not_found(id: u64, pid: i32) -> Frame {
     )
 }
 
-/// `Exec`: starts the program; a foreground one is streamed until it ends.
-pub fn exec(id: u64, req: ExecRequest, conn: &Conn) -> Frame {
+/// `Exec` (and `ExecIn`, with the program's `root`): starts the program; a
+/// foreground one is streamed until it ends.
+pub fn exec(id: u64, req: ExecRequest, root: Option<String>, conn: &Conn) -> Frame {
     let Some(program) = req.argv.first().cloned() else {
         return error(id, ErrorKind::Invalid, "argv is empty".into());
     };
-    let process = match process::start(&req) {
+    let process = match process::start(&req, root.as_deref()) {
         Ok(p) => p,
         Err(StartError::Full) => {
             let max = process::MAX_PROCESSES;

@@ -150,7 +150,7 @@ pub fn rename(id: u64, from: &str, to: &str) -> Frame {
     )
 }
 
-fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
+pub(crate) fn error(id: u64, kind: ErrorKind, message: String) -> Frame {
     Frame {
         id,
         body: Body::Error { kind, message },

@@ -20,6 +20,13 @@ pub struct Image {
 
 static IMAGE: OnceLock<Image> = OnceLock::new();
 
+/// No settings: a container's programs (theirs come with each request).
+pub static NONE: Image = Image {
+    env: Vec::new(),
+    cwd: None,
+    user: None,
+};
+
 /// Reads the settings; lines it does not know are logged and skipped.
 pub fn load() {
     let text = std::fs::read_to_string(PATH).unwrap_or_default();

@@ -35,6 +35,7 @@ mod reaper;
 mod simd;
 mod splice;
 mod sys;
+mod unpack;
 mod vsock;
 mod watch;
 

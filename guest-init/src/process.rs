@@ -281,12 +281,13 @@ pub enum StartError {
 
 /// Starts `req` and registers it; its threads are running when this
 /// returns.
-pub fn start(req: &ExecRequest) -> Result<Arc<Process>, StartError> {
+pub fn start(req: &ExecRequest, root: Option<&str>) -> Result<Arc<Process>, StartError> {
     if !make_room() {
         return Err(StartError::Full);
     }
+    let root = root.map(Root::new).transpose().map_err(StartError::Io)?;
     let cgroup = Cgroup::create(req.pids_max).map_err(StartError::Io)?;
-    let spawned = spawn(req, cgroup.as_ref()).map_err(StartError::Io)?;
+    let spawned = spawn(req, cgroup.as_ref(), root.as_ref()).map_err(StartError::Io)?;
     let (stdin_tx, stdin_rx) = mpsc::sync_channel::<Vec<u8>>(STDIN_QUEUE);
     let process = Arc::new(Process {
         pid: spawned.pid,
@@ -474,7 +475,11 @@ fn cstring(s: &str) -> std::io::Result<CString> {
 /// waitpid, which races PID 1's reap-everything loop (std then panics).
 /// Here the exec error comes back through a close-on-exec pipe and the
 /// reaper owns every exit.
-fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned> {
+fn spawn(
+    req: &ExecRequest,
+    cgroup: Option<&Cgroup>,
+    root: Option<&Root>,
+) -> std::io::Result<Spawned> {
     let Some(program) = req.argv.first() else {
         return Err(IoErrorKind::InvalidInput.into());
     };
@@ -507,8 +512,12 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
     if let Some(tunables) = crate::simd::glibc_tunables() {
         env.push(("GLIBC_TUNABLES".into(), tunables.into()));
     }
-    // The image's settings, then the request's own.
-    let image = crate::image::get();
+    // The image's settings (not a container's: its own come with the
+    // request), then the request's own.
+    let image = match root {
+        Some(_) => &crate::image::NONE,
+        None => crate::image::get(),
+    };
     for (k, v) in image.env.iter().chain(&req.env) {
         env.retain(|(key, _)| key != k);
         env.push((k.clone(), v.clone()));
@@ -563,8 +572,103 @@ fn spawn(req: &ExecRequest, cgroup: Option<&Cgroup>) -> std::io::Result<Spawned>
         pty,
         (&candidates, &argv_ptrs, &envp_ptrs, &cwd),
         req,
-        cgroup,
+        (cgroup, root),
     )
+}
+
+/// A container's root directory, and what the child mounts inside it
+/// before it makes it its root (prepared before the fork: the child only
+/// makes system calls).
+pub struct Root {
+    dir: CString,
+    proc: CString,
+    dev: CString,
+    sys: CString,
+}
+
+impl Root {
+    /// `dir` must be a directory; its `proc`, `dev` and `sys` are made.
+    fn new(dir: &str) -> std::io::Result<Root> {
+        let path = std::path::Path::new(dir);
+        if !path.is_absolute() || !std::fs::metadata(path)?.is_dir() {
+            return Err(std::io::Error::new(
+                IoErrorKind::InvalidInput,
+                format!("{dir} is not an absolute path of a directory"),
+            ));
+        }
+        for sub in ["proc", "dev", "sys"] {
+            // The archive may have them already (as directories or not:
+            // then the mount fails and says so).
+            let _ = std::fs::create_dir(path.join(sub));
+        }
+        Ok(Root {
+            dir: cstring(dir)?,
+            proc: cstring(&format!("{dir}/proc"))?,
+            dev: cstring(&format!("{dir}/dev"))?,
+            sys: cstring(&format!("{dir}/sys"))?,
+        })
+    }
+
+    /// In the child: a mount namespace of its own in which `dir` is `/`,
+    /// with the guest's /proc (the pod's processes), /dev and /sys.
+    ///
+    /// # Safety
+    /// Only system calls on the prepared paths: safe after fork.
+    unsafe fn enter(&self) -> Result<(), libc::c_int> {
+        // SAFETY: system calls on NUL-terminated paths prepared before fork.
+        unsafe {
+            let ok = |rc: libc::c_int| {
+                if rc == 0 {
+                    Ok(())
+                } else {
+                    Err(*libc::__errno_location())
+                }
+            };
+            let none = std::ptr::null::<libc::c_char>();
+            ok(libc::unshare(libc::CLONE_NEWNS))?;
+            ok(libc::mount(
+                none,
+                c"/".as_ptr(),
+                none,
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            ))?;
+            ok(libc::mount(
+                self.dir.as_ptr(),
+                self.dir.as_ptr(),
+                none,
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            ))?;
+            let hardened = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            ok(libc::mount(
+                c"proc".as_ptr(),
+                self.proc.as_ptr(),
+                c"proc".as_ptr(),
+                hardened,
+                std::ptr::null(),
+            ))?;
+            ok(libc::mount(
+                c"/dev".as_ptr(),
+                self.dev.as_ptr(),
+                none,
+                libc::MS_BIND | libc::MS_REC,
+                std::ptr::null(),
+            ))?;
+            ok(libc::mount(
+                c"sysfs".as_ptr(),
+                self.sys.as_ptr(),
+                c"sysfs".as_ptr(),
+                hardened | libc::MS_RDONLY,
+                std::ptr::null(),
+            ))?;
+            ok(libc::chdir(self.dir.as_ptr()))?;
+            // The old root goes under the new one, then is detached.
+            ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;
+            ok(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            ok(libc::chdir(c"/".as_ptr()))
+        }
+    }
 }
 
 type ExecArgs<'a> = (
@@ -583,7 +687,7 @@ fn finish_spawn(
     pty: Option<File>,
     (candidates, argv_ptrs, envp_ptrs, cwd): ExecArgs<'_>,
     req: &ExecRequest,
-    cgroup: Option<&Cgroup>,
+    (cgroup, root): (Option<&Cgroup>, Option<&Root>),
 ) -> std::io::Result<Spawned> {
     let (exec_r, exec_w) = pipe()?;
     let fds: [libc::c_int; 3] = match child_io {
@@ -593,7 +697,10 @@ fn finish_spawn(
     };
     let on_pty = pty.is_some();
     let report = exec_w.as_raw_fd();
-    let user = req.user.or(crate::image::get().user);
+    let user = match root {
+        Some(_) => req.user,
+        None => req.user.or(crate::image::get().user),
+    };
     let procs = cgroup.map(|c| c.procs.as_ptr());
     // SAFETY: sigset_t is plain data; sigemptyset initialises it.
     let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -610,7 +717,8 @@ fn finish_spawn(
             // SAFETY: see above.
             unsafe {
                 child(
-                    fds, on_pty, procs, user, cwd, candidates, argv_ptrs, envp_ptrs, report, &empty,
+                    fds, on_pty, procs, root, user, cwd, candidates, argv_ptrs, envp_ptrs, report,
+                    &empty,
                 )
             }
         }
@@ -646,6 +754,7 @@ unsafe fn child(
     [stdin, stdout, stderr]: [libc::c_int; 3],
     on_pty: bool,
     procs: Option<*const libc::c_char>,
+    root: Option<&Root>,
     user: Option<husk_protocol::User>,
     cwd: &CString,
     candidates: &[CString],
@@ -689,6 +798,11 @@ unsafe fn child(
         libc::dup2(stdin, 0);
         libc::dup2(stdout, 1);
         libc::dup2(stderr, 2);
+        if let Some(root) = root {
+            if let Err(e) = root.enter() {
+                fail(e);
+            }
+        }
         if let Some(u) = user {
             if libc::setgroups(0, std::ptr::null()) != 0
                 || libc::setgid(u.gid) != 0

@@ -60,6 +60,8 @@
 //! | `Cancel` | host → guest | end the `Watch` with the same id; answered by `Done` |
 //! | `KillAll` | host → guest | SIGKILL everything started in the sandbox (every program and what it left behind); the agent and PID 1 stay |
 //! | `KilledAll { tasks }` | guest → host | reply to `KillAll`, once they are gone: how many tasks (processes and threads) there were |
+//! | `Unpack { dir }` | host → guest | lay out a tree (a newc cpio archive in `FileChunk`s, then `FileCommit`) under the new directory `dir`; `Written` |
+//! | `ExecIn { root, request }` | host → guest | `Exec` with `root` as the program's `/`, in a mount namespace of its own: a container of a pod |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 //!
@@ -92,6 +94,8 @@
 //! A `WriteFile` goes to a temporary file beside the target and is renamed
 //! over it only on `FileCommit`, so a reader never sees half a file and a
 //! client that disconnects mid-write leaves nothing behind.
+
+pub mod cpio;
 
 use std::io::{Read, Write};
 
@@ -265,6 +269,19 @@ pub enum Body {
     Chown {
         path: String,
         user: User,
+    },
+    /// Lays out a tree, streamed as a newc cpio archive in `FileChunk`s
+    /// ended by `FileCommit`, under the new directory `dir` (answered
+    /// `Written` with the archive's size): a container's root file system.
+    Unpack {
+        dir: String,
+    },
+    /// `Exec` with `root` as the program's root directory, in a mount
+    /// namespace of its own (the guest's `/proc`, `/dev` and `/sys` mounted
+    /// inside): a container's process in a pod's guest.
+    ExecIn {
+        root: String,
+        request: ExecRequest,
     },
 }
 

@@ -17,87 +17,29 @@ use std::io::{self, Write};
 use std::path::Path;
 use std::process::{Command, ExitCode};
 
-const S_IFDIR: u32 = 0o040000;
-const S_IFREG: u32 = 0o100000;
-const S_IFLNK: u32 = 0o120000;
-const S_IFCHR: u32 = 0o020000;
+use husk_protocol::cpio::{self, S_IFCHR, S_IFDIR, S_IFLNK, S_IFREG};
+
 const DIRS: &[&str] = &[
     "bin", "dev", "etc", "proc", "root", "run", "sbin", "sys", "tmp", "usr", "usr/bin", "usr/sbin",
 ];
 
-/// Writes a newc ("070701") cpio archive.
-struct Cpio<W: Write> {
-    out: W,
-    ino: u32,
-    written: u64,
-}
-
-impl<W: Write> Cpio<W> {
-    fn new(out: W) -> Self {
-        Cpio {
-            out,
-            ino: 0,
-            written: 0,
-        }
-    }
-
-    fn entry(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> io::Result<()> {
-        self.entry_owned(name, mode, rdev, 0, data)
-    }
-
-    fn entry_owned(
-        &mut self,
-        name: &str,
-        mode: u32,
-        rdev: (u32, u32),
-        owner: u32,
-        data: &[u8],
-    ) -> io::Result<()> {
-        self.ino += 1;
-        let nlink = if mode & S_IFDIR != 0 { 2 } else { 1 };
-        let fields = [
-            self.ino,
-            mode,
-            owner, // uid
-            owner, // gid
-            nlink,
-            0, // mtime
-            data.len() as u32,
-            0, // dev major
-            0, // dev minor
-            rdev.0,
-            rdev.1,
-            name.len() as u32 + 1,
-            0, // check
-        ];
-        let mut header = String::from("070701");
-        for f in fields {
-            header.push_str(&format!("{f:08x}"));
-        }
-        self.put(header.as_bytes())?;
-        self.put(name.as_bytes())?;
-        self.put(&[0])?;
-        self.pad()?;
-        self.put(data)?;
-        self.pad()
-    }
-
-    fn put(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.out.write_all(bytes)?;
-        self.written += bytes.len() as u64;
-        Ok(())
-    }
-
-    fn pad(&mut self) -> io::Result<()> {
-        let pad = (4 - self.written % 4) % 4;
-        self.put(&[0u8; 3][..pad as usize])
-    }
-
-    fn finish(mut self) -> io::Result<W> {
-        self.entry("TRAILER!!!", 0, (0, 0), &[])?;
-        self.out.flush()?;
-        Ok(self.out)
-    }
+/// One entry of the initramfs.
+fn put(
+    cpio: &mut cpio::Writer<impl Write>,
+    name: &str,
+    mode: u32,
+    (rdev, owner): ((u32, u32), u32),
+    data: &[u8],
+) -> io::Result<()> {
+    let entry = cpio::Entry {
+        name: name.as_bytes(),
+        mode,
+        uid: owner,
+        gid: owner,
+        rdev,
+        size: 0,
+    };
+    cpio.entry_with(entry, data)
 }
 
 fn applets(busybox: &Path) -> io::Result<Vec<String>> {
@@ -170,15 +112,16 @@ fn tree(init: &Path, busybox: &Path, bash: Option<&Path>) -> io::Result<Vec<(Str
 
 fn write_cpio(entries: &[(String, u32, Node)], output: &Path) -> io::Result<()> {
     let tmp = output.with_extension("tmp");
-    let mut cpio = Cpio::new(io::BufWriter::new(std::fs::File::create(&tmp)?));
+    let mut cpio = cpio::Writer::new(io::BufWriter::new(std::fs::File::create(&tmp)?));
+    let root = ((0, 0), 0);
     for (path, perm, node) in entries {
         match node {
-            Node::Dir => cpio.entry(path, S_IFDIR | perm, (0, 0), &[])?,
-            Node::OwnedDir(uid) => cpio.entry_owned(path, S_IFDIR | perm, (0, 0), *uid, &[])?,
-            Node::File(bytes) => cpio.entry(path, S_IFREG | perm, (0, 0), bytes)?,
-            Node::Symlink(target) => cpio.entry(path, S_IFLNK | perm, (0, 0), target.as_bytes())?,
+            Node::Dir => put(&mut cpio, path, S_IFDIR | perm, root, &[])?,
+            Node::OwnedDir(uid) => put(&mut cpio, path, S_IFDIR | perm, ((0, 0), *uid), &[])?,
+            Node::File(bytes) => put(&mut cpio, path, S_IFREG | perm, root, bytes)?,
+            Node::Symlink(target) => put(&mut cpio, path, S_IFLNK | perm, root, target.as_bytes())?,
             Node::CharDevice(major, minor) => {
-                cpio.entry(path, S_IFCHR | perm, (*major, *minor), &[])?
+                put(&mut cpio, path, S_IFCHR | perm, ((*major, *minor), 0), &[])?
             }
         }
     }
@@ -245,9 +188,8 @@ mod tests {
 
     #[test]
     fn newc_entries_are_aligned_and_terminated() {
-        let mut cpio = Cpio::new(Vec::new());
-        cpio.entry("init", S_IFREG | 0o755, (0, 0), b"abcde")
-            .expect("entry");
+        let mut cpio = cpio::Writer::new(Vec::new());
+        put(&mut cpio, "init", S_IFREG | 0o755, ((0, 0), 0), b"abcde").expect("entry");
 
         let bytes = cpio.finish().expect("finish");
 
