@@ -8,6 +8,9 @@
 //! the others hold its read side while they run.
 
 mod common;
+#[path = "common/oci.rs"]
+mod oci;
+use oci::{image_layer, sha256_digest, LayerEntry};
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -1335,49 +1338,6 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
     assert_eq!(destroyed.0, 404, "{}", destroyed.1);
 }
 
-/// An entry of a test image's layer: path, content (None: a directory),
-/// symlink target, mode, uid.
-type LayerEntry<'a> = (&'a str, Option<&'a [u8]>, Option<&'a str>, u32, u64);
-
-/// A tar layer of `entries`.
-fn image_layer(entries: &[LayerEntry<'_>]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (path, content, link, mode, uid) in entries {
-        let mut h = tar::Header::new_gnu();
-        h.set_uid(*uid);
-        h.set_gid(*uid);
-        h.set_mtime(1_700_000_000);
-        h.set_mode(*mode);
-        match (content, link) {
-            (_, Some(target)) => {
-                h.set_entry_type(tar::EntryType::Symlink);
-                h.set_size(0);
-                b.append_link(&mut h, path, target).expect("link");
-            }
-            (Some(data), None) => {
-                h.set_entry_type(tar::EntryType::Regular);
-                h.set_size(data.len() as u64);
-                b.append_data(&mut h, path, *data).expect("file");
-            }
-            (None, None) => {
-                h.set_entry_type(tar::EntryType::Directory);
-                h.set_size(0);
-                b.append_data(&mut h, path, &[][..]).expect("dir");
-            }
-        }
-    }
-    b.into_inner().expect("layer")
-}
-
-fn sha256_digest(bytes: &[u8]) -> String {
-    use sha2::Digest;
-    let hex: String = sha2::Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("sha256:{hex}")
-}
-
 /// A two-layer OCI image layout, as a tar archive, made here from the
 /// host's static busybox: layer one a small system with a user `app`
 /// (uid 1000) and files under /opt; layer two (gzip) whites out
@@ -1468,22 +1428,7 @@ fn busybox_image() -> Vec<u8> {
         }]
     }))
     .expect("index");
-    let mut b = tar::Builder::new(Vec::new());
-    let mut add = |path: String, data: &[u8]| {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        b.append_data(&mut h, path, data).expect("entry");
-    };
-    add("oci-layout".into(), br#"{"imageLayoutVersion":"1.0.0"}"#);
-    add("index.json".into(), &index);
-    for blob in [&config, &manifest, &lower, &upper] {
-        add(format!("blobs/sha256/{}", &sha256_digest(blob)[7..]), blob);
-    }
-    b.into_inner().expect("image")
+    oci::layout(&index, &[&config, &manifest, &lower, &upper])
 }
 
 #[test]

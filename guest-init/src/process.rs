@@ -663,9 +663,21 @@ impl Root {
                 std::ptr::null(),
             ))?;
             ok(libc::chdir(self.dir.as_ptr()))?;
-            // The old root goes under the new one, then is detached.
-            ok(libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) as libc::c_int)?;
-            ok(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            // The old root goes under the new one, then is detached. An
+            // initramfs root cannot be pivoted (EINVAL): then the tree is
+            // moved over `/` and made the root, as switch_root does.
+            if libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) == 0 {
+                ok(libc::umount2(c".".as_ptr(), libc::MNT_DETACH))?;
+            } else {
+                ok(libc::mount(
+                    c".".as_ptr(),
+                    c"/".as_ptr(),
+                    none,
+                    libc::MS_MOVE,
+                    std::ptr::null(),
+                ))?;
+                ok(libc::chroot(c".".as_ptr()))?;
+            }
             ok(libc::chdir(c"/".as_ptr()))
         }
     }

@@ -424,7 +424,9 @@ mod tests {
 
     #[test]
     fn entries_outside_the_directory_or_through_a_link_are_refused_and_nothing_stays() {
-        let cases: [&[(&[u8], u32, &[u8])]; 4] = [
+        /// Name, mode, data.
+        type Entry<'a> = (&'a [u8], u32, &'a [u8]);
+        let cases: [&[Entry<'_>]; 4] = [
             &[(b"../escape", cpio::S_IFREG | 0o644, b"x")],
             &[(b"/etc/passwd", cpio::S_IFREG | 0o644, b"x")],
             // A link to a directory outside, then a file "in" it.

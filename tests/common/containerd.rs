@@ -11,6 +11,10 @@ use husk_agent_client::readiness::WaitBudget;
 
 pub const RUNTIME: &str = "io.containerd.husk.v2";
 pub const NAMESPACE: &str = "default";
+/// The namespace the CRI plugin keeps Kubernetes' images and containers in.
+pub const CRI_NAMESPACE: &str = "k8s.io";
+/// The pause image the CRI plugin is configured with (the tests import it).
+pub const PAUSE_IMAGE: &str = "husk.test/pause:1";
 
 /// containerd and `husk serve`, running.
 pub struct Containerd {
@@ -61,11 +65,21 @@ extern "C" fn cleanup() {
             }
         }
     }
-    let _ = Command::new("umount")
-        .args(["-R", "-l"])
-        .arg(dir.join("state"))
-        .stderr(Stdio::null())
-        .status();
+    // Whatever is mounted below the directory (the shims' root file
+    // systems, the CRI's shm mounts), deepest first.
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut below: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter(|m| Path::new(m).starts_with(&dir))
+        .collect();
+    below.sort_by_key(|m| std::cmp::Reverse(m.len()));
+    for m in below {
+        if let Ok(path) = std::ffi::CString::new(m) {
+            // SAFETY: umount2 reads a NUL-terminated path.
+            unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -73,6 +87,19 @@ impl Containerd {
     /// Starts containerd and a husk daemon under a new directory and waits
     /// for both to answer. `kind` names the directory (one per process).
     pub fn start(kind: &'static str) -> Containerd {
+        Containerd::start_with(kind, false)
+    }
+
+    /// Like [`Containerd::start`], with containerd's CRI plugin serving on
+    /// `containerd.sock` as the kubelet reaches it: runtime handler `husk`
+    /// (the default), images unpacked with overlayfs, the pause image
+    /// [`PAUSE_IMAGE`], no CNI (pods use the host's network namespace;
+    /// a husk pod's network is its VM's).
+    pub fn start_cri(kind: &'static str) -> Containerd {
+        Containerd::start_with(kind, true)
+    }
+
+    fn start_with(kind: &'static str, cri: bool) -> Containerd {
         assert!(KIND.set(kind).is_ok(), "one containerd per process");
         let dir = dir_of(kind);
         // SAFETY: registers a plain function to run at exit.
@@ -96,19 +123,41 @@ impl Containerd {
             .spawn()
             .expect("husk serve");
         let config = dir.join("containerd.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
-                 disabled_plugins = [\"io.containerd.grpc.v1.cri\", \
-                 \"io.containerd.snapshotter.v1.btrfs\", \"io.containerd.snapshotter.v1.zfs\", \
-                 \"io.containerd.snapshotter.v1.devmapper\", \"io.containerd.snapshotter.v1.aufs\"]\n\
-                 [grpc]\n  address = \"{d}/containerd.sock\"\n\
-                 [ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n",
-                d = dir.display()
-            ),
-        )
-        .expect("containerd config");
+        let d = dir.display();
+        let mut text = format!(
+            "version = 2\nroot = \"{d}/root\"\nstate = \"{d}/state\"\n\
+             disabled_plugins = [{}\
+             \"io.containerd.snapshotter.v1.btrfs\", \"io.containerd.snapshotter.v1.zfs\", \
+             \"io.containerd.snapshotter.v1.devmapper\", \"io.containerd.snapshotter.v1.aufs\"]\n\
+             [grpc]\n  address = \"{d}/containerd.sock\"\n\
+             [ttrpc]\n  address = \"{d}/containerd.sock.ttrpc\"\n",
+            if cri {
+                ""
+            } else {
+                "\"io.containerd.grpc.v1.cri\", "
+            }
+        );
+        if cri {
+            for sub in ["cni/bin", "cni/conf"] {
+                std::fs::create_dir_all(dir.join(sub)).expect("cni dirs");
+            }
+            text.push_str(&format!(
+                "[plugins.\"io.containerd.grpc.v1.cri\"]\n\
+                 \x20 sandbox_image = \"{PAUSE_IMAGE}\"\n\
+                 \x20 stream_server_address = \"127.0.0.1\"\n\
+                 \x20 stream_server_port = \"0\"\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n\
+                 \x20 snapshotter = \"overlayfs\"\n\
+                 \x20 default_runtime_name = \"husk\"\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.husk]\n\
+                 \x20 runtime_type = \"{RUNTIME}\"\n\
+                 \x20 pod_annotations = [\"io.husk.template\"]\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".cni]\n\
+                 \x20 bin_dir = \"{d}/cni/bin\"\n\
+                 \x20 conf_dir = \"{d}/cni/conf\"\n"
+            ));
+        }
+        std::fs::write(&config, text).expect("containerd config");
         // containerd finds the shim on its PATH and passes its environment
         // (the daemon's socket) on to it.
         let bin_dir = Path::new(super::vmm_binary()).parent().expect("target dir");
@@ -150,10 +199,15 @@ impl Containerd {
     }
 
     pub fn ctr_command(&self, args: &[&str]) -> Command {
+        self.ctr_in(NAMESPACE, args)
+    }
+
+    /// `ctr` in namespace `ns`.
+    pub fn ctr_in(&self, ns: &str, args: &[&str]) -> Command {
         let mut cmd = Command::new("ctr");
         cmd.arg("--address")
             .arg(self.dir.join("containerd.sock"))
-            .args(["--namespace", NAMESPACE])
+            .args(["--namespace", ns])
             .args(args)
             .stdin(Stdio::null());
         cmd
@@ -239,8 +293,13 @@ pub fn busybox_rootfs(dir: &Path, marker: &str) -> PathBuf {
 /// The socket containerd-shim 0.11 serves a task on (it removes it when
 /// it exits).
 pub fn shim_socket(dir: &Path, id: &str) -> PathBuf {
+    shim_socket_in(dir, NAMESPACE, id)
+}
+
+/// [`shim_socket`] in namespace `ns`.
+pub fn shim_socket_in(dir: &Path, ns: &str, id: &str) -> PathBuf {
     use sha2::Digest;
-    let address = dir.join("containerd.sock").join(NAMESPACE).join(id);
+    let address = dir.join("containerd.sock").join(ns).join(id);
     let hash = sha2::Sha256::digest(address.display().to_string().as_bytes());
     let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
     PathBuf::from("/run/containerd/s").join(hex)

@@ -606,6 +606,28 @@ impl AgentClient {
         }
     }
 
+    /// Starts a foreground program with `root` as its root directory in a
+    /// mount namespace of its own (a container of a pod); read its output
+    /// with `next_event`.
+    pub fn start_in(&mut self, root: &str, req: ExecRequest) -> Result<Running<'_>, ClientError> {
+        let request = ExecRequest {
+            background: false,
+            ..req
+        };
+        let id = self.send(Body::ExecIn {
+            root: root.to_owned(),
+            request,
+        })?;
+        match self.reply(id)? {
+            Body::Started { pid } => Ok(Running {
+                client: self,
+                id,
+                pid,
+            }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Runs a program, calling `on_output` for each chunk as it comes.
     pub fn exec_streaming(
         &mut self,
@@ -778,6 +800,25 @@ impl AgentClient {
         }
     }
 
+    /// Copies the host tree `tree` (owners, modes, links) to the new guest
+    /// directory `dir`, as a cpio stream; returns the stream's size.
+    pub fn unpack(&mut self, dir: &str, tree: &std::path::Path) -> Result<u64, ClientError> {
+        let id = self.send(Body::Unpack {
+            dir: dir.to_owned(),
+        })?;
+        let chunks = Chunks {
+            sender: &self.sender,
+            id,
+            buf: Vec::with_capacity(FILE_CHUNK),
+        };
+        husk_protocol::cpio::write_tree(tree, chunks)?;
+        self.sender.send_as(id, Body::FileCommit)?;
+        match self.reply(id)? {
+            Body::Written { size } => Ok(size),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Streams the guest file `path` into `sink`; returns its size.
     pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
         let id = self.send(Body::ReadFile {
@@ -870,6 +911,34 @@ impl AgentClient {
     /// Reads the next frame whatever it is, for tests.
     pub fn read_raw(&mut self) -> Result<Frame, ClientError> {
         Ok(read_frame(&mut self.reader)?)
+    }
+}
+
+/// A `Write` that sends what it is given as `FileChunk`s of request `id`.
+struct Chunks<'a> {
+    sender: &'a Sender,
+    id: u64,
+    buf: Vec<u8>,
+}
+
+impl Write for Chunks<'_> {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        let n = data.len().min(FILE_CHUNK - self.buf.len());
+        self.buf.extend_from_slice(&data[..n]);
+        if self.buf.len() == FILE_CHUNK {
+            self.flush()?;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if !self.buf.is_empty() {
+            let data = std::mem::replace(&mut self.buf, Vec::with_capacity(FILE_CHUNK));
+            self.sender
+                .send_as(self.id, Body::FileChunk { data })
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        Ok(())
     }
 }
 

@@ -35,6 +35,52 @@ pub const MIN_MEM_MIB: u32 = 64;
 /// Most vCPUs a CPU limit may ask for.
 pub const MAX_VCPUS: u8 = 32;
 
+/// The CRI's annotation saying whether a container is a pod's sandbox
+/// (`sandbox`) or one of its containers (`container`).
+pub const CONTAINER_TYPE_ANNOTATION: &str = "io.kubernetes.cri.container-type";
+/// The CRI's annotation naming the pod sandbox a container belongs to.
+pub const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
+
+/// The template a pod's VM is a clone of when the pod names none.
+pub const DEFAULT_POD_TEMPLATE: &str = "base";
+
+/// A task's place in a Kubernetes pod (from the CRI's annotations).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pod {
+    /// The pod's sandbox (pause) container: its task is the pod's VM.
+    Sandbox,
+    /// A container of the pod whose sandbox is `sandbox`: it runs in that
+    /// VM with its own root file system.
+    Container { sandbox: String },
+}
+
+/// The pod role the annotations give, if any.
+pub fn pod_of(annotations: &std::collections::HashMap<String, String>) -> Option<Pod> {
+    match annotations
+        .get(CONTAINER_TYPE_ANNOTATION)
+        .map(String::as_str)
+    {
+        Some("sandbox") => Some(Pod::Sandbox),
+        Some("container") => annotations
+            .get(SANDBOX_ID_ANNOTATION)
+            .map(|id| Pod::Container {
+                sandbox: id.clone(),
+            }),
+        _ => None,
+    }
+}
+
+/// The shim a task is served by: its pod's (the sandbox id) or its own.
+/// Read from `config.json` in the bundle `dir`.
+pub fn grouping(dir: &Path, id: &str) -> String {
+    Spec::load(dir.join("config.json"))
+        .ok()
+        .and_then(|spec| spec.annotations().clone())
+        .and_then(|a| a.get(SANDBOX_ID_ANNOTATION).cloned())
+        .filter(|sandbox| !sandbox.is_empty())
+        .unwrap_or_else(|| id.to_owned())
+}
+
 /// Where a task's file system comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
@@ -53,6 +99,8 @@ pub struct Bundle {
     pub mem_mib: Option<u32>,
     /// From `linux.resources.cpu` quota / period, rounded up.
     pub vcpus: Option<u8>,
+    /// Its place in a pod, when the CRI runs it.
+    pub pod: Option<Pod>,
 }
 
 impl Bundle {
@@ -69,13 +117,22 @@ impl Bundle {
             .ok_or_else(|| ShimError::Invalid("the spec has no `process` to run".into()))?;
         let workload = workload(process)?;
         let annotations = spec.annotations().clone().unwrap_or_default();
-        let source = match annotations.get(TEMPLATE_ANNOTATION) {
+        let pod = pod_of(&annotations);
+        let template = match (&pod, annotations.get(TEMPLATE_ANNOTATION)) {
+            // A pod's VM: the pod's template, or the base one; the pause
+            // image is not used.
+            (Some(Pod::Sandbox), None) => Some(DEFAULT_POD_TEMPLATE.to_owned()),
+            // A container of a pod: its own root file system, always.
+            (Some(Pod::Container { .. }), _) => None,
+            (_, named) => named.cloned(),
+        };
+        let source = match template {
             Some(name) if name.is_empty() => {
                 return Err(ShimError::Invalid(format!(
                     "the `{TEMPLATE_ANNOTATION}` annotation is empty: name a husk template"
                 )))
             }
-            Some(name) => Source::Template(name.clone()),
+            Some(name) => Source::Template(name),
             None => {
                 let root =
                     match rootfs {
@@ -96,11 +153,14 @@ impl Bundle {
             }
         };
         let resources = spec.linux().as_ref().and_then(|l| l.resources().clone());
+        // A pod's container runs in the pod's VM: its limits do not size
+        // one.
+        let sizes_a_vm = !matches!(pod, Some(Pod::Container { .. }));
         let mem_mib = resources
             .as_ref()
             .and_then(|r| r.memory().as_ref())
             .and_then(|m| m.limit())
-            .filter(|l| *l > 0)
+            .filter(|l| *l > 0 && sizes_a_vm)
             .map(mem_mib_for)
             .transpose()?;
         let vcpus = resources
@@ -113,7 +173,8 @@ impl Bundle {
             workload,
             source,
             mem_mib,
-            vcpus,
+            vcpus: vcpus.filter(|_| sizes_a_vm),
+            pod,
         })
     }
 }

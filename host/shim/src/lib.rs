@@ -2,7 +2,10 @@
 //! (shim v2), so containerd, and Kubernetes through a RuntimeClass, run
 //! each task in a husk sandbox.
 //!
-//! One shim per task, one sandbox per task. The shim is a client of the
+//! One shim per task, one sandbox per task; a Kubernetes pod (the CRI's
+//! annotations) is one shim and one sandbox, its containers inside it with
+//! root file systems of their own (see `host/containerd.md`). The shim is a
+//! client of the
 //! husk daemon (`husk serve`, at `$HUSK_HOST` or the default socket), which
 //! applies the jail, cgroup and egress policy as it does for every sandbox;
 //! the shim reaches the task's guest agent directly for its processes.
@@ -46,7 +49,7 @@ use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{api, ExitSignal, TtrpcContext, TtrpcResult};
 
 use self::bundle::{Bundle, Source};
-use self::process::{Exit, GuestProcess, Stdio};
+use self::process::{Exit, GuestProcess, Place, Stdio};
 use husk_client::{ApiClient, ApiClientError};
 use husk_types::{CreateRequest, SandboxInfo, SandboxUpdate};
 
@@ -144,7 +147,10 @@ impl shim::Shim for HuskShim {
     }
 
     fn start_shim(&mut self, opts: shim::StartOpts) -> Result<String, shim::Error> {
-        let grouping = opts.id.clone();
+        // A pod's containers share its shim (containerd runs `start` in
+        // the bundle): a second shim process finds the pod's socket serving
+        // and exits, answering its address.
+        let grouping = bundle::grouping(&std::env::current_dir().unwrap_or_default(), &opts.id);
         let (_pid, address) = shim::spawn(opts, &grouping, Vec::new())?;
         // In the bundle: the served shim removes its socket on the way out,
         // and `delete` after a killed one.
@@ -181,7 +187,7 @@ impl shim::Shim for HuskShim {
                 publisher,
                 daemon: husk_client::from_env(),
                 containerd: self.containerd.clone(),
-                task: Mutex::new(None),
+                tasks: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -253,19 +259,41 @@ struct Inner {
     exit: Arc<ExitSignal>,
     publisher: RemotePublisher,
     daemon: ApiClient,
-    task: Mutex<Option<Task>>,
+    /// The shim's tasks: one, or a pod's sandbox and its containers.
+    tasks: Mutex<HashMap<String, Task>>,
 }
 
-/// The shim's one task.
-struct Task {
-    id: String,
-    bundle: PathBuf,
+/// A husk sandbox a shim's tasks run in: a task's own, or a pod's.
+#[derive(Debug)]
+struct Vm {
     sandbox: SandboxInfo,
     agent: PathBuf,
+    paused: std::sync::atomic::AtomicBool,
+}
+
+/// A task: a container with its own VM, a pod's sandbox (whose task is the
+/// pod's VM), or a container of a pod (in the pod's VM).
+struct Task {
+    bundle: PathBuf,
+    vm: Arc<Vm>,
+    /// Whether deleting the task destroys the VM (not for a pod's
+    /// containers).
+    owns_vm: bool,
+    /// A pod's container: the guest directory that holds its root file
+    /// system.
+    guest_dir: Option<String>,
     init: Arc<GuestProcess>,
     execs: HashMap<String, Arc<GuestProcess>>,
-    paused: bool,
 }
+
+impl Task {
+    fn paused(&self) -> bool {
+        self.vm.paused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Where a pod's container's root file system goes in the guest.
+const CONTAINERS_DIR: &str = "/run/husk/containers";
 
 fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -277,8 +305,8 @@ fn timestamp(t: SystemTime) -> Timestamp {
 }
 
 impl Inner {
-    fn lock(&self) -> MutexGuard<'_, Option<Task>> {
-        self.task.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, Task>> {
+        self.tasks.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
@@ -296,8 +324,7 @@ impl Inner {
         id: &str,
         f: impl FnOnce(&mut Task) -> Result<R, ShimError>,
     ) -> Result<R, ShimError> {
-        let mut task = self.lock();
-        match task.as_mut().filter(|t| t.id == id) {
+        match self.lock().get_mut(id) {
             Some(task) => f(task),
             None => Err(ShimError::NotFound(format!("no task `{id}`"))),
         }
@@ -313,7 +340,7 @@ impl Inner {
                     ShimError::NotFound(format!("no process `{exec_id}` in `{id}`"))
                 })?
             };
-            Ok((process, task.agent.clone()))
+            Ok((process, task.vm.agent.clone()))
         })
     }
 
@@ -380,8 +407,8 @@ impl Inner {
     }
 
     fn create(self: &Arc<Self>, req: &api::CreateTaskRequest) -> Result<u32, ShimError> {
-        if self.lock().is_some() {
-            return Err(ShimError::Conflict("this shim already has a task".into()));
+        if self.lock().contains_key(&req.id) {
+            return Err(ShimError::Conflict(format!("task `{}` exists", req.id)));
         }
         if [&req.stdout, &req.stderr]
             .iter()
@@ -412,6 +439,9 @@ impl Inner {
         rootfs: Option<&Path>,
     ) -> Result<u32, ShimError> {
         let bundle = Bundle::load(bundle_dir, rootfs)?;
+        if let Some(bundle::Pod::Container { sandbox }) = &bundle.pod {
+            return self.create_container(req, bundle_dir, &bundle, sandbox);
+        }
         let template = self.template_for(&bundle)?;
         tracing::info!(task = %req.id, template = %template, "creating the task's sandbox");
         let created = self.daemon.create_sandbox(&CreateRequest {
@@ -453,20 +483,104 @@ impl Inner {
             terminal: req.terminal,
         };
         let pid = sandbox.pid;
+        let place = match bundle.pod {
+            Some(bundle::Pod::Sandbox) => Place::Holder,
+            _ => Place::Guest,
+        };
         let init = GuestProcess::new(
             bundle.workload,
+            place,
             stdio,
             self.on_exit(&req.id, &req.id, Some(pid)),
         );
-        *self.lock() = Some(Task {
-            id: req.id.clone(),
-            bundle: bundle_dir.to_owned(),
+        let vm = Arc::new(Vm {
             sandbox,
             agent,
-            init,
-            execs: HashMap::new(),
-            paused: false,
+            paused: Default::default(),
         });
+        self.add(req, bundle_dir, vm, None, init);
+        Ok(pid)
+    }
+
+    /// A container of a pod: its root file system is copied into the pod's
+    /// VM, where its processes run with it as their root.
+    fn create_container(
+        self: &Arc<Self>,
+        req: &api::CreateTaskRequest,
+        bundle_dir: &Path,
+        bundle: &Bundle,
+        sandbox: &str,
+    ) -> Result<u32, ShimError> {
+        let vm = self
+            .lock()
+            .get(sandbox)
+            .filter(|t| t.owns_vm)
+            .map(|t| t.vm.clone())
+            .ok_or_else(|| {
+                ShimError::NotFound(format!(
+                    "pod sandbox `{sandbox}` is not served by this shim"
+                ))
+            })?;
+        let Source::Rootfs(rootfs) = &bundle.source else {
+            return Err(ShimError::Invalid(
+                "a pod's container needs a root file system".into(),
+            ));
+        };
+        if !req
+            .id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            || req.id.starts_with('.')
+        {
+            return Err(ShimError::Invalid(format!("container id `{}`", req.id)));
+        }
+        let dir = format!("{CONTAINERS_DIR}/{}", req.id);
+        let root = format!("{dir}/rootfs");
+        let started = std::time::Instant::now();
+        let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
+            .and_then(|mut agent| agent.unpack(&root, rootfs))?;
+        tracing::info!(
+            task = %req.id, pod = %sandbox, bytes = size,
+            ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
+        );
+        let stdio = Stdio {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let pid = vm.sandbox.pid;
+        let init = GuestProcess::new(
+            bundle.workload.clone(),
+            Place::Container(root),
+            stdio,
+            self.on_exit(&req.id, &req.id, Some(pid)),
+        );
+        self.add(req, bundle_dir, vm, Some(dir), init);
+        Ok(pid)
+    }
+
+    /// Records a created task and tells containerd.
+    fn add(
+        &self,
+        req: &api::CreateTaskRequest,
+        bundle_dir: &Path,
+        vm: Arc<Vm>,
+        guest_dir: Option<String>,
+        init: Arc<GuestProcess>,
+    ) {
+        let pid = vm.sandbox.pid;
+        self.lock().insert(
+            req.id.clone(),
+            Task {
+                bundle: bundle_dir.to_owned(),
+                vm,
+                owns_vm: guest_dir.is_none(),
+                guest_dir,
+                init,
+                execs: HashMap::new(),
+            },
+        );
         self.publish(
             shim::protos::topics::TASK_CREATE_EVENT_TOPIC,
             Box::new(TaskCreate {
@@ -484,7 +598,6 @@ impl Inner {
                 ..Default::default()
             }),
         );
-        Ok(pid)
     }
 
     /// Publishes a process's exit event. `host_pid`: the pid containerd
@@ -529,7 +642,7 @@ impl Inner {
             at: SystemTime::now(),
         });
         if !exec_id.is_empty() {
-            if let Some(task) = self.lock().as_mut() {
+            if let Some(task) = self.lock().get_mut(id) {
                 task.execs.remove(exec_id);
             }
             return Ok(api::DeleteResponse {
@@ -539,13 +652,26 @@ impl Inner {
                 ..Default::default()
             });
         }
-        let task = self.lock().take();
+        let task = self.lock().remove(id);
         let Some(task) = task else {
             return Err(ShimError::NotFound(format!("no task `{id}`")));
         };
-        self.destroy(&task.sandbox.id);
+        match &task.guest_dir {
+            None => self.destroy(&task.vm.sandbox.id),
+            // A pod's container: its files go from the pod's VM.
+            Some(dir) => {
+                let removed = husk_agent_client::AgentClient::connect(
+                    &task.vm.agent,
+                    Duration::from_secs(60),
+                )
+                .and_then(|mut agent| agent.remove(dir, true));
+                if let Err(e) = removed {
+                    tracing::warn!(task = %id, "removing {dir} from the pod's VM: {e}");
+                }
+            }
+        }
         unmount_rootfs(&task.bundle);
-        let pid = task.sandbox.pid;
+        let pid = task.vm.sandbox.pid;
         self.publish(
             shim::protos::topics::TASK_DELETE_EVENT_TOPIC,
             Box::new(TaskDelete {
@@ -566,15 +692,18 @@ impl Inner {
     }
 
     fn pause(&self, id: &str, pause: bool) -> Result<(), ShimError> {
-        let sandbox = self.with_task(id, |t| Ok(t.sandbox.id.clone()))?;
+        let vm = self.with_task(id, |t| match t.owns_vm {
+            true => Ok(t.vm.clone()),
+            false => Err(ShimError::Invalid(
+                "a pod's container pauses with its pod (pause the pod's sandbox)".into(),
+            )),
+        })?;
         if pause {
-            self.daemon.pause(&sandbox)?;
+            self.daemon.pause(&vm.sandbox.id)?;
         } else {
-            self.daemon.resume(&sandbox)?;
+            self.daemon.resume(&vm.sandbox.id)?;
         }
-        if let Some(task) = self.lock().as_mut() {
-            task.paused = pause;
-        }
+        vm.paused.store(pause, std::sync::atomic::Ordering::SeqCst);
         if pause {
             self.publish(
                 shim::protos::topics::TASK_PAUSED_EVENT_TOPIC,
@@ -596,7 +725,7 @@ impl Inner {
     }
 
     fn stats(&self, id: &str) -> Result<Any, ShimError> {
-        let (pid, agent) = self.with_task(id, |t| Ok((t.sandbox.pid, t.agent.clone())))?;
+        let (pid, agent) = self.with_task(id, |t| Ok((t.vm.sandbox.pid, t.vm.agent.clone())))?;
         let guest = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))
             .and_then(|mut c| c.health())
             .ok();
@@ -644,7 +773,12 @@ impl shim::Task for TaskService {
         _ctx: &TtrpcContext,
         _req: api::ConnectRequest,
     ) -> TtrpcResult<api::ConnectResponse> {
-        let task_pid = self.inner.lock().as_ref().map_or(0, |t| t.sandbox.pid);
+        let task_pid = self
+            .inner
+            .lock()
+            .values()
+            .next()
+            .map_or(0, |t| t.vm.sandbox.pid);
         Ok(api::ConnectResponse {
             shim_pid: std::process::id(),
             task_pid,
@@ -676,7 +810,11 @@ impl shim::Task for TaskService {
         let (process, agent) = self.inner.process(&req.id, &req.exec_id)?;
         let guest_pid = process.start(&agent)?;
         let pid = if req.exec_id.is_empty() {
-            let pid = self.inner.lock().as_ref().map_or(0, |t| t.sandbox.pid);
+            let pid = self
+                .inner
+                .lock()
+                .get(&req.id)
+                .map_or(0, |t| t.vm.sandbox.pid);
             self.inner.publish(
                 shim::protos::topics::TASK_START_EVENT_TOPIC,
                 Box::new(TaskStart {
@@ -710,13 +848,13 @@ impl shim::Task for TaskService {
         req: api::StateRequest,
     ) -> TtrpcResult<api::StateResponse> {
         let (process, _) = self.inner.process(&req.id, &req.exec_id)?;
-        let task = self.inner.lock();
-        let Some(task) = task.as_ref() else {
+        let tasks = self.inner.lock();
+        let Some(task) = tasks.get(&req.id) else {
             return Err(ShimError::NotFound(format!("no task `{}`", req.id)).into());
         };
         let (started, exit) = process.state();
         let pid = if req.exec_id.is_empty() {
-            task.sandbox.pid
+            task.vm.sandbox.pid
         } else {
             process.pid() as u32
         };
@@ -724,7 +862,7 @@ impl shim::Task for TaskService {
             id: req.id.clone(),
             bundle: task.bundle.display().to_string(),
             pid,
-            status: status(started, exit, task.paused).into(),
+            status: status(started, exit, task.paused()).into(),
             stdin: process.stdio.stdin.clone(),
             stdout: process.stdio.stdout.clone(),
             stderr: process.stdio.stderr.clone(),
@@ -751,8 +889,16 @@ impl shim::Task for TaskService {
     fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
         let (process, agent) = self.inner.process(&req.id, &req.exec_id)?;
         if req.all && req.signal == libc::SIGKILL as u32 && req.exec_id.is_empty() {
-            // Everything the task started, detached or not.
-            if let Some(sandbox) = self.inner.lock().as_ref().map(|t| t.sandbox.id.clone()) {
+            // Everything the task started, detached or not (a task with a VM
+            // of its own; a pod's container ends with its own process's
+            // cgroup).
+            let owned = self
+                .inner
+                .lock()
+                .get(&req.id)
+                .filter(|t| t.owns_vm)
+                .map(|t| t.vm.sandbox.id.clone());
+            if let Some(sandbox) = owned {
                 self.inner
                     .daemon
                     .kill_all(&sandbox)
@@ -786,9 +932,13 @@ impl shim::Task for TaskService {
                     req.exec_id
                 )));
             }
+            let place = match &task.guest_dir {
+                Some(dir) => Place::Container(format!("{dir}/rootfs")),
+                None => Place::Guest,
+            };
             task.execs.insert(
                 req.exec_id.clone(),
-                GuestProcess::new(request, stdio, on_exit),
+                GuestProcess::new(request, place, stdio, on_exit),
             );
             Ok(())
         })?;
@@ -834,7 +984,7 @@ impl shim::Task for TaskService {
 
     fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
         let pids: Vec<u32> = self.inner.with_task(&req.id, |task| {
-            Ok(std::iter::once(task.sandbox.pid)
+            Ok(std::iter::once(task.vm.sandbox.pid)
                 .chain(task.execs.values().map(|p| p.pid() as u32))
                 .filter(|p| *p != 0)
                 .collect())
@@ -873,7 +1023,7 @@ impl shim::Task for TaskService {
     }
 
     fn shutdown(&self, _ctx: &TtrpcContext, _req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
-        if self.inner.lock().is_none() {
+        if self.inner.lock().is_empty() {
             self.inner.exit.signal();
         }
         Ok(api::Empty::default())

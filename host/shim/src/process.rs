@@ -46,13 +46,34 @@ pub type OnExit = Box<dyn FnOnce(i32, Exit) + Send>;
 #[derive(Debug)]
 enum Phase {
     Created,
-    Running { pid: i32, input: ProgramInput },
-    Exited { pid: i32, exit: Exit },
+    Running {
+        pid: i32,
+        input: ProgramInput,
+    },
+    /// A pod's pause process: nothing runs; it holds until signalled.
+    Holding,
+    Exited {
+        pid: i32,
+        exit: Exit,
+    },
+}
+
+/// Where a process runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// In the guest's own root file system.
+    Guest,
+    /// In a pod's container: this guest directory is its root.
+    Container(String),
+    /// Nowhere: a pod's sandbox (pause) container, which holds the pod
+    /// until it is signalled and costs no guest process.
+    Holder,
 }
 
 /// A process of a task.
 pub struct GuestProcess {
     request: ExecRequest,
+    place: Place,
     pub stdio: Stdio,
     phase: Mutex<Phase>,
     ended: Condvar,
@@ -77,9 +98,10 @@ pub fn status_of(termination: Termination) -> u32 {
 }
 
 impl GuestProcess {
-    pub fn new(request: ExecRequest, stdio: Stdio, on_exit: OnExit) -> Arc<Self> {
+    pub fn new(request: ExecRequest, place: Place, stdio: Stdio, on_exit: OnExit) -> Arc<Self> {
         Arc::new(GuestProcess {
             request,
+            place,
             stdio,
             phase: Mutex::new(Phase::Created),
             ended: Condvar::new(),
@@ -94,7 +116,7 @@ impl GuestProcess {
     /// Its guest pid once started (0 before).
     pub fn pid(&self) -> i32 {
         match *self.lock() {
-            Phase::Created => 0,
+            Phase::Created | Phase::Holding => 0,
             Phase::Running { pid, .. } | Phase::Exited { pid, .. } => pid,
         }
     }
@@ -103,7 +125,7 @@ impl GuestProcess {
     pub fn state(&self) -> (bool, Option<Exit>) {
         match *self.lock() {
             Phase::Created => (false, None),
-            Phase::Running { .. } => (true, None),
+            Phase::Running { .. } | Phase::Holding => (true, None),
             Phase::Exited { exit, .. } => (true, Some(exit)),
         }
     }
@@ -114,6 +136,10 @@ impl GuestProcess {
             return Err(ShimError::Conflict(
                 "the process was already started".into(),
             ));
+        }
+        if self.place == Place::Holder {
+            *self.lock() = Phase::Holding;
+            return Ok(0);
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let me = self.clone();
@@ -132,7 +158,11 @@ impl GuestProcess {
             Ok(c) => c,
             Err(e) => return drop(started.send(Err(e.into()))),
         };
-        let mut running = match client.start(self.request.clone()) {
+        let started_in = match &self.place {
+            Place::Container(root) => client.start_in(root, self.request.clone()),
+            _ => client.start(self.request.clone()),
+        };
+        let mut running = match started_in {
             Ok(r) => r,
             Err(e) => return drop(started.send(Err(e.into()))),
         };
@@ -218,7 +248,9 @@ impl GuestProcess {
     /// started ends there, as killed by the signal.
     pub fn signal(&self, agent: &Path, signal: u32) -> Result<(), ShimError> {
         let pid = match *self.lock() {
-            Phase::Created => None,
+            // A holder ends at any signal, as the pause program does at
+            // the ones it is sent.
+            Phase::Created | Phase::Holding => None,
             Phase::Running { pid, .. } => Some(pid),
             Phase::Exited { .. } => {
                 return Err(ShimError::NotFound("the process has already exited".into()))

@@ -1,0 +1,507 @@
+//! Kubernetes pods on husk, driven through containerd's CRI plugin the way
+//! the kubelet drives it (a CRI client over containerd's socket: no `ctr`
+//! for the pod's life): a private containerd configured for the `husk`
+//! runtime handler, images the test makes and imports itself (a busybox
+//! tree, and a pause image), one pod whose sandbox container becomes one
+//! husk VM and whose two containers run inside that VM, each with its own
+//! root file system, sharing localhost.
+
+mod common;
+#[path = "common/oci.rs"]
+mod oci;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
+use husk_cri_api::image_service_client::ImageServiceClient;
+use husk_cri_api::runtime_service_client::RuntimeServiceClient;
+use husk_cri_api::{
+    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatsRequest,
+    ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
+    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
+    PodSandboxMetadata, RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest,
+    StartContainerRequest, StopContainerRequest, StopPodSandboxRequest, VersionRequest,
+};
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint};
+
+const BUSYBOX: &str = "husk.test/busybox:1";
+
+/// A CRI connection to containerd's socket, as the kubelet makes one.
+async fn connect(socket: PathBuf) -> Channel {
+    Endpoint::try_from("http://localhost")
+        .expect("endpoint")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(socket).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .expect("containerd's CRI socket")
+}
+
+/// The busybox image: the host's static busybox with the applets the pods
+/// use, and a pause image whose program only sleeps (husk runs no pause
+/// process: the pod's VM is its sandbox).
+fn images() -> (Vec<u8>, Vec<u8>) {
+    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
+    let applets = [
+        "sh", "cat", "echo", "sleep", "mkdir", "httpd", "wget", "hostname", "ls", "id",
+    ];
+    let links: Vec<String> = applets.iter().map(|a| format!("bin/{a}")).collect();
+    let mut tree: Vec<oci::LayerEntry<'_>> = vec![
+        ("bin", None, None, 0o755, 0),
+        ("bin/busybox", Some(&busybox), None, 0o755, 0),
+    ];
+    for l in &links {
+        tree.push((l, None, Some("busybox"), 0o777, 0));
+    }
+    tree.extend_from_slice(&[
+        ("etc", None, None, 0o755, 0),
+        (
+            "etc/os-release",
+            Some(b"ID=husk-test-busybox\n"),
+            None,
+            0o644,
+            0,
+        ),
+        ("tmp", None, None, 0o1777, 0),
+    ]);
+    let env = json!(["PATH=/bin"]);
+    let image = oci::single_layer(BUSYBOX, &tree, json!({ "Env": env, "Cmd": ["/bin/sh"] }));
+    let pause = oci::single_layer(
+        PAUSE_IMAGE,
+        &tree[..2],
+        json!({ "Env": env, "Entrypoint": ["/bin/busybox", "sleep", "2147483647"] }),
+    );
+    (image, pause)
+}
+
+fn import(ctrd: &Containerd, archive: &[u8], name: &str) {
+    let file = ctrd
+        .dir
+        .join(format!("{}.tar", name.replace(['/', ':'], "_")));
+    std::fs::write(&file, archive).expect("image archive");
+    let out = ctrd
+        .ctr_in(CRI_NAMESPACE, &["images", "import"])
+        .arg(&file)
+        .output()
+        .expect("ctr images import");
+    assert!(
+        out.status.success(),
+        "importing {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Host network, as a pod without CNI has (a husk pod's network is its VM).
+fn namespaces() -> Option<NamespaceOption> {
+    Some(NamespaceOption {
+        network: NamespaceMode::Node as i32,
+        pid: NamespaceMode::Pod as i32,
+        ipc: NamespaceMode::Pod as i32,
+        ..Default::default()
+    })
+}
+
+fn pod_config(name: &str, logs: &Path) -> PodSandboxConfig {
+    PodSandboxConfig {
+        metadata: Some(PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        hostname: name.into(),
+        log_directory: logs.display().to_string(),
+        linux: Some(LinuxPodSandboxConfig {
+            security_context: Some(LinuxSandboxSecurityContext {
+                namespace_options: namespaces(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn container_config(name: &str, command: &[&str]) -> ContainerConfig {
+    ContainerConfig {
+        metadata: Some(ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(ImageSpec {
+            image: BUSYBOX.into(),
+            ..Default::default()
+        }),
+        command: command.iter().map(|s| (*s).to_owned()).collect(),
+        log_path: format!("{name}.log"),
+        linux: Some(LinuxContainerConfig {
+            security_context: Some(LinuxContainerSecurityContext {
+                namespace_options: namespaces(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The husk sandboxes the daemon has, by id.
+fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {
+    let out = ctrd.husk(&["ps", "--json"]);
+    let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("husk ps");
+    list.iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The VMM processes running (by their name: a jailer names the VMM in its
+/// arguments too).
+fn vmms() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "husk-vmm")
+        })
+        .collect()
+}
+
+/// The husk shims running.
+fn shims() -> usize {
+    processes_with(&["containerd-shim-husk-v2"]).len()
+}
+
+#[test]
+fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
+    if let Some(why) = common::containerd::missing() {
+        common::skip(&why);
+        return;
+    }
+    let ctrd = Containerd::start_cri("cri");
+    // The pods' VMs are clones of `base` (its first build boots it).
+    ctrd.husk(&["template", "build", "base"]);
+    let (image, pause) = images();
+    import(&ctrd, &image, BUSYBOX);
+    import(&ctrd, &pause, PAUSE_IMAGE);
+    let logs = ctrd.dir.join("pod-logs");
+    std::fs::create_dir_all(&logs).expect("log dir");
+    let shims_before = shims();
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let pod = rt.block_on(async {
+        let channel = connect(ctrd.dir.join("containerd.sock")).await;
+        let mut runtime = RuntimeServiceClient::new(channel.clone());
+        let mut images = ImageServiceClient::new(channel);
+        let version = runtime
+            .version(VersionRequest::default())
+            .await
+            .expect("Version")
+            .into_inner();
+        assert_eq!(version.runtime_name, "containerd", "{version:?}");
+        let status = images
+            .image_status(ImageStatusRequest {
+                image: Some(ImageSpec {
+                    image: BUSYBOX.into(),
+                    ..Default::default()
+                }),
+                verbose: false,
+            })
+            .await
+            .expect("ImageStatus")
+            .into_inner();
+        assert!(
+            status.image.is_some(),
+            "the imported image is not seen by the CRI"
+        );
+
+        // RunPodSandbox: one husk VM, and no VM for the pause container.
+        let config = pod_config("web", &logs);
+        let pod = runtime
+            .run_pod_sandbox(RunPodSandboxRequest {
+                config: Some(config.clone()),
+                runtime_handler: "husk".into(),
+            })
+            .await
+            .expect("RunPodSandbox")
+            .into_inner()
+            .pod_sandbox_id;
+        let vms = husk_sandboxes(&ctrd);
+        assert_eq!(vms.len(), 1, "one VM for the pod: {vms:?}");
+
+        // Two containers: one serves on localhost, the other reaches it.
+        let create = |name: &str, command: &[&str]| CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(container_config(name, command)),
+            sandbox_config: Some(config.clone()),
+        };
+        let server_req = create(
+            "server",
+            &[
+                "/bin/sh",
+                "-c",
+                "mkdir -p /www && echo hello-from-the-server > /www/index.html && \
+                 echo serving && exec httpd -f -p 127.0.0.1:8080 -h /www",
+            ],
+        );
+        let client_req = create("client", &["/bin/sleep", "100000"]);
+        let mut ids = Vec::new();
+        for req in [server_req, client_req] {
+            let id = runtime
+                .create_container(req)
+                .await
+                .expect("CreateContainer")
+                .into_inner()
+                .container_id;
+            runtime
+                .start_container(StartContainerRequest {
+                    container_id: id.clone(),
+                })
+                .await
+                .expect("StartContainer");
+            ids.push(id);
+        }
+        let (server, client) = (ids[0].clone(), ids[1].clone());
+        assert_eq!(husk_sandboxes(&ctrd).len(), 1, "the containers made VMs");
+        assert_eq!(shims(), shims_before + 1, "one shim for the pod");
+
+        let exec = |id: &str, cmd: &[&str]| ExecSyncRequest {
+            container_id: id.to_owned(),
+            cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
+            timeout: 300,
+        };
+        // The client reaches the server on localhost (it may still be
+        // starting: the guest is slow here).
+        let mut fetched = None;
+        for _ in 0..30 {
+            let reply = runtime
+                .exec_sync(exec(
+                    &client,
+                    &[
+                        "wget",
+                        "-Y",
+                        "off",
+                        "-q",
+                        "-O",
+                        "-",
+                        "http://127.0.0.1:8080/",
+                    ],
+                ))
+                .await
+                .expect("ExecSync")
+                .into_inner();
+            if reply.exit_code == 0 {
+                fetched = Some(String::from_utf8_lossy(&reply.stdout).into_owned());
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        assert_eq!(
+            fetched.as_deref().map(str::trim),
+            Some("hello-from-the-server")
+        );
+        // Exit codes come back; each container has its own root: the
+        // server's /www is not in the client's.
+        let code = runtime
+            .exec_sync(exec(&client, &["sh", "-c", "exit 3"]))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(code.exit_code, 3);
+        let own_root = runtime
+            .exec_sync(exec(&client, &["sh", "-c", "cat /etc/os-release; ls /www"]))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert!(
+            String::from_utf8_lossy(&own_root.stdout).contains("husk-test-busybox"),
+            "{own_root:?}"
+        );
+        assert_ne!(own_root.exit_code, 0, "the client sees the server's /www");
+        let served = runtime
+            .exec_sync(exec(&server, &["cat", "/www/index.html"]))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(
+            String::from_utf8_lossy(&served.stdout).trim(),
+            "hello-from-the-server"
+        );
+
+        // The server's output went through containerd's FIFOs to its log.
+        let log = logs.join("server.log");
+        let mut logged = String::new();
+        for _ in 0..30 {
+            logged = std::fs::read_to_string(&log).unwrap_or_default();
+            if logged.contains("serving") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        assert!(logged.contains("serving"), "{}: {logged:?}", log.display());
+
+        let stats = runtime
+            .container_stats(ContainerStatsRequest {
+                container_id: server.clone(),
+            })
+            .await
+            .expect("ContainerStats")
+            .into_inner();
+        let memory = stats
+            .stats
+            .and_then(|s| s.memory)
+            .and_then(|m| m.working_set_bytes);
+        assert!(memory.is_some_and(|m| m.value > 0), "no memory figure");
+
+        // Stop and remove the containers, then the pod.
+        for id in [&client, &server] {
+            runtime
+                .stop_container(StopContainerRequest {
+                    container_id: id.clone(),
+                    timeout: 10,
+                })
+                .await
+                .expect("StopContainer");
+            let state = runtime
+                .container_status(ContainerStatusRequest {
+                    container_id: id.clone(),
+                    verbose: false,
+                })
+                .await
+                .expect("ContainerStatus")
+                .into_inner()
+                .status
+                .expect("status");
+            assert_eq!(state.state, ContainerState::ContainerExited as i32);
+            runtime
+                .remove_container(RemoveContainerRequest {
+                    container_id: id.clone(),
+                })
+                .await
+                .expect("RemoveContainer");
+        }
+        assert_eq!(
+            husk_sandboxes(&ctrd).len(),
+            1,
+            "the pod's VM went with a container"
+        );
+        runtime
+            .stop_pod_sandbox(StopPodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await
+            .expect("StopPodSandbox");
+        runtime
+            .remove_pod_sandbox(RemovePodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await
+            .expect("RemovePodSandbox");
+
+        // A pod whose VM dies: its container is reported exited, with a
+        // failing status.
+        let doomed_config = pod_config("doomed", &logs);
+        let doomed = runtime
+            .run_pod_sandbox(RunPodSandboxRequest {
+                config: Some(doomed_config.clone()),
+                runtime_handler: "husk".into(),
+            })
+            .await
+            .expect("RunPodSandbox")
+            .into_inner()
+            .pod_sandbox_id;
+        let sleeper = runtime
+            .create_container(CreateContainerRequest {
+                pod_sandbox_id: doomed.clone(),
+                config: Some(container_config("sleeper", &["/bin/sleep", "100000"])),
+                sandbox_config: Some(doomed_config),
+            })
+            .await
+            .expect("CreateContainer")
+            .into_inner()
+            .container_id;
+        runtime
+            .start_container(StartContainerRequest {
+                container_id: sleeper.clone(),
+            })
+            .await
+            .expect("StartContainer");
+        let vmms = vmms();
+        assert_eq!(vmms.len(), 1, "the doomed pod's VMM");
+        // SAFETY: signalling a process by pid.
+        unsafe { libc::kill(vmms[0], libc::SIGKILL) };
+        let mut status = None;
+        for _ in 0..60 {
+            let s = runtime
+                .container_status(ContainerStatusRequest {
+                    container_id: sleeper.clone(),
+                    verbose: false,
+                })
+                .await
+                .expect("ContainerStatus")
+                .into_inner()
+                .status
+                .expect("status");
+            if s.state == ContainerState::ContainerExited as i32 {
+                status = Some(s);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let status = status.expect("the container of a dead VM is reported exited");
+        assert_ne!(status.exit_code, 0, "{status:?}");
+        assert!(!status.reason.is_empty(), "{status:?}");
+        runtime
+            .stop_pod_sandbox(StopPodSandboxRequest {
+                pod_sandbox_id: doomed.clone(),
+            })
+            .await
+            .expect("StopPodSandbox");
+        runtime
+            .remove_container(RemoveContainerRequest {
+                container_id: sleeper,
+            })
+            .await
+            .expect("RemoveContainer");
+        runtime
+            .remove_pod_sandbox(RemovePodSandboxRequest {
+                pod_sandbox_id: doomed,
+            })
+            .await
+            .expect("RemovePodSandbox");
+        pod
+    });
+
+    // Nothing left: no VM, no VMM, no shim, no socket of the pod's shim.
+    let socket = shim_socket_in(&ctrd.dir, CRI_NAMESPACE, &pod);
+    let left = || {
+        (
+            husk_sandboxes(&ctrd),
+            vmms().len(),
+            shims(),
+            socket.exists(),
+        )
+    };
+    let mut now = left();
+    for _ in 0..60 {
+        if now == (Vec::new(), 0, shims_before, false) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        now = left();
+    }
+    let (vms, vmms, shims_after, socket_left) = now;
+    assert!(vms.is_empty(), "VMs left: {vms:?}");
+    assert_eq!(vmms, 0, "VMMs left");
+    assert_eq!(shims_after, shims_before, "a shim was left");
+    assert!(!socket_left, "the pod's shim socket is left");
+}
