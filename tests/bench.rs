@@ -16,7 +16,7 @@ use husk_bench::report::{Report, Side, Status};
 /// Phases of husk's runs, in the order they happen.
 const HUSK_ORDER: [&str; 16] = [
     "process_start",
-    "seccomp_filters",
+    "vmm_setup",
     "state_load",
     "vm_create",
     "memory",

@@ -7,150 +7,23 @@
 //! root file system, sharing localhost.
 
 mod common;
+#[path = "common/cri.rs"]
+mod cri;
 #[path = "common/oci.rs"]
 mod oci;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
+use cri::{connect, container_config, images, import, pod_config, BUSYBOX};
 use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
-    ContainerConfig, ContainerMetadata, ContainerState, ContainerStatsRequest,
-    ContainerStatusRequest, CreateContainerRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
-    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
-    PodSandboxMetadata, RemoveContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StartContainerRequest, StopContainerRequest, StopPodSandboxRequest, VersionRequest,
+    ContainerState, ContainerStatsRequest, ContainerStatusRequest, CreateContainerRequest,
+    ExecSyncRequest, ImageSpec, ImageStatusRequest, RemoveContainerRequest,
+    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
+    StopPodSandboxRequest, VersionRequest,
 };
-use serde_json::json;
-use tonic::transport::{Channel, Endpoint};
-
-const BUSYBOX: &str = "husk.test/busybox:1";
-
-/// A CRI connection to containerd's socket, as the kubelet makes one.
-async fn connect(socket: PathBuf) -> Channel {
-    Endpoint::try_from("http://localhost")
-        .expect("endpoint")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(socket).await?;
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-            }
-        }))
-        .await
-        .expect("containerd's CRI socket")
-}
-
-/// The busybox image: the host's static busybox with the applets the pods
-/// use, and a pause image whose program only sleeps (husk runs no pause
-/// process: the pod's VM is its sandbox).
-fn images() -> (Vec<u8>, Vec<u8>) {
-    let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
-    let applets = [
-        "sh", "cat", "echo", "sleep", "mkdir", "httpd", "wget", "hostname", "ls", "id",
-    ];
-    let links: Vec<String> = applets.iter().map(|a| format!("bin/{a}")).collect();
-    let mut tree: Vec<oci::LayerEntry<'_>> = vec![
-        ("bin", None, None, 0o755, 0),
-        ("bin/busybox", Some(&busybox), None, 0o755, 0),
-    ];
-    for l in &links {
-        tree.push((l, None, Some("busybox"), 0o777, 0));
-    }
-    tree.extend_from_slice(&[
-        ("etc", None, None, 0o755, 0),
-        (
-            "etc/os-release",
-            Some(b"ID=husk-test-busybox\n"),
-            None,
-            0o644,
-            0,
-        ),
-        ("tmp", None, None, 0o1777, 0),
-    ]);
-    let env = json!(["PATH=/bin"]);
-    let image = oci::single_layer(BUSYBOX, &tree, json!({ "Env": env, "Cmd": ["/bin/sh"] }));
-    let pause = oci::single_layer(
-        PAUSE_IMAGE,
-        &tree[..2],
-        json!({ "Env": env, "Entrypoint": ["/bin/busybox", "sleep", "2147483647"] }),
-    );
-    (image, pause)
-}
-
-fn import(ctrd: &Containerd, archive: &[u8], name: &str) {
-    let file = ctrd
-        .dir
-        .join(format!("{}.tar", name.replace(['/', ':'], "_")));
-    std::fs::write(&file, archive).expect("image archive");
-    let out = ctrd
-        .ctr_in(CRI_NAMESPACE, &["images", "import"])
-        .arg(&file)
-        .output()
-        .expect("ctr images import");
-    assert!(
-        out.status.success(),
-        "importing {name}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Host network, as a pod without CNI has (a husk pod's network is its VM).
-fn namespaces() -> Option<NamespaceOption> {
-    Some(NamespaceOption {
-        network: NamespaceMode::Node as i32,
-        pid: NamespaceMode::Pod as i32,
-        ipc: NamespaceMode::Pod as i32,
-        ..Default::default()
-    })
-}
-
-fn pod_config(name: &str, logs: &Path) -> PodSandboxConfig {
-    PodSandboxConfig {
-        metadata: Some(PodSandboxMetadata {
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            namespace: "default".into(),
-            attempt: 0,
-        }),
-        hostname: name.into(),
-        log_directory: logs.display().to_string(),
-        linux: Some(LinuxPodSandboxConfig {
-            security_context: Some(LinuxSandboxSecurityContext {
-                namespace_options: namespaces(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn container_config(name: &str, command: &[&str]) -> ContainerConfig {
-    ContainerConfig {
-        metadata: Some(ContainerMetadata {
-            name: name.into(),
-            attempt: 0,
-        }),
-        image: Some(ImageSpec {
-            image: BUSYBOX.into(),
-            ..Default::default()
-        }),
-        command: command.iter().map(|s| (*s).to_owned()).collect(),
-        log_path: format!("{name}.log"),
-        linux: Some(LinuxContainerConfig {
-            security_context: Some(LinuxContainerSecurityContext {
-                namespace_options: namespaces(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
 
 /// The husk sandboxes the daemon has, by id.
 fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {

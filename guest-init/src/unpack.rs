@@ -71,6 +71,11 @@ pub struct PendingUnpack {
     bytes: u64,
     /// The first failure; reported at commit, the only reply.
     failed: Option<(ErrorKind, String)>,
+    /// Whether this unpack made `dir`, and whether to keep it: a failed or
+    /// abandoned (the client went) unpack removes what it made, and only
+    /// that.
+    made: bool,
+    keep: bool,
 }
 
 fn hex(field: &[u8]) -> Option<u64> {
@@ -103,6 +108,8 @@ impl PendingUnpack {
             dirs: HashSet::from([PathBuf::new()]),
             bytes: 0,
             failed: None,
+            made: false,
+            keep: false,
         };
         if !unpack.dir.is_absolute() {
             unpack.fail((ErrorKind::Invalid, format!("{dir}: not an absolute path")));
@@ -113,8 +120,9 @@ impl PendingUnpack {
             .parent()
             .map_or(Ok(()), std::fs::create_dir_all)
             .and_then(|()| std::fs::DirBuilder::new().mode(0o755).create(&unpack.dir));
-        if let Err(e) = made {
-            unpack.fail((kind_of(&e), format!("cannot create {dir}: {e}")));
+        match made {
+            Ok(()) => unpack.made = true,
+            Err(e) => unpack.fail((kind_of(&e), format!("cannot create {dir}: {e}"))),
         }
         unpack
     }
@@ -328,15 +336,23 @@ impl PendingUnpack {
             ));
         }
         match self.failed.take() {
-            Some((kind, message)) => {
-                // Nothing half-made is left.
-                let _ = std::fs::remove_dir_all(&self.dir);
-                crate::files::error(id, kind, message)
+            // Nothing half-made is left (see Drop).
+            Some((kind, message)) => crate::files::error(id, kind, message),
+            None => {
+                self.keep = true;
+                Frame {
+                    id,
+                    body: Body::Written { size: self.bytes },
+                }
             }
-            None => Frame {
-                id,
-                body: Body::Written { size: self.bytes },
-            },
+        }
+    }
+}
+
+impl Drop for PendingUnpack {
+    fn drop(&mut self) {
+        if self.made && !self.keep {
+            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 }
@@ -457,6 +473,45 @@ mod tests {
             );
             assert!(!out.exists(), "{case:?}: the half-made tree stayed");
         }
+    }
+
+    #[test]
+    fn a_directory_that_exists_is_refused_and_kept() {
+        let dir = tempdir("exists");
+        std::fs::write(dir.join("precious"), b"x").expect("file");
+        let archive = cpio::Writer::new(Vec::new()).finish().expect("archive");
+
+        let reply = unpack(&archive, &dir, 64);
+
+        assert!(
+            matches!(
+                reply.body,
+                Body::Error {
+                    kind: ErrorKind::Conflict,
+                    ..
+                }
+            ),
+            "{reply:?}"
+        );
+        assert!(
+            dir.join("precious").exists(),
+            "an existing directory was removed"
+        );
+    }
+
+    #[test]
+    fn an_abandoned_unpack_leaves_nothing() {
+        let src = tempdir("abandoned-src");
+        std::fs::write(src.join("f"), vec![1u8; 10_000]).expect("file");
+        let archive = cpio::write_tree(&src, Vec::new()).expect("archive");
+        let out = tempdir("abandoned").join("rootfs");
+        let mut u = PendingUnpack::start(1, out.to_str().expect("utf-8"));
+        u.chunk(&archive[..archive.len() / 2]);
+        assert!(out.exists());
+
+        drop(u);
+
+        assert!(!out.exists(), "the client went, the half-made tree stayed");
     }
 
     #[test]

@@ -91,8 +91,8 @@ impl Containerd {
     }
 
     /// Like [`Containerd::start`], with containerd's CRI plugin serving on
-    /// `containerd.sock` as the kubelet reaches it: runtime handler `husk`
-    /// (the default), images unpacked with overlayfs, the pause image
+    /// `containerd.sock` as the kubelet reaches it: runtime handlers `husk`
+    /// (the default) and `runc`, images unpacked with overlayfs, the pause image
     /// [`PAUSE_IMAGE`], no CNI (pods use the host's network namespace;
     /// a husk pod's network is its VM's).
     pub fn start_cri(kind: &'static str) -> Containerd {
@@ -152,6 +152,8 @@ impl Containerd {
                  [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.husk]\n\
                  \x20 runtime_type = \"{RUNTIME}\"\n\
                  \x20 pod_annotations = [\"io.husk.template\"]\n\
+                 [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n\
+                 \x20 runtime_type = \"io.containerd.runc.v2\"\n\
                  [plugins.\"io.containerd.grpc.v1.cri\".cni]\n\
                  \x20 bin_dir = \"{d}/cni/bin\"\n\
                  \x20 conf_dir = \"{d}/cni/conf\"\n"

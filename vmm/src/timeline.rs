@@ -7,8 +7,9 @@ use std::time::Instant;
 /// Phases in the order they happen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
-    /// The seccomp filters of every thread kind ready (compiled at build
-    /// time, so this is about when `main` began).
+    /// The VMM's own set-up done (arguments, logging, scheduling, the
+    /// SIGSYS report) and the seccomp filters ready (compiled at build
+    /// time).
     FiltersReady,
     /// Restore only: the snapshot's state read, checked and decoded.
     StateLoaded,

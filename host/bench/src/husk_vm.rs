@@ -251,7 +251,7 @@ pub fn sample(
     let t = |p: &str| timeline.at(p);
     let points = [
         ("process_start", Side::Host, Some(timeline.main_ns)),
-        ("seccomp_filters", Side::Host, t("filters_ready")),
+        ("vmm_setup", Side::Host, t("filters_ready")),
         ("state_load", Side::Host, t("state_loaded")),
         ("vm_create", Side::Host, t("vm_created")),
         ("memory", Side::Host, t("memory_ready")),

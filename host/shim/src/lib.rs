@@ -476,12 +476,7 @@ impl Inner {
             task = %req.id, sandbox = %sandbox.id, template = %template,
             pooled = created.pooled, create_ms = created.create_ms, "task created"
         );
-        let stdio = Stdio {
-            stdin: req.stdin.clone(),
-            stdout: req.stdout.clone(),
-            stderr: req.stderr.clone(),
-            terminal: req.terminal,
-        };
+        let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let pid = sandbox.pid;
         let place = match bundle.pod {
             Some(bundle::Pod::Sandbox) => Place::Holder,
@@ -543,12 +538,7 @@ impl Inner {
             task = %req.id, pod = %sandbox, bytes = size,
             ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
         );
-        let stdio = Stdio {
-            stdin: req.stdin.clone(),
-            stdout: req.stdout.clone(),
-            stderr: req.stderr.clone(),
-            terminal: req.terminal,
-        };
+        let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let pid = vm.sandbox.pid;
         let init = GuestProcess::new(
             bundle.workload.clone(),
@@ -919,12 +909,7 @@ impl shim::Task for TaskService {
             .map_err(|e| ShimError::Invalid(format!("the exec's process spec: {e}")))?;
         let request = bundle::workload(&process)?;
         let on_exit = self.inner.on_exit(&req.id, &req.exec_id, None);
-        let stdio = Stdio {
-            stdin: req.stdin.clone(),
-            stdout: req.stdout.clone(),
-            stderr: req.stderr.clone(),
-            terminal: req.terminal,
-        };
+        let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         self.inner.with_task(&req.id, |task| {
             if task.execs.contains_key(&req.exec_id) {
                 return Err(ShimError::Conflict(format!(

@@ -31,6 +31,18 @@ pub struct Stdio {
     pub terminal: bool,
 }
 
+impl Stdio {
+    /// A request's FIFOs (a task's or an exec's).
+    pub fn of(stdin: &str, stdout: &str, stderr: &str, terminal: bool) -> Stdio {
+        Stdio {
+            stdin: stdin.to_owned(),
+            stdout: stdout.to_owned(),
+            stderr: stderr.to_owned(),
+            terminal,
+        }
+    }
+}
+
 /// How a process ended: its status as a shell reports it (128 + the
 /// signal for a killed one) and when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

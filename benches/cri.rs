@@ -1,0 +1,207 @@
+//! Kubernetes pods through containerd's CRI, as the kubelet starts them:
+//! RunPodSandbox + CreateContainer + StartContainer to the container's
+//! first line in its log (containerd's FIFOs to the CRI log file), for
+//! - runc (the pause container and the container are processes on the
+//!   host);
+//! - husk, not pooled: the pod's VM is a restore of `base`'s snapshot;
+//! - husk, pooled: the pod names `base` (`io.husk.template`), whose warm
+//!   pool holds a parked clone.
+//!
+//! And the pod VM's memory (PSS of its VMM) with 1 and with 3 containers.
+//!
+//! Run:
+//!
+//!     cargo build --release -p husk-cli -p husk-jailer -p husk-shim && cargo bench --bench cri
+//!     HUSK_BENCH_RUNS=5   runs per path
+//!
+//! Needs root, containerd and runc (it says so and stops otherwise). Guest
+//! steps on an emulating (PVM) host are ~1000x slower than on hardware KVM;
+//! the numbers are this host's.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+#[path = "../tests/common/cri.rs"]
+mod cri;
+#[path = "../tests/common/oci.rs"]
+mod oci;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::containerd::{Containerd, PAUSE_IMAGE};
+use cri::{connect, container_config, images, import, pod_config, BUSYBOX};
+use husk_cri_api::runtime_service_client::RuntimeServiceClient;
+use husk_cri_api::{
+    CreateContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
+    StopPodSandboxRequest,
+};
+use tonic::transport::Channel;
+
+/// Waits for the first line of a CRI log file; when it came.
+async fn first_line(log: &Path) -> Instant {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        if std::fs::read_to_string(log).is_ok_and(|t| t.contains("first output")) {
+            return Instant::now();
+        }
+        assert!(Instant::now() < deadline, "no output in {}", log.display());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// One pod of `containers` containers under `handler`: the time from
+/// RunPodSandbox to the first container's first line, and the VMM's PSS
+/// (KiB) once all have started (husk only). The pod is removed after.
+async fn pod(
+    runtime: &mut RuntimeServiceClient<Channel>,
+    handler: &str,
+    annotations: &HashMap<String, String>,
+    (run, containers): (usize, usize),
+    logs: &Path,
+) -> (Duration, Option<u64>) {
+    let name = format!("{handler}-{run}-{containers}");
+    let dir = logs.join(&name);
+    std::fs::create_dir_all(&dir).expect("log dir");
+    let config = husk_cri_api::PodSandboxConfig {
+        annotations: annotations.clone(),
+        ..pod_config(&name, &dir)
+    };
+    let started = Instant::now();
+    let id = runtime
+        .run_pod_sandbox(RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: handler.into(),
+        })
+        .await
+        .expect("RunPodSandbox")
+        .into_inner()
+        .pod_sandbox_id;
+    let mut first = None;
+    for c in 0..containers {
+        let command = if c == 0 {
+            vec!["/bin/sh", "-c", "echo first output; exec sleep 100000"]
+        } else {
+            vec!["/bin/sleep", "100000"]
+        };
+        let container = runtime
+            .create_container(CreateContainerRequest {
+                pod_sandbox_id: id.clone(),
+                config: Some(container_config(&format!("c{c}"), &command)),
+                sandbox_config: Some(config.clone()),
+            })
+            .await
+            .expect("CreateContainer")
+            .into_inner()
+            .container_id;
+        runtime
+            .start_container(StartContainerRequest {
+                container_id: container,
+            })
+            .await
+            .expect("StartContainer");
+        if c == 0 {
+            first = Some(first_line(&dir.join("c0.log")).await - started);
+        }
+    }
+    let pss = vmm_pss();
+    runtime
+        .stop_pod_sandbox(StopPodSandboxRequest {
+            pod_sandbox_id: id.clone(),
+        })
+        .await
+        .expect("StopPodSandbox");
+    runtime
+        .remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: id })
+        .await
+        .expect("RemovePodSandbox");
+    (first.expect("a container"), pss)
+}
+
+/// The PSS of the one VMM running (KiB), if there is one.
+fn vmm_pss() -> Option<u64> {
+    let pid = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "husk-vmm")
+        })?;
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+fn report(label: &str, runs: &[Duration]) {
+    let ms: Vec<f64> = runs.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    println!(
+        "{label:<26} n={:<2} to the first output p50 {:>9.1} ms (min {:>9.1}, max {:>9.1})",
+        runs.len(),
+        common::percentile(&ms, 0.5),
+        common::percentile(&ms, 0.0),
+        common::percentile(&ms, 1.0),
+    );
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    if let Some(why) = common::containerd::missing() {
+        eprintln!("CRI benchmark skipped: {why}");
+        return;
+    }
+    let runs: usize = std::env::var("HUSK_BENCH_RUNS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(5);
+    common::initramfs();
+    let ctrd = Containerd::start_cri("bench");
+    ctrd.husk(&["template", "build", "base"]);
+    let (image, pause) = images();
+    import(&ctrd, &image, BUSYBOX);
+    import(&ctrd, &pause, PAUSE_IMAGE);
+    let logs = ctrd.dir.join("pod-logs");
+    let pooled = HashMap::from([("io.husk.template".to_owned(), "base".to_owned())]);
+    let none = HashMap::new();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let mut runtime =
+            RuntimeServiceClient::new(connect(ctrd.dir.join("containerd.sock")).await);
+        let (mut runc, mut restored, mut claimed) = (Vec::new(), Vec::new(), Vec::new());
+        let mut pss = Vec::new();
+        for run in 0..runs {
+            runc.push(pod(&mut runtime, "runc", &none, (run, 1), &logs).await.0);
+            ctrd.pool("base", 0);
+            let (t, m) = pod(&mut runtime, "husk", &none, (run, 1), &logs).await;
+            restored.push(t);
+            pss.extend(m.map(|m| (1, m)));
+            ctrd.pool("base", 1);
+            ctrd.wait_for_pool("base", 1);
+            claimed.push(pod(&mut runtime, "husk", &pooled, (run, 1), &logs).await.0);
+        }
+        ctrd.pool("base", 0);
+        let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3), &logs).await;
+        let version = std::process::Command::new("containerd")
+            .arg("--version")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default();
+        println!(
+            "{version}: RunPodSandbox + CreateContainer + StartContainer to the container's \
+             first line in its log"
+        );
+        report("runc", &runc);
+        report("husk, not pooled (restore)", &restored);
+        report("husk, pooled", &claimed);
+        let one: Vec<f64> = pss.iter().map(|(_, m)| *m as f64).collect();
+        println!(
+            "husk pod VM PSS: 1 container p50 {:.0} KiB; 3 containers {} KiB",
+            common::percentile(&one, 0.5),
+            three.map_or("?".into(), |m| m.to_string())
+        );
+    });
+}
