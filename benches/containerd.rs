@@ -66,18 +66,9 @@ fn report(label: &str, runs: &[(Duration, Duration)]) {
 }
 
 fn main() {
-    if std::env::args().any(|a| a == "--list") {
+    let Some(runs) = common::containerd::bench_runs("containerd") else {
         return;
-    }
-    if let Some(why) = common::containerd::missing() {
-        eprintln!("containerd benchmark skipped: {why}");
-        return;
-    }
-    let runs: usize = std::env::var("HUSK_BENCH_RUNS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(5);
-    common::initramfs();
+    };
     let ctr = Containerd::start("bench");
     let rootfs = busybox_rootfs(&ctr.dir.join("rootfs"), "bench");
     let rootfs = rootfs.to_str().expect("utf-8");

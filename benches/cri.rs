@@ -30,12 +30,11 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::containerd::{Containerd, PAUSE_IMAGE};
-use cri::{connect, container_config, images, import, pod_config, BUSYBOX};
-use husk_cri_api::runtime_service_client::RuntimeServiceClient;
-use husk_cri_api::{
-    CreateContainerRequest, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
-    StopPodSandboxRequest,
+use cri::{
+    connect, container_config, images, import, pod_config, remove_pod, run_pod, start_container,
+    BUSYBOX,
 };
+use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::Channel;
 
 /// Waits for the first line of a CRI log file; when it came.
@@ -68,15 +67,7 @@ async fn pod(
         ..pod_config(&name, &dir)
     };
     let started = Instant::now();
-    let id = runtime
-        .run_pod_sandbox(RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: handler.into(),
-        })
-        .await
-        .expect("RunPodSandbox")
-        .into_inner()
-        .pod_sandbox_id;
+    let id = run_pod(runtime, &config, handler).await;
     let mut first = None;
     for c in 0..containers {
         let command = if c == 0 {
@@ -84,37 +75,18 @@ async fn pod(
         } else {
             vec!["/bin/sleep", "100000"]
         };
-        let container = runtime
-            .create_container(CreateContainerRequest {
-                pod_sandbox_id: id.clone(),
-                config: Some(container_config(&format!("c{c}"), &command)),
-                sandbox_config: Some(config.clone()),
-            })
-            .await
-            .expect("CreateContainer")
-            .into_inner()
-            .container_id;
-        runtime
-            .start_container(StartContainerRequest {
-                container_id: container,
-            })
-            .await
-            .expect("StartContainer");
+        start_container(
+            runtime,
+            (&id, &config),
+            container_config(&format!("c{c}"), &command),
+        )
+        .await;
         if c == 0 {
             first = Some(first_line(&dir.join("c0.log")).await - started);
         }
     }
     let pss = vmm_pss();
-    runtime
-        .stop_pod_sandbox(StopPodSandboxRequest {
-            pod_sandbox_id: id.clone(),
-        })
-        .await
-        .expect("StopPodSandbox");
-    runtime
-        .remove_pod_sandbox(RemovePodSandboxRequest { pod_sandbox_id: id })
-        .await
-        .expect("RemovePodSandbox");
+    remove_pod(runtime, &id).await;
     (first.expect("a container"), pss)
 }
 
@@ -147,18 +119,9 @@ fn report(label: &str, runs: &[Duration]) {
 }
 
 fn main() {
-    if std::env::args().any(|a| a == "--list") {
+    let Some(runs) = common::containerd::bench_runs("CRI") else {
         return;
-    }
-    if let Some(why) = common::containerd::missing() {
-        eprintln!("CRI benchmark skipped: {why}");
-        return;
-    }
-    let runs: usize = std::env::var("HUSK_BENCH_RUNS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(5);
-    common::initramfs();
+    };
     let ctrd = Containerd::start_cri("bench");
     ctrd.husk(&["template", "build", "base"]);
     let (image, pause) = images();

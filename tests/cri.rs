@@ -15,14 +15,16 @@ mod oci;
 use std::time::Duration;
 
 use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
-use cri::{connect, container_config, images, import, pod_config, BUSYBOX};
+use cri::{
+    connect, container_config, container_status, images, import, pod_config, remove_pod, run_pod,
+    start_container, BUSYBOX,
+};
+use husk_bench::density::vmms_below;
 use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
-    ContainerState, ContainerStatsRequest, ContainerStatusRequest, CreateContainerRequest,
-    ExecSyncRequest, ImageSpec, ImageStatusRequest, RemoveContainerRequest,
-    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
-    StopPodSandboxRequest, VersionRequest,
+    ContainerState, ContainerStatsRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
+    RemoveContainerRequest, StopContainerRequest, VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
@@ -31,21 +33,6 @@ fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {
     let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("husk ps");
     list.iter()
         .filter_map(|s| s["id"].as_str().map(str::to_owned))
-        .collect()
-}
-
-/// The VMM processes running (by their name: a jailer names the VMM in its
-/// arguments too).
-fn vmms() -> Vec<i32> {
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "husk-vmm")
-        })
         .collect()
 }
 
@@ -99,51 +86,31 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
 
         // RunPodSandbox: one husk VM, and no VM for the pause container.
         let config = pod_config("web", &logs);
-        let pod = runtime
-            .run_pod_sandbox(RunPodSandboxRequest {
-                config: Some(config.clone()),
-                runtime_handler: "husk".into(),
-            })
-            .await
-            .expect("RunPodSandbox")
-            .into_inner()
-            .pod_sandbox_id;
+        let pod = run_pod(&mut runtime, &config, "husk").await;
         let vms = husk_sandboxes(&ctrd);
         assert_eq!(vms.len(), 1, "one VM for the pod: {vms:?}");
 
         // Two containers: one serves on localhost, the other reaches it.
-        let create = |name: &str, command: &[&str]| CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
-            config: Some(container_config(name, command)),
-            sandbox_config: Some(config.clone()),
-        };
-        let server_req = create(
-            "server",
-            &[
-                "/bin/sh",
-                "-c",
-                "mkdir -p /www && echo hello-from-the-server > /www/index.html && \
-                 echo serving && exec httpd -f -p 127.0.0.1:8080 -h /www",
-            ],
-        );
-        let client_req = create("client", &["/bin/sleep", "100000"]);
-        let mut ids = Vec::new();
-        for req in [server_req, client_req] {
-            let id = runtime
-                .create_container(req)
-                .await
-                .expect("CreateContainer")
-                .into_inner()
-                .container_id;
-            runtime
-                .start_container(StartContainerRequest {
-                    container_id: id.clone(),
-                })
-                .await
-                .expect("StartContainer");
-            ids.push(id);
-        }
-        let (server, client) = (ids[0].clone(), ids[1].clone());
+        let server = start_container(
+            &mut runtime,
+            (&pod, &config),
+            container_config(
+                "server",
+                &[
+                    "/bin/sh",
+                    "-c",
+                    "mkdir -p /www && echo hello-from-the-server > /www/index.html && \
+                     echo serving && exec httpd -f -p 127.0.0.1:8080 -h /www",
+                ],
+            ),
+        )
+        .await;
+        let client = start_container(
+            &mut runtime,
+            (&pod, &config),
+            container_config("client", &["/bin/sleep", "100000"]),
+        )
+        .await;
         assert_eq!(husk_sandboxes(&ctrd).len(), 1, "the containers made VMs");
         assert_eq!(shims(), shims_before + 1, "one shim for the pod");
 
@@ -244,16 +211,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 })
                 .await
                 .expect("StopContainer");
-            let state = runtime
-                .container_status(ContainerStatusRequest {
-                    container_id: id.clone(),
-                    verbose: false,
-                })
-                .await
-                .expect("ContainerStatus")
-                .into_inner()
-                .status
-                .expect("status");
+            let state = container_status(&mut runtime, id).await;
             assert_eq!(state.state, ContainerState::ContainerExited as i32);
             runtime
                 .remove_container(RemoveContainerRequest {
@@ -267,63 +225,25 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             1,
             "the pod's VM went with a container"
         );
-        runtime
-            .stop_pod_sandbox(StopPodSandboxRequest {
-                pod_sandbox_id: pod.clone(),
-            })
-            .await
-            .expect("StopPodSandbox");
-        runtime
-            .remove_pod_sandbox(RemovePodSandboxRequest {
-                pod_sandbox_id: pod.clone(),
-            })
-            .await
-            .expect("RemovePodSandbox");
+        remove_pod(&mut runtime, &pod).await;
 
         // A pod whose VM dies: its container is reported exited, with a
         // failing status.
         let doomed_config = pod_config("doomed", &logs);
-        let doomed = runtime
-            .run_pod_sandbox(RunPodSandboxRequest {
-                config: Some(doomed_config.clone()),
-                runtime_handler: "husk".into(),
-            })
-            .await
-            .expect("RunPodSandbox")
-            .into_inner()
-            .pod_sandbox_id;
-        let sleeper = runtime
-            .create_container(CreateContainerRequest {
-                pod_sandbox_id: doomed.clone(),
-                config: Some(container_config("sleeper", &["/bin/sleep", "100000"])),
-                sandbox_config: Some(doomed_config),
-            })
-            .await
-            .expect("CreateContainer")
-            .into_inner()
-            .container_id;
-        runtime
-            .start_container(StartContainerRequest {
-                container_id: sleeper.clone(),
-            })
-            .await
-            .expect("StartContainer");
-        let vmms = vmms();
+        let doomed = run_pod(&mut runtime, &doomed_config, "husk").await;
+        let sleeper = start_container(
+            &mut runtime,
+            (&doomed, &doomed_config),
+            container_config("sleeper", &["/bin/sleep", "100000"]),
+        )
+        .await;
+        let vmms = vmms_below(ctrd.daemon_pid());
         assert_eq!(vmms.len(), 1, "the doomed pod's VMM");
         // SAFETY: signalling a process by pid.
-        unsafe { libc::kill(vmms[0], libc::SIGKILL) };
+        unsafe { libc::kill(vmms[0] as i32, libc::SIGKILL) };
         let mut status = None;
         for _ in 0..60 {
-            let s = runtime
-                .container_status(ContainerStatusRequest {
-                    container_id: sleeper.clone(),
-                    verbose: false,
-                })
-                .await
-                .expect("ContainerStatus")
-                .into_inner()
-                .status
-                .expect("status");
+            let s = container_status(&mut runtime, &sleeper).await;
             if s.state == ContainerState::ContainerExited as i32 {
                 status = Some(s);
                 break;
@@ -334,23 +254,12 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         assert_ne!(status.exit_code, 0, "{status:?}");
         assert!(!status.reason.is_empty(), "{status:?}");
         runtime
-            .stop_pod_sandbox(StopPodSandboxRequest {
-                pod_sandbox_id: doomed.clone(),
-            })
-            .await
-            .expect("StopPodSandbox");
-        runtime
             .remove_container(RemoveContainerRequest {
                 container_id: sleeper,
             })
             .await
             .expect("RemoveContainer");
-        runtime
-            .remove_pod_sandbox(RemovePodSandboxRequest {
-                pod_sandbox_id: doomed,
-            })
-            .await
-            .expect("RemovePodSandbox");
+        remove_pod(&mut runtime, &doomed).await;
         pod
     });
 
@@ -359,7 +268,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
     let left = || {
         (
             husk_sandboxes(&ctrd),
-            vmms().len(),
+            vmms_below(ctrd.daemon_pid()).len(),
             shims(),
             socket.exists(),
         )

@@ -19,7 +19,8 @@ pub const PAUSE_IMAGE: &str = "husk.test/pause:1";
 /// containerd and `husk serve`, running.
 pub struct Containerd {
     pub dir: PathBuf,
-    _children: Vec<Child>,
+    /// `husk serve`, then containerd.
+    children: Vec<Child>,
 }
 
 fn which(program: &str) -> bool {
@@ -40,6 +41,26 @@ pub fn missing() -> Option<String> {
         return Some("containerd is not installed (apt-get install containerd runc)".into());
     }
     None
+}
+
+/// For a containerd benchmark's `main`: the runs per path
+/// (`HUSK_BENCH_RUNS`, default 5), or None when it should not run (cargo
+/// listing benchmarks, or no containerd here: it says why).
+pub fn bench_runs(name: &str) -> Option<usize> {
+    if std::env::args().any(|a| a == "--list") {
+        return None;
+    }
+    if let Some(why) = missing() {
+        eprintln!("{name} benchmark skipped: {why}");
+        return None;
+    }
+    super::initramfs();
+    Some(
+        std::env::var("HUSK_BENCH_RUNS")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(5),
+    )
 }
 
 /// The directory of this process's containerd (`kind`: test or bench).
@@ -196,8 +217,13 @@ impl Containerd {
         }
         Containerd {
             dir,
-            _children: vec![daemon, containerd],
+            children: vec![daemon, containerd],
         }
+    }
+
+    /// The husk daemon's pid (its VMMs run below it).
+    pub fn daemon_pid(&self) -> u32 {
+        self.children[0].id()
     }
 
     pub fn ctr_command(&self, args: &[&str]) -> Command {

@@ -9,10 +9,13 @@ use std::path::{Path, PathBuf};
 
 use super::common::containerd::{Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
 use super::oci;
+use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
-    ContainerConfig, ContainerMetadata, ImageSpec, LinuxContainerConfig,
-    LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
-    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata,
+    ContainerConfig, ContainerMetadata, ContainerStatus, ContainerStatusRequest,
+    CreateContainerRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext,
+    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption,
+    PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
+    StartContainerRequest, StopPodSandboxRequest,
 };
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
@@ -140,4 +143,80 @@ pub fn container_config(name: &str, command: &[&str]) -> ContainerConfig {
         }),
         ..Default::default()
     }
+}
+
+/// RunPodSandbox of `config` under `handler`; the pod's id.
+pub async fn run_pod(
+    runtime: &mut RuntimeServiceClient<Channel>,
+    config: &PodSandboxConfig,
+    handler: &str,
+) -> String {
+    runtime
+        .run_pod_sandbox(RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: handler.into(),
+        })
+        .await
+        .expect("RunPodSandbox")
+        .into_inner()
+        .pod_sandbox_id
+}
+
+/// StopPodSandbox and RemovePodSandbox, as the kubelet ends a pod.
+pub async fn remove_pod(runtime: &mut RuntimeServiceClient<Channel>, id: &str) {
+    runtime
+        .stop_pod_sandbox(StopPodSandboxRequest {
+            pod_sandbox_id: id.to_owned(),
+        })
+        .await
+        .expect("StopPodSandbox");
+    runtime
+        .remove_pod_sandbox(RemovePodSandboxRequest {
+            pod_sandbox_id: id.to_owned(),
+        })
+        .await
+        .expect("RemovePodSandbox");
+}
+
+/// CreateContainer of `config` in pod `pod` (made with `pod_config`), then
+/// StartContainer; the container's id.
+pub async fn start_container(
+    runtime: &mut RuntimeServiceClient<Channel>,
+    (pod, pod_config): (&str, &PodSandboxConfig),
+    config: ContainerConfig,
+) -> String {
+    let id = runtime
+        .create_container(CreateContainerRequest {
+            pod_sandbox_id: pod.to_owned(),
+            config: Some(config),
+            sandbox_config: Some(pod_config.clone()),
+        })
+        .await
+        .expect("CreateContainer")
+        .into_inner()
+        .container_id;
+    runtime
+        .start_container(StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .expect("StartContainer");
+    id
+}
+
+/// ContainerStatus of `id`.
+pub async fn container_status(
+    runtime: &mut RuntimeServiceClient<Channel>,
+    id: &str,
+) -> ContainerStatus {
+    runtime
+        .container_status(ContainerStatusRequest {
+            container_id: id.to_owned(),
+            verbose: false,
+        })
+        .await
+        .expect("ContainerStatus")
+        .into_inner()
+        .status
+        .expect("a status")
 }

@@ -595,15 +595,7 @@ impl AgentClient {
             background: false,
             ..req
         };
-        let id = self.send(Body::Exec(req))?;
-        match self.reply(id)? {
-            Body::Started { pid } => Ok(Running {
-                client: self,
-                id,
-                pid,
-            }),
-            other => Err(ClientError::Unexpected(Box::new(other))),
-        }
+        self.started(Body::Exec(req))
     }
 
     /// Starts a foreground program with `root` as its root directory in a
@@ -614,10 +606,16 @@ impl AgentClient {
             background: false,
             ..req
         };
-        let id = self.send(Body::ExecIn {
+        self.started(Body::ExecIn {
             root: root.to_owned(),
             request,
-        })?;
+        })
+    }
+
+    /// Sends an `Exec` or `ExecIn`; the program, once the agent says it
+    /// started.
+    fn started(&mut self, exec: Body) -> Result<Running<'_>, ClientError> {
+        let id = self.send(exec)?;
         match self.reply(id)? {
             Body::Started { pid } => Ok(Running {
                 client: self,
