@@ -109,7 +109,9 @@ pub fn pod_config(name: &str, logs: &Path) -> PodSandboxConfig {
             namespace: "default".into(),
             attempt: 0,
         }),
-        hostname: name.into(),
+        // The node's network namespace: the kubelet sets no hostname then
+        // (runc refuses one without a UTS namespace of its own).
+        hostname: String::new(),
         log_directory: logs.display().to_string(),
         linux: Some(LinuxPodSandboxConfig {
             security_context: Some(LinuxSandboxSecurityContext {

@@ -1,7 +1,8 @@
 //! Density: N clones parked in the private daemon's warm pool at once, and
 //! what each costs the host: the fall in `MemAvailable` (page cache dropped
 //! first where the bench may), the kernel's share of it (slab, kernel
-//! stacks, page tables, KVM's secondary page tables), and each VMM's own
+//! stacks, page tables, KVM's secondary page tables, vmalloc and per-CPU
+//! allocations), and each VMM's own
 //! mappings by kind (guest memory, heap, stacks, binary).
 
 use std::collections::BTreeMap;
@@ -17,6 +18,8 @@ pub struct Meminfo {
     pub kernel_stack: u64,
     pub page_tables: u64,
     pub secondary_page_tables: u64,
+    pub vmalloc: u64,
+    pub percpu: u64,
     pub cached: u64,
 }
 
@@ -36,6 +39,8 @@ impl Meminfo {
             kernel_stack: field("KernelStack"),
             page_tables: field("PageTables"),
             secondary_page_tables: field("SecPageTables"),
+            vmalloc: field("VmallocUsed"),
+            percpu: field("Percpu"),
             cached: field("Cached"),
         })
     }
@@ -225,6 +230,8 @@ pub fn measure(
         kernel_stack_kib: per(before.kernel_stack, after.kernel_stack),
         page_tables_kib: per(before.page_tables, after.page_tables),
         secondary_page_tables_kib: per(before.secondary_page_tables, after.secondary_page_tables),
+        vmalloc_kib: per(before.vmalloc, after.vmalloc),
+        percpu_kib: per(before.percpu, after.percpu),
         page_cache_kib: per(before.cached, after.cached),
         slab_caches: grown_slabs(&slabs, n)
             .into_iter()

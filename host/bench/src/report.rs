@@ -296,6 +296,10 @@ pub struct Parked {
     pub page_tables_kib: f64,
     /// KVM's page tables for the guests (EPT, or PVM's shadow tables).
     pub secondary_page_tables_kib: f64,
+    /// The kernel's vmalloc and per-CPU allocations (KVM's per-VM and
+    /// per-vCPU structures are largely these).
+    pub vmalloc_kib: f64,
+    pub percpu_kib: f64,
     /// The page cache's growth (the template's files, shared by all).
     pub page_cache_kib: f64,
     /// The slab caches that grew most, per clone (root only).
@@ -425,7 +429,13 @@ impl Report {
             .iter()
             .find(|r| r.contender == "firecracker" && r.mode == "restore")
             .map(|r| r.p50_over_husk);
-        let parked = self.parked.as_ref().map(|p| p.per_gib);
+        // Unmeasured when the host's free memory moved more than the
+        // clones took.
+        let parked = self
+            .parked
+            .as_ref()
+            .filter(|p| p.host_kib_per_clone > 0.0)
+            .map(|p| p.per_gib);
         let target = |what: &str, at_most: bool, limit: f64, measured: Option<f64>| Target {
             what: what.to_owned(),
             bound: if at_most { "at_most" } else { "at_least" }.to_owned(),
@@ -551,22 +561,29 @@ impl Report {
             let _ = writeln!(
                 out,
                 "\nhusk {} clones parked in the warm pool (filled in {:.0} s): {:.0} KiB of the host's \
-                 available memory each, {:.0} per GiB{}",
+                 available memory each, {}{}",
                 p.count,
                 p.fill_s,
                 p.host_kib_per_clone,
-                p.per_gib,
+                if p.host_kib_per_clone > 0.0 {
+                    format!("{:.0} per GiB", p.per_gib)
+                } else {
+                    "no per-GiB figure (the host's free memory moved more than the clones took)".into()
+                },
                 if p.caches_dropped { "" } else { " (page cache not dropped: not root)" }
             );
             let _ = writeln!(
                 out,
                 "  kernel, per clone: slab {:.0} KiB, kernel stacks {:.0} KiB ({:.1} threads per VMM), \
-                 page tables {:.0} KiB, KVM's page tables {:.0} KiB; page cache {:+.0} KiB (shared)",
+                 page tables {:.0} KiB, KVM's page tables {:.0} KiB, vmalloc {:.0} KiB, per-CPU {:.0} KiB; \
+                 page cache {:+.0} KiB (shared)",
                 p.slab_kib,
                 p.kernel_stack_kib,
                 p.threads_per_vmm,
                 p.page_tables_kib,
                 p.secondary_page_tables_kib,
+                p.vmalloc_kib,
+                p.percpu_kib,
                 p.page_cache_kib
             );
             if !p.slab_caches.is_empty() {
