@@ -34,6 +34,8 @@ use cri::{
     connect, container_config, images, import, pod_config, remove_pod, run_pod, start_container,
     BUSYBOX,
 };
+use husk_bench::density::vmms_below;
+use husk_bench::report::Memory;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::Channel;
 
@@ -57,10 +59,10 @@ async fn pod(
     handler: &str,
     annotations: &HashMap<String, String>,
     (run, containers): (usize, usize),
-    logs: &Path,
+    ctrd: &Containerd,
 ) -> (Duration, Option<u64>) {
     let name = format!("{handler}-{run}-{containers}");
-    let dir = logs.join(&name);
+    let dir = ctrd.dir.join("pod-logs").join(&name);
     std::fs::create_dir_all(&dir).expect("log dir");
     let config = husk_cri_api::PodSandboxConfig {
         annotations: annotations.clone(),
@@ -85,26 +87,13 @@ async fn pod(
             first = Some(first_line(&dir.join("c0.log")).await - started);
         }
     }
-    let pss = vmm_pss();
+    // The pod's VMM, below the daemon (none for runc).
+    let pss = vmms_below(ctrd.daemon_pid())
+        .first()
+        .and_then(|&pid| Memory::of(pid))
+        .map(|m| m.pss_kib);
     remove_pod(runtime, &id).await;
     (first.expect("a container"), pss)
-}
-
-/// The PSS of the one VMM running (KiB), if there is one.
-fn vmm_pss() -> Option<u64> {
-    let pid = std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .find(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "husk-vmm")
-        })?;
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    rollup
-        .lines()
-        .find_map(|l| l.strip_prefix("Pss:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
 fn report(label: &str, runs: &[Duration]) {
@@ -156,18 +145,18 @@ fn main() {
         };
         for run in 0..runs {
             if runc_works {
-                runc.push(pod(&mut runtime, "runc", &none, (run, 1), &logs).await.0);
+                runc.push(pod(&mut runtime, "runc", &none, (run, 1), &ctrd).await.0);
             }
             ctrd.pool("base", 0);
-            let (t, m) = pod(&mut runtime, "husk", &none, (run, 1), &logs).await;
+            let (t, m) = pod(&mut runtime, "husk", &none, (run, 1), &ctrd).await;
             restored.push(t);
             pss.extend(m.map(|m| (1, m)));
             ctrd.pool("base", 1);
             ctrd.wait_for_pool("base", 1);
-            claimed.push(pod(&mut runtime, "husk", &pooled, (run, 1), &logs).await.0);
+            claimed.push(pod(&mut runtime, "husk", &pooled, (run, 1), &ctrd).await.0);
         }
         ctrd.pool("base", 0);
-        let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3), &logs).await;
+        let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3), &ctrd).await;
         let version = std::process::Command::new("containerd")
             .arg("--version")
             .output()

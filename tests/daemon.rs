@@ -10,7 +10,7 @@
 mod common;
 #[path = "common/oci.rs"]
 mod oci;
-use oci::{image_layer, sha256_digest, LayerEntry};
+use oci::{image_layer, LayerEntry};
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -1391,7 +1391,7 @@ fn busybox_image() -> Vec<u8> {
         z.write_all(&upper).expect("gzip");
         z.finish().expect("gzip")
     };
-    let config = serde_json::to_vec(&json!({
+    let config = json!({
         "architecture": "amd64",
         "os": "linux",
         "config": {
@@ -1402,33 +1402,15 @@ fn busybox_image() -> Vec<u8> {
             "Cmd": ["echo \"entry: $GREETING in $(pwd) as $(id -u):$(id -g) home $HOME\""]
         },
         "rootfs": { "type": "layers", "diff_ids": [] }
-    }))
-    .expect("config");
-    let manifest = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": sha256_digest(&config), "size": config.len()
-        },
-        "layers": [
-            { "mediaType": "application/vnd.oci.image.layer.v1.tar",
-              "digest": sha256_digest(&lower), "size": lower.len() },
-            { "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-              "digest": sha256_digest(&upper), "size": upper.len() },
-        ]
-    }))
-    .expect("manifest");
-    let index = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": sha256_digest(&manifest), "size": manifest.len(),
-            "platform": { "architecture": "amd64", "os": "linux" }
-        }]
-    }))
-    .expect("index");
-    oci::layout(&index, &[&config, &manifest, &lower, &upper])
+    });
+    oci::image(
+        None,
+        &config,
+        &[
+            (&lower, "application/vnd.oci.image.layer.v1.tar"),
+            (&upper, "application/vnd.oci.image.layer.v1.tar+gzip"),
+        ],
+    )
 }
 
 #[test]

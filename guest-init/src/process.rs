@@ -512,12 +512,8 @@ fn spawn(
     if let Some(tunables) = crate::simd::glibc_tunables() {
         env.push(("GLIBC_TUNABLES".into(), tunables.into()));
     }
-    // The image's settings (not a container's: its own come with the
-    // request), then the request's own.
-    let image = match root {
-        Some(_) => &crate::image::NONE,
-        None => crate::image::get(),
-    };
+    // The image's settings, then the request's own.
+    let image = image_for(root);
     for (k, v) in image.env.iter().chain(&req.env) {
         env.retain(|(key, _)| key != k);
         env.push((k.clone(), v.clone()));
@@ -574,6 +570,15 @@ fn spawn(
         req,
         (cgroup, root),
     )
+}
+
+/// The image settings a program gets: the template image's, none in a
+/// container (its own come with each request).
+fn image_for(root: Option<&Root>) -> &'static crate::image::Image {
+    match root {
+        Some(_) => &crate::image::NONE,
+        None => crate::image::get(),
+    }
 }
 
 /// A container's root directory, and what the child mounts inside it
@@ -709,10 +714,7 @@ fn finish_spawn(
     };
     let on_pty = pty.is_some();
     let report = exec_w.as_raw_fd();
-    let user = match root {
-        Some(_) => req.user,
-        None => req.user.or(crate::image::get().user),
-    };
+    let user = req.user.or(image_for(root).user);
     let procs = cgroup.map(|c| c.procs.as_ptr());
     // SAFETY: sigset_t is plain data; sigemptyset initialises it.
     let mut empty: libc::sigset_t = unsafe { std::mem::zeroed() };

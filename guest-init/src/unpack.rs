@@ -17,21 +17,13 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use crate::files::kind_of;
+use husk_protocol::cpio::{HEADER, MAGIC, S_IFDIR, S_IFIFO, S_IFLNK, S_IFMT, S_IFREG, TRAILER};
 use husk_protocol::{Body, ErrorKind, Frame};
 
-const HEADER: usize = 110;
-const MAGIC: &[u8] = b"070701";
-const TRAILER: &str = "TRAILER!!!";
 /// The longest name (with its NUL) an entry may have.
 const NAME_MAX: usize = 4096;
 /// The longest symbolic link target.
 const LINK_MAX: u64 = 4096;
-
-const S_IFMT: u32 = 0o170000;
-const S_IFDIR: u32 = 0o040000;
-const S_IFREG: u32 = 0o100000;
-const S_IFLNK: u32 = 0o120000;
-const S_IFIFO: u32 = 0o010000;
 
 #[derive(Debug)]
 enum State {
@@ -193,7 +185,7 @@ impl PendingUnpack {
         let size = Self::field(entry, 6)?;
         let name_size = Self::field(entry, 11)? as usize;
         let raw = &entry[HEADER..HEADER + name_size - 1];
-        if raw == TRAILER.as_bytes() {
+        if raw == TRAILER {
             self.state = State::Done;
             return Ok(());
         }
@@ -240,7 +232,8 @@ impl PendingUnpack {
             // Devices and sockets: the container has the guest's /dev.
             _ => {}
         }
-        if mode & S_IFMT != S_IFLNK && path.exists() {
+        // What was made here (a link's owner is set once it exists).
+        if matches!(mode & S_IFMT, S_IFDIR | S_IFREG | S_IFIFO) {
             set_owner_and_mode(&path, uid, gid, mode & 0o7777).map_err(io)?;
         }
         self.state = State::Data {
@@ -427,17 +420,6 @@ mod tests {
         let _ = std::fs::remove_dir_all(&src);
     }
 
-    fn entry(name: &[u8], mode: u32) -> cpio::Entry<'_> {
-        cpio::Entry {
-            name,
-            mode,
-            uid: 0,
-            gid: 0,
-            rdev: (0, 0),
-            size: 0,
-        }
-    }
-
     #[test]
     fn entries_outside_the_directory_or_through_a_link_are_refused_and_nothing_stays() {
         /// Name, mode, data.
@@ -456,7 +438,8 @@ mod tests {
         for case in cases {
             let mut w = cpio::Writer::new(Vec::new());
             for (name, mode, data) in case {
-                w.entry_with(entry(name, *mode), data).expect("entry");
+                w.entry_with(cpio::Entry::new(name, *mode), data)
+                    .expect("entry");
             }
             let archive = w.finish().expect("archive");
             let out = tempdir("bad").join("rootfs");
@@ -521,7 +504,7 @@ mod tests {
         assert!(matches!(reply.body, Body::Error { .. }), "{reply:?}");
 
         let mut w = cpio::Writer::new(Vec::new());
-        w.entry_with(entry(b"a", cpio::S_IFREG | 0o644), b"data")
+        w.entry_with(cpio::Entry::new(b"a", cpio::S_IFREG | 0o644), b"data")
             .expect("entry");
         let mut archive = w.finish().expect("archive");
         archive.truncate(120);

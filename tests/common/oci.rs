@@ -53,13 +53,30 @@ pub fn sha256_digest(bytes: &[u8]) -> String {
 /// import` gives it), whose config is `config` (`Env`, `Entrypoint`...).
 pub fn single_layer(name: &str, layer: &[LayerEntry<'_>], config: serde_json::Value) -> Vec<u8> {
     let layer = image_layer(layer);
-    let config = serde_json::to_vec(&json!({
+    let config = json!({
         "architecture": "amd64",
         "os": "linux",
         "config": config,
         "rootfs": { "type": "layers", "diff_ids": [sha256_digest(&layer)] }
-    }))
-    .expect("config");
+    });
+    image(
+        Some(name),
+        &config,
+        &[(&layer, "application/vnd.oci.image.layer.v1.tar")],
+    )
+}
+
+/// An OCI image layout (tar) of one linux/amd64 manifest: the image
+/// configuration document `config` and `layers` (bytes, media type), named
+/// `name` for `ctr images import` if given.
+pub fn image(name: Option<&str>, config: &serde_json::Value, layers: &[(&[u8], &str)]) -> Vec<u8> {
+    let config = serde_json::to_vec(config).expect("config");
+    let layer_list: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|(bytes, media)| {
+            json!({ "mediaType": media, "digest": sha256_digest(bytes), "size": bytes.len() })
+        })
+        .collect();
     let manifest = serde_json::to_vec(&json!({
         "schemaVersion": 2,
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
@@ -67,21 +84,22 @@ pub fn single_layer(name: &str, layer: &[LayerEntry<'_>], config: serde_json::Va
             "mediaType": "application/vnd.oci.image.config.v1+json",
             "digest": sha256_digest(&config), "size": config.len()
         },
-        "layers": [{ "mediaType": "application/vnd.oci.image.layer.v1.tar",
-                     "digest": sha256_digest(&layer), "size": layer.len() }]
+        "layers": layer_list
     }))
     .expect("manifest");
-    let index = serde_json::to_vec(&json!({
-        "schemaVersion": 2,
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": sha256_digest(&manifest), "size": manifest.len(),
-            "platform": { "architecture": "amd64", "os": "linux" },
-            "annotations": { "io.containerd.image.name": name }
-        }]
-    }))
-    .expect("index");
-    layout(&index, &[&config, &manifest, &layer])
+    let mut entry = json!({
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": sha256_digest(&manifest), "size": manifest.len(),
+        "platform": { "architecture": "amd64", "os": "linux" }
+    });
+    if let Some(name) = name {
+        entry["annotations"] = json!({ "io.containerd.image.name": name });
+    }
+    let index =
+        serde_json::to_vec(&json!({ "schemaVersion": 2, "manifests": [entry] })).expect("index");
+    let mut blobs: Vec<&[u8]> = vec![&config, &manifest];
+    blobs.extend(layers.iter().map(|(bytes, _)| *bytes));
+    layout(&index, &blobs)
 }
 
 /// An OCI image layout as a tar archive: `index.json` and the blobs.

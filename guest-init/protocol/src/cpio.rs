@@ -5,6 +5,12 @@
 use std::io::{self, Read, Write};
 use std::path::Path;
 
+/// A newc header's length, before the name.
+pub const HEADER: usize = 110;
+pub const MAGIC: &[u8] = b"070701";
+/// The last entry's name.
+pub const TRAILER: &[u8] = b"TRAILER!!!";
+
 pub const S_IFMT: u32 = 0o170000;
 pub const S_IFDIR: u32 = 0o040000;
 pub const S_IFREG: u32 = 0o100000;
@@ -24,6 +30,20 @@ pub struct Entry<'a> {
     pub rdev: (u32, u32),
     /// The data's length (a file's content, a link's target).
     pub size: u64,
+}
+
+impl<'a> Entry<'a> {
+    /// `name` with `mode`, owned by root, no data yet.
+    pub fn new(name: &'a [u8], mode: u32) -> Self {
+        Entry {
+            name,
+            mode,
+            uid: 0,
+            gid: 0,
+            rdev: (0, 0),
+            size: 0,
+        }
+    }
 }
 
 /// Writes a newc archive to `out`.
@@ -68,7 +88,7 @@ impl<W: Write> Writer<W> {
             entry.name.len() as u32 + 1,
             0, // check
         ];
-        let mut header = String::with_capacity(110);
+        let mut header = String::with_capacity(HEADER);
         header.push_str("070701");
         for f in fields {
             header.push_str(&format!("{f:08x}"));
@@ -113,15 +133,7 @@ impl<W: Write> Writer<W> {
 
     /// Writes the trailer; returns the output.
     pub fn finish(mut self) -> io::Result<W> {
-        let trailer = Entry {
-            name: b"TRAILER!!!",
-            mode: 0,
-            uid: 0,
-            gid: 0,
-            rdev: (0, 0),
-            size: 0,
-        };
-        self.entry_with(trailer, &[])?;
+        self.entry_with(Entry::new(TRAILER, 0), &[])?;
         self.out.flush()?;
         Ok(self.out)
     }
@@ -193,15 +205,8 @@ mod tests {
     #[test]
     fn entries_are_aligned_and_terminated() {
         let mut w = Writer::new(Vec::new());
-        let entry = Entry {
-            name: b"a",
-            mode: S_IFREG | 0o644,
-            uid: 0,
-            gid: 0,
-            rdev: (0, 0),
-            size: 0,
-        };
-        w.entry_with(entry, b"hello").expect("entry");
+        w.entry_with(Entry::new(b"a", S_IFREG | 0o644), b"hello")
+            .expect("entry");
         let bytes = w.finish().expect("finish");
 
         assert_eq!(&bytes[..6], b"070701");
@@ -215,12 +220,8 @@ mod tests {
     fn a_short_read_is_an_error() {
         let mut w = Writer::new(Vec::new());
         let entry = Entry {
-            name: b"a",
-            mode: S_IFREG | 0o644,
-            uid: 0,
-            gid: 0,
-            rdev: (0, 0),
             size: 10,
+            ..Entry::new(b"a", S_IFREG | 0o644)
         };
         let err = w.entry(&entry, &mut &b"short"[..]).expect_err("short");
         assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);

@@ -32,12 +32,10 @@ fn put(
     data: &[u8],
 ) -> io::Result<()> {
     let entry = cpio::Entry {
-        name: name.as_bytes(),
-        mode,
         uid: owner,
         gid: owner,
         rdev,
-        size: 0,
+        ..cpio::Entry::new(name.as_bytes(), mode)
     };
     cpio.entry_with(entry, data)
 }

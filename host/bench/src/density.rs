@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::report::{MappingCost, Parked, SlabCost};
+use super::report::{kib_field, MappingCost, Parked, SlabCost};
 
 /// `/proc/meminfo` fields the figure needs, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
@@ -27,12 +27,7 @@ impl Meminfo {
     pub fn read() -> Result<Meminfo, String> {
         let text = std::fs::read_to_string("/proc/meminfo")
             .map_err(|e| format!("cannot read /proc/meminfo: {e}"))?;
-        let field = |name: &str| -> u64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-                .unwrap_or(0)
-        };
+        let field = |key: &str| kib_field(&text, key);
         Ok(Meminfo {
             available: field("MemAvailable"),
             slab: field("Slab"),

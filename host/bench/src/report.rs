@@ -45,19 +45,23 @@ impl Memory {
     /// Reads `pid`'s smaps_rollup; None if the process is gone.
     pub fn of(pid: u32) -> Option<Memory> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-        let field = |name: &str| -> u64 {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-                .unwrap_or(0)
-        };
+        let field = |key: &str| kib_field(&text, key);
         Some(Memory {
-            rss_kib: field("Rss:"),
-            pss_kib: field("Pss:"),
-            shared_kib: field("Shared_Clean:") + field("Shared_Dirty:"),
-            private_kib: field("Private_Clean:") + field("Private_Dirty:"),
+            rss_kib: field("Rss"),
+            pss_kib: field("Pss"),
+            shared_kib: field("Shared_Clean") + field("Shared_Dirty"),
+            private_kib: field("Private_Clean") + field("Private_Dirty"),
         })
     }
+}
+
+/// The `KEY:   N kB` line of a /proc file (`smaps_rollup`, `meminfo`), in
+/// KiB (0 without one).
+pub fn kib_field(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// One run of one contender and mode.

@@ -276,11 +276,9 @@ struct Vm {
 struct Task {
     bundle: PathBuf,
     vm: Arc<Vm>,
-    /// Whether deleting the task destroys the VM (not for a pod's
-    /// containers).
-    owns_vm: bool,
     /// A pod's container: the guest directory that holds its root file
-    /// system.
+    /// system. Without one the task owns its VM (deleting it destroys the
+    /// VM).
     guest_dir: Option<String>,
     init: Arc<GuestProcess>,
     execs: HashMap<String, Arc<GuestProcess>>,
@@ -290,6 +288,24 @@ impl Task {
     fn paused(&self) -> bool {
         self.vm.paused.load(std::sync::atomic::Ordering::SeqCst)
     }
+
+    fn owns_vm(&self) -> bool {
+        self.guest_dir.is_none()
+    }
+
+    /// Where its processes run.
+    fn place(&self) -> Place {
+        match &self.guest_dir {
+            Some(dir) => Place::Container(container_root(dir)),
+            None => Place::Guest,
+        }
+    }
+}
+
+/// The root file system of the pod's container whose guest directory is
+/// `dir`.
+fn container_root(dir: &str) -> String {
+    format!("{dir}/rootfs")
 }
 
 /// Where a pod's container's root file system goes in the guest.
@@ -509,7 +525,7 @@ impl Inner {
         let vm = self
             .lock()
             .get(sandbox)
-            .filter(|t| t.owns_vm)
+            .filter(|t| t.owns_vm())
             .map(|t| t.vm.clone())
             .ok_or_else(|| {
                 ShimError::NotFound(format!(
@@ -530,7 +546,7 @@ impl Inner {
             return Err(ShimError::Invalid(format!("container id `{}`", req.id)));
         }
         let dir = format!("{CONTAINERS_DIR}/{}", req.id);
-        let root = format!("{dir}/rootfs");
+        let root = container_root(&dir);
         let started = std::time::Instant::now();
         let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
             .and_then(|mut agent| agent.unpack(&root, rootfs))?;
@@ -565,7 +581,6 @@ impl Inner {
             Task {
                 bundle: bundle_dir.to_owned(),
                 vm,
-                owns_vm: guest_dir.is_none(),
                 guest_dir,
                 init,
                 execs: HashMap::new(),
@@ -682,7 +697,7 @@ impl Inner {
     }
 
     fn pause(&self, id: &str, pause: bool) -> Result<(), ShimError> {
-        let vm = self.with_task(id, |t| match t.owns_vm {
+        let vm = self.with_task(id, |t| match t.owns_vm() {
             true => Ok(t.vm.clone()),
             false => Err(ShimError::Invalid(
                 "a pod's container pauses with its pod (pause the pod's sandbox)".into(),
@@ -886,7 +901,7 @@ impl shim::Task for TaskService {
                 .inner
                 .lock()
                 .get(&req.id)
-                .filter(|t| t.owns_vm)
+                .filter(|t| t.owns_vm())
                 .map(|t| t.vm.sandbox.id.clone());
             if let Some(sandbox) = owned {
                 self.inner
@@ -917,10 +932,7 @@ impl shim::Task for TaskService {
                     req.exec_id
                 )));
             }
-            let place = match &task.guest_dir {
-                Some(dir) => Place::Container(format!("{dir}/rootfs")),
-                None => Place::Guest,
-            };
+            let place = task.place();
             task.execs.insert(
                 req.exec_id.clone(),
                 GuestProcess::new(request, place, stdio, on_exit),
