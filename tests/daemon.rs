@@ -1119,6 +1119,89 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
 }
 
 #[test]
+fn several_sandboxes_hibernate_and_wake_at_once_within_the_disk_budget() {
+    let (d, _exclusive) = exclusive();
+    // 2 MiB: about one hibernation after a small change (1.3-1.5 MiB), so
+    // hibernations in flight together must be counted against it.
+    d.kill();
+    d.start(&["--hibernated-disk-mib", "2"]);
+    const BUDGET: u64 = 2 << 20;
+    let ids: Vec<String> = (0..3).map(|_| create("base").sandbox.id).collect();
+    for id in &ids {
+        upload(id, "/tmp/mine", id.as_bytes()).expect("upload");
+    }
+    let hibernated: Vec<(String, Result<SandboxInfo, ApiClientError>)> = std::thread::scope(|s| {
+        let each: Vec<_> = ids
+            .iter()
+            .map(|id| s.spawn(move || (id.clone(), api().hibernate(id))))
+            .collect();
+        each.into_iter().map(|h| h.join().expect("join")).collect()
+    });
+    let asleep: Vec<&SandboxInfo> = hibernated
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().ok())
+        .collect();
+    let on_disk: u64 = asleep.iter().map(|i| i.disk_bytes.unwrap_or(0)).sum();
+    let refused: Vec<(String, (u16, String), SandboxState)> = hibernated
+        .iter()
+        .filter(|(_, r)| r.is_err())
+        .map(|(id, r)| {
+            let why = match r {
+                Err(ApiClientError::Status { status, message }) => (*status, message.clone()),
+                other => panic!("{id}: {other:?}"),
+            };
+            (id.clone(), why, get(id).expect("listed").state)
+        })
+        .collect();
+    // Every one woken at once by its use: each its own.
+    let woken: Vec<(String, String)> = std::thread::scope(|s| {
+        let each: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                s.spawn(move || {
+                    let mine = download(id, "/tmp/mine").expect("download");
+                    (id.clone(), String::from_utf8_lossy(&mine).into_owned())
+                })
+            })
+            .collect();
+        each.into_iter().map(|h| h.join().expect("join")).collect()
+    });
+    let states: Vec<SandboxState> = ids
+        .iter()
+        .map(|id| get(id).expect("listed").state)
+        .collect();
+    for id in &ids {
+        destroy(id);
+    }
+    d.kill();
+    d.start(&[]);
+
+    eprintln!(
+        "{} of {} hibernated at once, {on_disk} bytes on disk; refused: {refused:?}",
+        asleep.len(),
+        ids.len()
+    );
+    assert!(!asleep.is_empty(), "none hibernated: {refused:?}");
+    assert!(
+        on_disk <= BUDGET,
+        "{} hibernated at once took {on_disk} bytes of a {BUDGET}-byte budget",
+        asleep.len()
+    );
+    for (id, (code, message), state) in &refused {
+        assert_eq!(*code, 429, "{id}: {message}");
+        assert!(message.contains("--hibernated-disk-mib"), "{id}: {message}");
+        assert_eq!(*state, SandboxState::Running, "{id}: refused, it runs on");
+    }
+    for (id, mine) in &woken {
+        assert_eq!(mine, id, "{id}'s own file");
+    }
+    assert!(
+        states.iter().all(|s| *s == SandboxState::Running),
+        "{states:?}"
+    );
+}
+
+#[test]
 fn a_corrupt_hibernation_fails_the_sandbox_with_the_reason_and_runs_no_guest() {
     let (d, _g) = shared();
     let s = create("base").sandbox;

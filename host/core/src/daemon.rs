@@ -255,8 +255,13 @@ pub struct Daemon {
     egress: Arc<Egress>,
     /// The background threads, joined by [`Daemon::stop`].
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
-    /// Held while a sandbox hibernates or wakes.
-    waking: Mutex<()>,
+    /// The sandboxes that are hibernating or waking (one change at a time
+    /// each, many sandboxes at once); a hibernation's counted bytes (0
+    /// until written), counted against the host's limits until its record
+    /// says so.
+    changing: Mutex<HashMap<String, Option<u64>>>,
+    /// Signalled when a sandbox's change ends.
+    changed: Condvar,
 }
 
 /// Writes the egress proxy's decisions to the audit log until the daemon
@@ -423,7 +428,8 @@ impl Daemon {
             stopping: AtomicBool::new(false),
             egress,
             threads: Mutex::new(Vec::new()),
-            waking: Mutex::new(()),
+            changing: Mutex::new(HashMap::new()),
+            changed: Condvar::new(),
         });
         daemon.recover()?;
         // The audit thread holds no strong reference: the daemon is dropped

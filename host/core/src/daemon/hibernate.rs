@@ -31,6 +31,20 @@ fn over_budget(budget: u64, used: u64, needed: u64) -> String {
 /// A hibernation's directory in the run directory: `hibernation-<ms>`.
 const PREFIX: &str = "hibernation-";
 
+/// Sandbox `id`'s hibernation or wake in progress: others of the same
+/// sandbox wait for it; other sandboxes' go on.
+struct Change<'a> {
+    daemon: &'a Daemon,
+    id: &'a str,
+}
+
+impl Drop for Change<'_> {
+    fn drop(&mut self) {
+        self.daemon.changes().remove(self.id);
+        self.daemon.changed.notify_all();
+    }
+}
+
 impl Daemon {
     /// Hibernates a running or paused sandbox: its state goes to disk and
     /// its VMM exits. A hibernation that fails leaves the sandbox as it
@@ -52,7 +66,7 @@ impl Daemon {
         who: &str,
         idle: Option<Duration>,
     ) -> Result<SandboxInfo, DaemonError> {
-        let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
+        let change = self.change(id);
         let started = Instant::now();
         let rec = self.record(id)?;
         let was_running = match rec.state {
@@ -65,18 +79,7 @@ impl Daemon {
                 )))
             }
         };
-        let (asleep, used) = self.hibernated();
-        let budget = self.cfg.max_hibernated_bytes;
-        if used >= budget {
-            return Err(DaemonError::Limit(over_budget(budget, used, 0)));
-        }
-        if asleep >= self.cfg.max_hibernated as usize {
-            return Err(DaemonError::Limit(format!(
-                "the host holds its maximum of {} hibernated sandboxes \
-                 (husk serve --max-hibernated): destroy some first",
-                self.cfg.max_hibernated
-            )));
-        }
+        self.reserve(&change, 0)?;
         // Paused first, so that nothing runs between its snapshot and the
         // end of its VMM.
         if was_running {
@@ -111,15 +114,11 @@ impl Daemon {
                 "the VMM refused the hibernation: {other:?}"
             ))),
         });
-        // Within the disk budget, with what others took meanwhile (its
-        // size is final: nothing below changes the hibernation's files).
+        // Within the disk budget, with what others took or are taking
+        // meanwhile (its size is final: nothing below changes its files).
         let written = written.and_then(|()| {
             let bytes = disk_bytes(&dir);
-            let (_, used) = self.hibernated();
-            match used.saturating_add(bytes) > budget {
-                true => Err(DaemonError::Limit(over_budget(budget, used, bytes))),
-                false => Ok(bytes),
-            }
+            self.reserve(&change, bytes).map(|()| bytes)
         });
         let bytes = match written {
             Ok(bytes) => bytes,
@@ -180,15 +179,58 @@ impl Daemon {
         self.sandbox(id)
     }
 
-    /// How many sandboxes are hibernated, and the bytes they take on disk.
-    fn hibernated(&self) -> (usize, u64) {
-        self.lock()
+    /// The hibernations and wakes in progress.
+    fn changes(&self) -> MutexGuard<'_, HashMap<String, Option<u64>>> {
+        self.changing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for sandbox `id`'s change in progress, if any, and starts
+    /// its own.
+    fn change<'a>(&'a self, id: &'a str) -> Change<'a> {
+        let mut changes = self.changes();
+        while changes.contains_key(id) {
+            changes = self
+                .changed
+                .wait(changes)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        changes.insert(id.to_owned(), None);
+        Change { daemon: self, id }
+    }
+
+    /// Counts `bytes` of hibernation `change` against the host's limits:
+    /// the number of hibernated sandboxes and their disk budget, with the
+    /// hibernations in flight (a hibernation that ends is counted twice
+    /// for a moment, never not at all).
+    fn reserve(&self, change: &Change<'_>, bytes: u64) -> Result<(), DaemonError> {
+        let mut changes = self.changes();
+        let (asleep, recorded) = self
+            .lock()
             .sandboxes
             .values()
             .filter(|l| l.rec.state == SandboxState::Hibernated)
-            .fold((0, 0), |(n, bytes), l| {
-                (n + 1, bytes + l.rec.hibernated_bytes.unwrap_or(0))
-            })
+            .fold((0, 0u64), |(n, b), l| {
+                (n + 1, b + l.rec.hibernated_bytes.unwrap_or(0))
+            });
+        let others = changes
+            .iter()
+            .filter(|(id, _)| id.as_str() != change.id)
+            .filter_map(|(_, b)| *b);
+        let in_flight = others.clone().count();
+        let used = recorded + others.sum::<u64>();
+        let budget = self.cfg.max_hibernated_bytes;
+        if bytes == 0 && asleep + in_flight >= self.cfg.max_hibernated as usize {
+            return Err(DaemonError::Limit(format!(
+                "the host holds its maximum of {} hibernated sandboxes \
+                 (husk serve --max-hibernated): destroy some first",
+                self.cfg.max_hibernated
+            )));
+        }
+        if used.saturating_add(bytes.max(1)) > budget {
+            return Err(DaemonError::Limit(over_budget(budget, used, bytes)));
+        }
+        changes.insert(change.id.to_owned(), Some(bytes));
+        Ok(())
     }
 
     /// Wakes a hibernated sandbox (a running one is left as it is).
@@ -210,12 +252,14 @@ impl Daemon {
         if !hibernated {
             return Ok(false);
         }
-        let _one = self.waking.lock().unwrap_or_else(|e| e.into_inner());
+        let _change = self.change(id);
         // Woken (or destroyed) while this call waited.
         let rec = self.record(id)?;
         if rec.state != SandboxState::Hibernated {
             return Ok(false);
         }
+        // A restore like a create's: a client waits for it.
+        let _slot = self.slots.acquire(Priority::Normal);
         let started = Instant::now();
         match self.bring_back(&rec) {
             Ok(()) => {
