@@ -1383,9 +1383,9 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
         hello.1.starts_with("hello from ")
             && hello.1.contains(&format!("host={host}:{door_port} "))
             && hello.1.contains("forwarded-for=127.0.0.1 ")
-            && hello
-                .1
-                .contains(&format!("forwarded-host={host}:{door_port}")),
+            && hello.1.contains(&format!(
+                "forwarded-host={host}:{door_port} forwarded-proto=http\n"
+            )),
         "{}",
         hello.1
     );
@@ -1419,6 +1419,101 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
     assert_eq!(woken.0, 200, "{}", woken.1);
     assert_eq!(after_wake.state, SandboxState::Running);
     assert_eq!(destroyed.0, 404, "{}", destroyed.1);
+}
+
+#[test]
+fn the_front_door_speaks_https_with_the_operators_certificate() {
+    let (d, _exclusive) = exclusive();
+    // The operator's certificate for every sandbox host under the domain.
+    let ca = upstream_ca();
+    let key = rcgen::KeyPair::generate().expect("key");
+    let leaf = rcgen::CertificateParams::new(vec![format!("*.{FRONT_DOMAIN}")])
+        .expect("params")
+        .signed_by(&key, &ca.cert, &ca.key)
+        .expect("leaf");
+    let (cert_file, key_file) = (
+        d.state_dir.join("front-door.crt"),
+        d.state_dir.join("front-door.key"),
+    );
+    std::fs::write(&cert_file, leaf.pem()).expect("cert");
+    std::fs::write(&key_file, key.serialize_pem()).expect("key");
+    let flags = |cert: &Path, key: &Path| {
+        vec![
+            "--expose-tls-cert".to_owned(),
+            cert.display().to_string(),
+            "--expose-tls-key".to_owned(),
+            key.display().to_string(),
+        ]
+    };
+    // A key that is not the certificate's: refused at start, saying so.
+    let other = d.state_dir.join("other.key");
+    std::fs::write(
+        &other,
+        rcgen::KeyPair::generate().expect("key").serialize_pem(),
+    )
+    .expect("other key");
+    let wrong = Command::new(common::husk_binary())
+        .args(["serve", "--state-dir"])
+        .arg(d.state_dir.join("unused"))
+        .args(["--expose", "127.0.0.1:0"])
+        .args(flags(&cert_file, &other))
+        .output()
+        .expect("husk serve");
+    d.kill();
+    d.start(
+        &flags(&cert_file, &key_file)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    let s = create("base").sandbox;
+    start_test_server(&s.id, 8000);
+    let published = api().port(&s.id, 8000).expect("port");
+    let door_port = d.expose.rsplit_once(':').expect("port").1;
+    let host = format!("8000-{}.{FRONT_DOMAIN}", s.id);
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca.cert.der().clone()).expect("CA");
+    let client = rustls::ClientConfig::builder_with_provider(tls_provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let door: std::net::SocketAddr = d.expose.parse().expect("front door address");
+    let agent = ureq::AgentBuilder::new()
+        .resolver(move |_: &str| Ok(vec![door]))
+        .tls_config(std::sync::Arc::new(client))
+        .timeout(PATIENCE)
+        .build();
+    let hello = front_get(&agent, &format!("https://{host}:{door_port}/hello"), None);
+    // Plain HTTP gets no answer from it.
+    let plain = ureq::AgentBuilder::new()
+        .resolver(move |_: &str| Ok(vec![door]))
+        .timeout(PATIENCE)
+        .build()
+        .get(&format!("http://{host}:{door_port}/hello"))
+        .call();
+    destroy(&s.id);
+    d.kill();
+    d.start(&[]);
+
+    assert!(!wrong.status.success());
+    let why = String::from_utf8_lossy(&wrong.stderr);
+    assert!(why.contains("not a certificate and its key"), "{why}");
+    assert_eq!(
+        published.url.as_deref(),
+        Some(format!("https://{host}:{door_port}/").as_str())
+    );
+    assert_eq!(hello.0, 200, "{}", hello.1);
+    assert!(
+        hello.1.starts_with(&format!("hello from {}", s.id))
+            && hello.1.ends_with("forwarded-proto=https\n"),
+        "{}",
+        hello.1
+    );
+    assert!(
+        !matches!(plain, Ok(_) | Err(ureq::Error::Status(..))),
+        "plain HTTP was answered: {plain:?}"
+    );
 }
 
 /// A two-layer OCI image layout, as a tar archive, made here from the

@@ -4,7 +4,7 @@
 //! connection (`Connection: close`):
 //!
 //!   GET  /hello   200, `hello from HOSTNAME` and the request's Host,
-//!                 X-Forwarded-For and X-Forwarded-Host
+//!                 X-Forwarded-For, X-Forwarded-Host and X-Forwarded-Proto
 //!   GET  /stream  200, chunked: `tick 0`..`tick 2`, 300 ms apart
 //!   POST /echo    200, the request body back (Content-Length or chunked)
 //!   GET  /ws      a WebSocket (RFC 6455) that echoes each text or binary
@@ -66,11 +66,12 @@ fn serve(conn: TcpStream) -> std::io::Result<()> {
         ("GET", "/hello") => {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             let body = format!(
-                "hello from {} host={} forwarded-for={} forwarded-host={}\n",
+                "hello from {} host={} forwarded-for={} forwarded-host={} forwarded-proto={}\n",
                 host.trim(),
                 req.header("host"),
                 req.header("x-forwarded-for"),
                 req.header("x-forwarded-host"),
+                req.header("x-forwarded-proto"),
             );
             respond(&mut out, "200 OK", body.as_bytes())
         }

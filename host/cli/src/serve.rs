@@ -103,6 +103,13 @@ pub struct ServeArgs {
     /// browsers take *.localhost to be this machine).
     #[arg(long, default_value = "localhost", requires = "expose")]
     pub expose_domain: String,
+    /// Serve the front door over HTTPS with this certificate chain (PEM;
+    /// a certificate for `*.DOMAIN`), with --expose-tls-key.
+    #[arg(long, requires_all = ["expose", "expose_tls_key"])]
+    pub expose_tls_cert: Option<PathBuf>,
+    /// The private key (PEM) of --expose-tls-cert.
+    #[arg(long, requires = "expose_tls_cert")]
+    pub expose_tls_key: Option<PathBuf>,
     /// Sandboxes one MCP client (a session on `/mcp`) may hold at once.
     #[arg(long, default_value_t = 4)]
     pub mcp_max_sandboxes: usize,
@@ -236,8 +243,16 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             if domain.is_empty() || domain.contains(['/', ':', ' ']) {
                 return Err(format!("--expose-domain {domain:?}: not a domain"));
             }
-            cfg.front_door = Some(husk_core::daemon::FrontDoorAddr { domain, port });
-            Some(listener)
+            let tls = match (&args.expose_tls_cert, &args.expose_tls_key) {
+                (Some(cert), Some(key)) => Some(husk_server::front::tls_config(cert, key)?),
+                _ => None,
+            };
+            cfg.front_door = Some(husk_core::daemon::FrontDoorAddr {
+                domain,
+                port,
+                https: tls.is_some(),
+            });
+            Some((listener, tls))
         }
         None => None,
     };
@@ -292,10 +307,10 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
         .map_err(|e| e.to_string())?;
     let front = expose
         .zip(daemon.config().front_door.clone())
-        .map(|(listener, addr)| {
+        .map(|((listener, tls), addr)| {
             (
                 listener,
-                husk_server::front::FrontDoor::new(daemon.clone(), addr),
+                husk_server::front::FrontDoor::new(daemon.clone(), addr, tls),
             )
         });
     let result = runtime.block_on(listen(

@@ -64,14 +64,16 @@ pub struct DaemonConfig {
 }
 
 /// A front door: `PORT-SANDBOXID.DOMAIN` reaches `PORT` inside sandbox
-/// `SANDBOXID`, over HTTP on `port` (E2B's host format, so its SDK's
-/// `get_host(port)` names it).
+/// `SANDBOXID`, over HTTP or HTTPS on `port` (E2B's host format, so its
+/// SDK's `get_host(port)` names it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FrontDoorAddr {
     /// The domain under which sandboxes' hosts are named.
     pub domain: String,
     /// The TCP port it listens on.
     pub port: u16,
+    /// Whether it speaks HTTPS (with the operator's certificate).
+    pub https: bool,
 }
 
 impl FrontDoorAddr {
@@ -80,11 +82,14 @@ impl FrontDoorAddr {
         format!("{port}-{id}.{}", self.domain)
     }
 
-    /// Its URL (the front door's port written unless it is 80).
+    /// Its URL (the front door's port written unless it is the scheme's).
     pub fn url(&self, id: &str, port: u16) -> String {
-        match self.port {
-            80 => format!("http://{}/", self.host(id, port)),
-            p => format!("http://{}:{p}/", self.host(id, port)),
+        let host = self.host(id, port);
+        match (self.https, self.port) {
+            (false, 80) => format!("http://{host}/"),
+            (true, 443) => format!("https://{host}/"),
+            (false, p) => format!("http://{host}:{p}/"),
+            (true, p) => format!("https://{host}:{p}/"),
         }
     }
 
@@ -190,6 +195,7 @@ mod tests {
         let door = FrontDoorAddr {
             domain: "sbx.example.com".into(),
             port: 8080,
+            https: false,
         };
         let host = door.host("sb-00ff", 3000);
         assert_eq!(host, "3000-sb-00ff.sbx.example.com");
@@ -198,6 +204,19 @@ mod tests {
             "http://3000-sb-00ff.sbx.example.com:8080/"
         );
         assert_eq!(door.route(&host), Some(("sb-00ff".into(), 3000)));
+        let https = |port| FrontDoorAddr {
+            https: true,
+            port,
+            ..door.clone()
+        };
+        assert_eq!(
+            https(443).url("sb-00ff", 3000),
+            "https://3000-sb-00ff.sbx.example.com/"
+        );
+        assert_eq!(
+            https(8443).url("sb-00ff", 3000),
+            "https://3000-sb-00ff.sbx.example.com:8443/"
+        );
         assert_eq!(
             door.route("3000-SB-00FF.Sbx.Example.com:8080"),
             Some(("sb-00ff".into(), 3000))

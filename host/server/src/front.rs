@@ -8,10 +8,12 @@
 //! its traffic token in [`TOKEN_HEADER`] (which the guest never sees).
 //! What cannot be reached is answered with a page that says why: no such
 //! sandbox (404), a paused or failed one (409), nothing listening (502). A
-//! hibernated sandbox is woken.
+//! hibernated sandbox is woken. With the operator's certificate (one for
+//! `*.DOMAIN`) the front door speaks HTTPS instead ([`tls_config`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,12 +22,17 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Request, Response, 
 use husk_core::daemon::{Daemon, DaemonError, FrontDoorAddr};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_rustls::TlsAcceptor;
 
 /// The header that carries a sandbox's traffic token (E2B's name).
 pub const TOKEN_HEADER: &str = "e2b-traffic-access-token";
 /// Client connections served at once; more wait to be accepted.
 const MAX_CONNECTIONS: usize = 1024;
-/// How long a client may take to send a request's head.
+/// How long a client may take to send a request's head (or to finish its
+/// TLS handshake).
 const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Hop-by-hop headers (RFC 9110 7.6.1): they are about one connection and
@@ -42,16 +49,63 @@ const HOP_BY_HOP: [&str; 8] = [
 ];
 
 /// The front door of one daemon.
-#[derive(Debug)]
 pub struct FrontDoor {
     daemon: Arc<Daemon>,
     addr: FrontDoorAddr,
+    /// Its TLS (HTTPS), if the operator gave a certificate.
+    tls: Option<TlsAcceptor>,
+}
+
+impl std::fmt::Debug for FrontDoor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrontDoor")
+            .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl FrontDoor {
-    pub fn new(daemon: Arc<Daemon>, addr: FrontDoorAddr) -> Arc<Self> {
-        Arc::new(FrontDoor { daemon, addr })
+    /// The front door at `addr`; HTTPS with `tls` (`addr.https` says so).
+    pub fn new(
+        daemon: Arc<Daemon>,
+        addr: FrontDoorAddr,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> Arc<Self> {
+        Arc::new(FrontDoor {
+            daemon,
+            addr,
+            tls: tls.map(TlsAcceptor::from),
+        })
     }
+}
+
+/// The front door's TLS: the certificate chain in PEM file `cert` (the
+/// server's first) and its private key in PEM file `key`; HTTP/1.1.
+pub fn tls_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig>, String> {
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("{}: no PEM certificates: {e}", cert.display()))?;
+    if chain.is_empty() {
+        return Err(format!("{}: no PEM certificates", cert.display()));
+    }
+    let private = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| format!("{}: no PEM private key: {e}", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(chain, private)
+        .map_err(|e| {
+            format!(
+                "{} and {}: not a certificate and its key: {e}",
+                cert.display(),
+                key.display()
+            )
+        })?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 /// Serves `listener` until `stop` fires.
@@ -81,18 +135,13 @@ pub async fn serve(
         let _ = tcp.set_nodelay(true);
         let door = door.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let door = door.clone();
-                async move { Ok::<_, Infallible>(door.handle(req, peer).await) }
-            });
-            let served = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT)
-                .serve_connection(TokioIo::new(tcp), service)
-                .with_upgrades()
-                .await;
-            if let Err(e) = served {
-                tracing::debug!("front door: connection from {peer}: {e}");
+            match door.tls.clone() {
+                None => door.serve_connection(tcp, peer).await,
+                Some(tls) => match tokio::time::timeout(HEAD_TIMEOUT, tls.accept(tcp)).await {
+                    Ok(Ok(stream)) => door.serve_connection(stream, peer).await,
+                    Ok(Err(e)) => tracing::debug!("front door: TLS from {peer}: {e}"),
+                    Err(_) => tracing::debug!("front door: TLS from {peer}: timed out"),
+                },
             }
             drop(slot);
         });
@@ -100,6 +149,26 @@ pub async fn serve(
 }
 
 impl FrontDoor {
+    /// Serves HTTP/1.1 on one client connection (TCP, or TLS over it).
+    async fn serve_connection<I>(self: Arc<Self>, io: I, peer: SocketAddr)
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let service = hyper::service::service_fn(move |req| {
+            let door = self.clone();
+            async move { Ok::<_, Infallible>(door.handle(req, peer).await) }
+        });
+        let served = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEAD_TIMEOUT)
+            .serve_connection(TokioIo::new(io), service)
+            .with_upgrades()
+            .await;
+        if let Err(e) = served {
+            tracing::debug!("front door: connection from {peer}: {e}");
+        }
+    }
+
     async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let host = req
             .headers()
@@ -191,7 +260,7 @@ impl FrontDoor {
         }
         parts.headers.insert(
             HeaderName::from_static("x-forwarded-proto"),
-            HeaderValue::from_static("http"),
+            HeaderValue::from_static(if self.addr.https { "https" } else { "http" }),
         );
         // Origin form: the guest program sees the path, as from a browser.
         parts.uri = parts
