@@ -1519,8 +1519,9 @@ fn the_front_door_speaks_https_with_the_operators_certificate() {
 /// A two-layer OCI image layout, as a tar archive, made here from the
 /// host's static busybox: layer one a small system with a user `app`
 /// (uid 1000) and files under /opt; layer two (gzip) whites out
-/// /opt/old, makes /opt/dir opaque and adds files. Its config sets env,
-/// working directory, user, entrypoint and command.
+/// /opt/old, makes /opt/dir opaque and adds files; layer three (zstd, in
+/// two frames) adds one more. Its config sets env, working directory,
+/// user, entrypoint and command.
 fn busybox_image() -> Vec<u8> {
     let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
     let mut lower: Vec<LayerEntry<'_>> = vec![
@@ -1569,6 +1570,19 @@ fn busybox_image() -> Vec<u8> {
         z.write_all(&upper).expect("gzip");
         z.finish().expect("gzip")
     };
+    let third = image_layer(&[(
+        "app/third.txt",
+        Some(b"and from its zstd layer\n"),
+        None,
+        0o644,
+        0,
+    )]);
+    let third: Vec<u8> = third
+        .chunks(third.len() / 2 + 1)
+        .flat_map(|c| {
+            ruzstd::encoding::compress_to_vec(c, ruzstd::encoding::CompressionLevel::Fastest)
+        })
+        .collect();
     let config = json!({
         "architecture": "amd64",
         "os": "linux",
@@ -1587,6 +1601,7 @@ fn busybox_image() -> Vec<u8> {
         &[
             (&lower, "application/vnd.oci.image.layer.v1.tar"),
             (&upper, "application/vnd.oci.image.layer.v1.tar+gzip"),
+            (&third, "application/vnd.oci.image.layer.v1.tar+zstd"),
         ],
     )
 }
@@ -1619,7 +1634,7 @@ fn an_oci_image_becomes_a_template_with_its_layers_whiteouts_and_config() {
         &[
             "/bin/sh",
             "-c",
-            "echo $GREETING; pwd; id -u; id -g; echo $HOME; ls /opt; ls /opt/dir; cat hello.txt",
+            "echo $GREETING; pwd; id -u; id -g; echo $HOME; ls /opt; ls /opt/dir; cat hello.txt third.txt",
         ],
     )
     .expect("exec");
@@ -1644,7 +1659,7 @@ fn an_oci_image_becomes_a_template_with_its_layers_whiteouts_and_config() {
     assert_eq!(
         ran.stdout,
         "hello from the image config\n/app\n1000\n1000\n/home/app\ndir\nkeep.txt\n\
-         upper.txt\nhello from the image's second layer\n",
+         upper.txt\nhello from the image's second layer\nand from its zstd layer\n",
         "{}",
         ran.stderr
     );

@@ -271,6 +271,9 @@ def test_network_options_are_the_sandboxs_egress_policy():
     with pytest.raises(Exception) as e:
         Sandbox.create(TEMPLATE, network={"deny_out": ["10.0.0.0/8"]}, request_timeout=SLOW)
     assert "denyOut" in str(e.value)
+    with pytest.raises(Exception) as e:
+        Sandbox.create(TEMPLATE, network={"dns_servers": ["1.1.1.1"]}, request_timeout=SLOW)
+    assert "dnsServers" in str(e.value) and "resolves allowOut names on the host" in str(e.value)
 
 
 def test_bad_input():

@@ -4,7 +4,9 @@
 //! layer's digest is checked as it is read, and the layers are applied in
 //! order onto the stage with the OCI rules: `.wh.NAME` removes NAME from
 //! the layers below, `.wh..wh..opq` empties its directory of them. Layers
-//! are tar, gzip or uncompressed; zstd is refused with a message.
+//! are tar, gzip or zstd (its frames one after another, skippable frames
+//! such as zstd:chunked's table of contents passed over), told apart by
+//! their first bytes.
 //!
 //! An image is hostile input like any archive (see `rootfs`): its entries
 //! get the same checks (`archive`), blob and layer paths must stay in the image, a
@@ -300,6 +302,84 @@ impl<R: Read> Read for Hashing<R> {
     }
 }
 
+/// A zstd stream: its frames one after another (as `zstd` and `pzstd`
+/// may write them), skippable frames passed over. A frame may ask for a
+/// window of at most 100 MiB (the decoder's limit): a larger one is an
+/// error, not an allocation.
+struct Zstd<R> {
+    source: R,
+    frame: ruzstd::decoding::FrameDecoder,
+    /// Inside a frame (its header read, its end not reached).
+    in_frame: bool,
+}
+
+impl<R: BufRead> Zstd<R> {
+    fn new(source: R) -> Self {
+        // The decoder holds a frame's window to its limit only once it has
+        // read a frame (the first one's window is taken as it comes): an
+        // empty frame first, so that every frame of the layer is checked.
+        const EMPTY_FRAME: [u8; 9] = [0x28, 0xb5, 0x2f, 0xfd, 0x20, 0x00, 0x01, 0x00, 0x00];
+        let mut frame = ruzstd::decoding::FrameDecoder::new();
+        if let Err(e) = frame.init(&EMPTY_FRAME[..]) {
+            tracing::error!("zstd: the empty frame was refused: {e}");
+        }
+        Zstd {
+            source,
+            frame,
+            in_frame: false,
+        }
+    }
+}
+
+impl<R: BufRead> Read for Zstd<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use ruzstd::decoding::errors::{FrameDecoderError, ReadFrameHeaderError};
+        use ruzstd::decoding::BlockDecodingStrategy;
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if self.in_frame {
+                while self.frame.can_collect() < buf.len() && !self.frame.is_finished() {
+                    let wanted = buf.len() - self.frame.can_collect();
+                    self.frame
+                        .decode_blocks(&mut self.source, BlockDecodingStrategy::UptoBytes(wanted))
+                        .map_err(std::io::Error::other)?;
+                }
+                let n = self.frame.read(buf)?;
+                if n > 0 {
+                    return Ok(n);
+                }
+                self.in_frame = !self.frame.is_finished();
+                continue;
+            }
+            // Between frames: the stream's end, or the next frame.
+            if self.source.fill_buf()?.is_empty() {
+                return Ok(0);
+            }
+            match self.frame.reset(&mut self.source) {
+                Ok(()) => self.in_frame = true,
+                Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame {
+                    length,
+                    ..
+                })) => {
+                    let skipped = std::io::copy(
+                        &mut (&mut self.source).take(u64::from(length)),
+                        &mut std::io::sink(),
+                    )?;
+                    if skipped != u64::from(length) {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "zstd: a skippable frame is cut short",
+                        ));
+                    }
+                }
+                Err(e) => return Err(std::io::Error::other(format!("zstd: {e}"))),
+            }
+        }
+    }
+}
+
 fn apply_layer(layer: &Blob, stage: &Path, budget: &mut u64) -> Result<(), String> {
     let file = open(&layer.path).map_err(|e| e.to_string())?;
     let mut hashing = BufReader::new(Hashing {
@@ -309,13 +389,7 @@ fn apply_layer(layer: &Blob, stage: &Path, budget: &mut u64) -> Result<(), Strin
     let magic = hashing.fill_buf().map_err(|e| e.to_string())?;
     let reader: Box<dyn Read + '_> = match magic {
         [0x1f, 0x8b, ..] => Box::new(flate2::read::GzDecoder::new(&mut hashing)),
-        [0x28, 0xb5, 0x2f, 0xfd, ..] => {
-            return Err(
-                "zstd layers are not supported yet: save the image with gzip or \
-                        uncompressed layers"
-                    .into(),
-            )
-        }
+        [0x28, 0xb5, 0x2f, 0xfd, ..] => Box::new(Zstd::new(&mut hashing)),
         _ => Box::new(&mut hashing),
     };
     let mut tar = archive_reader(reader);
@@ -464,6 +538,21 @@ mod tests {
         z.finish().expect("gzip")
     }
 
+    /// `bytes` as zstd frames of at most `frame` bytes each, then a
+    /// skippable frame (as zstd:chunked's table of contents).
+    fn zstd(bytes: &[u8], frame: usize) -> Vec<u8> {
+        let mut out: Vec<u8> = bytes
+            .chunks(frame)
+            .flat_map(|c| {
+                ruzstd::encoding::compress_to_vec(c, ruzstd::encoding::CompressionLevel::Fastest)
+            })
+            .collect();
+        out.extend_from_slice(&0x184d_2a50u32.to_le_bytes());
+        out.extend_from_slice(&5u32.to_le_bytes());
+        out.extend_from_slice(b"toc!!");
+        out
+    }
+
     fn sha(bytes: &[u8]) -> String {
         let hex: String = Sha256::digest(bytes)
             .iter()
@@ -538,6 +627,33 @@ mod tests {
             .collect();
         names.sort();
         names
+    }
+
+    #[test]
+    fn zstd_layers_of_several_frames_apply_as_gzip_ones_do() {
+        let dir = temp("zstd");
+        let upper = layer(&[
+            E::File("opt/.wh.old", ""),
+            E::File("opt/dir/upper.txt", &"upper ".repeat(1000)),
+        ]);
+        assert!(upper.len() > 3 * 1024, "several frames");
+        oci_layout(
+            &dir.join("image"),
+            &[zstd(&lower(), 1 << 20), zstd(&upper, 1024)],
+        );
+        let stage = dir.join("stage");
+        std::fs::create_dir_all(&stage).expect("stage");
+        unpack_image(&dir.join("image"), &stage, &dir.join("scratch")).expect("unpack");
+
+        assert_eq!(
+            listing(&stage.join("opt")),
+            ["dir", "file-then-dir", "keep.txt"]
+        );
+        assert_eq!(
+            std::fs::read_to_string(stage.join("opt/dir/upper.txt")).expect("upper"),
+            "upper ".repeat(1000)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -632,9 +748,18 @@ mod tests {
                 "absolute",
             ),
             (
-                "zstd",
-                vec![vec![0x28, 0xb5, 0x2f, 0xfd, 0, 0, 0, 0]],
-                "zstd layers are not supported",
+                "zstd cut short",
+                vec![{
+                    let z = zstd(&lower(), 1 << 20);
+                    z[..z.len() / 2].to_vec()
+                }],
+                "unreadable entry",
+            ),
+            (
+                "zstd window of 1 GiB",
+                // A frame header asking for a 1 GiB window (exponent 20).
+                vec![vec![0x28, 0xb5, 0x2f, 0xfd, 0x00, 0xa0, 0, 0, 0, 0]],
+                "window_size is too big",
             ),
         ];
         for (what, layers, expected) in cases {

@@ -445,6 +445,10 @@ struct Network {
     /// Per host, header transforms of its outbound requests.
     #[serde(default)]
     rules: BTreeMap<String, Vec<NetRule>>,
+    /// DNS servers the guest may reach: none is needed (the egress proxy
+    /// resolves names on the host) and none can be (no UDP leaves a
+    /// sandbox), so a non-empty list is refused.
+    dns_servers: Option<Vec<String>>,
     /// Options husk does not map: refused by name when given.
     egress_proxy: Option<Value>,
     mask_request_host: Option<Value>,
@@ -470,8 +474,8 @@ struct Transform {
 /// `*.` wildcards, addresses, `/32` blocks); `rules` become the proxy's
 /// credentials (headers added on the host, never seen by the guest).
 /// What husk cannot do is refused with a message, never dropped: other
-/// `denyOut` blocks, wider `allowOut` blocks, a SOCKS proxy, host masks,
-/// HTTPS ports.
+/// `denyOut` blocks, wider `allowOut` blocks, DNS servers, a SOCKS proxy,
+/// host masks, HTTPS ports.
 fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
     let n = &body.network;
     for (given, name) in [
@@ -482,6 +486,14 @@ fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
         if given.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(format!("network.{name} is not supported by husk"));
         }
+    }
+    if n.dns_servers.as_ref().is_some_and(|d| !d.is_empty()) {
+        return Err(
+            "network.dnsServers: a husk sandbox reaches no DNS server (no UDP leaves \
+                    it); its egress proxy resolves allowOut names on the host, so they work \
+                    without one: leave dnsServers out"
+                .into(),
+        );
     }
     let everything = |e: &String| matches!(e.as_str(), "0.0.0.0/0" | "::/0");
     let deny = n.deny_out.as_deref().unwrap_or_default();
@@ -2014,6 +2026,11 @@ mod tests {
         })))
         .expect("deny all");
         assert_eq!(denied.allow, ["a.example"]);
+        // No servers is what a husk sandbox has.
+        egress_of(&body(
+            json!({ "templateID": "t", "network": { "dnsServers": [] } }),
+        ))
+        .expect("no DNS servers");
         for (network, named) in [
             (json!({ "denyOut": ["10.0.0.0/8"] }), "denyOut `10.0.0.0/8`"),
             (
@@ -2022,6 +2039,7 @@ mod tests {
             ),
             (json!({ "egressProxy": { "address": "x" } }), "egressProxy"),
             (json!({ "httpsPorts": [8443] }), "httpsPorts"),
+            (json!({ "dnsServers": ["1.1.1.1"] }), "dnsServers"),
         ] {
             let err = egress_of(&body(json!({ "templateID": "t", "network": network })))
                 .expect_err(named);
