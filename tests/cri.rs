@@ -167,6 +167,80 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             "{own_root:?}"
         );
         assert_ne!(own_root.exit_code, 0, "the client sees the server's /www");
+        // The CRI's files for the pod (hosts, resolver, hostname) are in
+        // each container, as containerd wrote them.
+        let files = runtime
+            .exec_sync(exec(
+                &client,
+                &[
+                    "sh",
+                    "-c",
+                    "cat /etc/hosts; echo @; cat /etc/resolv.conf; echo @; cat /etc/hostname",
+                ],
+            ))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        let pod_dir = ctrd
+            .dir
+            .join("root/io.containerd.grpc.v1.cri/sandboxes")
+            .join(&pod);
+        let expected: Vec<String> = ["hosts", "resolv.conf", "hostname"]
+            .iter()
+            .map(|f| std::fs::read_to_string(pod_dir.join(f)).expect("containerd's pod file"))
+            .collect();
+        assert_eq!(
+            String::from_utf8_lossy(&files.stdout),
+            expected.join("@\n"),
+            "{files:?}"
+        );
+
+        // The client restarts as the kubelet restarts a container (a new
+        // one of the same name); the server runs on untouched.
+        let server_started = container_status(&mut runtime, &server).await.started_at;
+        runtime
+            .stop_container(StopContainerRequest {
+                container_id: client.clone(),
+                timeout: 10,
+            })
+            .await
+            .expect("StopContainer");
+        runtime
+            .remove_container(RemoveContainerRequest {
+                container_id: client.clone(),
+            })
+            .await
+            .expect("RemoveContainer");
+        let mut again = container_config("client", &["/bin/sleep", "100000"]);
+        if let Some(m) = again.metadata.as_mut() {
+            m.attempt = 1;
+        }
+        let client = start_container(&mut runtime, (&pod, &config), again).await;
+        let refetched = runtime
+            .exec_sync(exec(
+                &client,
+                &[
+                    "wget",
+                    "-Y",
+                    "off",
+                    "-q",
+                    "-O",
+                    "-",
+                    "http://127.0.0.1:8080/",
+                ],
+            ))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(
+            String::from_utf8_lossy(&refetched.stdout).trim(),
+            "hello-from-the-server",
+            "{refetched:?}"
+        );
+        let server_now = container_status(&mut runtime, &server).await;
+        assert_eq!(server_now.state, ContainerState::ContainerRunning as i32);
+        assert_eq!(server_now.started_at, server_started);
+
         let served = runtime
             .exec_sync(exec(&server, &["cat", "/www/index.html"]))
             .await

@@ -143,12 +143,74 @@ impl<W: Write> Writer<W> {
 /// directory before what it holds; links not followed; sockets and device
 /// nodes left out) with owners and modes; returns the output.
 pub fn write_tree<W: Write>(root: &Path, out: W) -> io::Result<W> {
+    write_tree_with(root, &[], out)
+}
+
+/// [`write_tree`], with `files` put in the tree: each a host file and its
+/// name in the tree (relative, `/`-separated), which replaces what the
+/// tree has there and comes last, its missing parent directories made
+/// (mode 0755, root's).
+pub fn write_tree_with<W: Write>(
+    root: &Path,
+    files: &[(String, std::path::PathBuf)],
+    out: W,
+) -> io::Result<W> {
+    use std::os::unix::fs::MetadataExt;
     let mut writer = Writer::new(out);
-    walk(root, &mut Vec::new(), &mut writer)?;
+    let mut walked = Walked {
+        skip: files
+            .iter()
+            .map(|(name, _)| name.as_bytes().to_vec())
+            .collect(),
+        dirs: std::collections::HashSet::new(),
+    };
+    walk(root, &mut Vec::new(), &mut writer, &mut walked)?;
+    for (name, source) in files {
+        let parts: Vec<&str> = name.split('/').collect();
+        let mut parent = Vec::new();
+        for part in &parts[..parts.len() - 1] {
+            if !parent.is_empty() {
+                parent.push(b'/');
+            }
+            parent.extend_from_slice(part.as_bytes());
+            if walked.dirs.insert(parent.clone()) {
+                writer.entry_with(Entry::new(&parent, S_IFDIR | 0o755), &[])?;
+            }
+        }
+        let mut file = std::fs::File::open(source)?;
+        let meta = file.metadata()?;
+        if meta.mode() & S_IFMT != S_IFREG {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a file", source.display()),
+            ));
+        }
+        writer.entry(
+            &Entry {
+                mode: meta.mode(),
+                uid: meta.uid(),
+                gid: meta.gid(),
+                size: meta.len(),
+                ..Entry::new(name.as_bytes(), 0)
+            },
+            &mut file,
+        )?;
+    }
     writer.finish()
 }
 
-fn walk<W: Write>(dir: &Path, prefix: &mut Vec<u8>, writer: &mut Writer<W>) -> io::Result<()> {
+/// What a walk leaves out, and the directories it archived.
+struct Walked {
+    skip: std::collections::HashSet<Vec<u8>>,
+    dirs: std::collections::HashSet<Vec<u8>>,
+}
+
+fn walk<W: Write>(
+    dir: &Path,
+    prefix: &mut Vec<u8>,
+    writer: &mut Writer<W>,
+    walked: &mut Walked,
+) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::MetadataExt;
     let mut names: Vec<_> = std::fs::read_dir(dir)?
@@ -163,6 +225,10 @@ fn walk<W: Write>(dir: &Path, prefix: &mut Vec<u8>, writer: &mut Writer<W>) -> i
             prefix.push(b'/');
         }
         prefix.extend_from_slice(name.as_bytes());
+        if walked.skip.contains(prefix.as_slice()) {
+            prefix.truncate(len);
+            continue;
+        }
         let entry = Entry {
             name: prefix,
             mode: meta.mode(),
@@ -174,7 +240,8 @@ fn walk<W: Write>(dir: &Path, prefix: &mut Vec<u8>, writer: &mut Writer<W>) -> i
         match meta.mode() & S_IFMT {
             S_IFDIR => {
                 writer.entry_with(entry, &[])?;
-                walk(&path, prefix, writer)?;
+                walked.dirs.insert(prefix.clone());
+                walk(&path, prefix, writer, walked)?;
             }
             S_IFREG => {
                 let mut file = std::fs::File::open(&path)?;
@@ -201,6 +268,64 @@ fn walk<W: Write>(dir: &Path, prefix: &mut Vec<u8>, writer: &mut Writer<W>) -> i
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The names and data of a newc archive's entries.
+    fn entries(mut bytes: &[u8]) -> Vec<(String, u32, Vec<u8>)> {
+        let hex =
+            |b: &[u8]| u32::from_str_radix(std::str::from_utf8(b).expect("hex"), 16).expect("hex");
+        let mut out = Vec::new();
+        let pad = |n: usize| (4 - n % 4) % 4;
+        loop {
+            let (mode, size, namesize) = (
+                hex(&bytes[14..22]),
+                hex(&bytes[54..62]) as usize,
+                hex(&bytes[94..102]) as usize,
+            );
+            let name = String::from_utf8_lossy(&bytes[110..110 + namesize - 1]).into_owned();
+            let data_at = 110 + namesize + pad(110 + namesize);
+            if name == "TRAILER!!!" {
+                return out;
+            }
+            out.push((name, mode, bytes[data_at..data_at + size].to_vec()));
+            bytes = &bytes[data_at + size + pad(size)..];
+        }
+    }
+
+    #[test]
+    fn a_tree_with_files_put_in_replaces_and_adds_them() {
+        let dir = std::env::temp_dir().join(format!("husk-cpio-with-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("tree/etc")).expect("tree");
+        std::fs::write(dir.join("tree/etc/hosts"), "the image's").expect("file");
+        std::fs::write(dir.join("tree/etc/passwd"), "kept").expect("file");
+        std::fs::write(dir.join("hosts"), "the pod's").expect("file");
+        std::fs::write(dir.join("log"), "").expect("file");
+        let archive = write_tree_with(
+            &dir.join("tree"),
+            &[
+                ("etc/hosts".into(), dir.join("hosts")),
+                ("dev/termination-log".into(), dir.join("log")),
+            ],
+            Vec::new(),
+        )
+        .expect("archive");
+        let got: Vec<(String, Vec<u8>)> = entries(&archive)
+            .into_iter()
+            .map(|(name, _, data)| (name, data))
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+
+        assert_eq!(
+            got,
+            [
+                ("etc".to_owned(), vec![]),
+                ("etc/passwd".to_owned(), b"kept".to_vec()),
+                ("etc/hosts".to_owned(), b"the pod's".to_vec()),
+                ("dev".to_owned(), vec![]),
+                ("dev/termination-log".to_owned(), vec![]),
+            ]
+        );
+    }
 
     #[test]
     fn entries_are_aligned_and_terminated() {

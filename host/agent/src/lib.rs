@@ -799,8 +799,15 @@ impl AgentClient {
     }
 
     /// Copies the host tree `tree` (owners, modes, links) to the new guest
-    /// directory `dir`, as a cpio stream; returns the stream's size.
-    pub fn unpack(&mut self, dir: &str, tree: &std::path::Path) -> Result<u64, ClientError> {
+    /// directory `dir`, as a cpio stream, with host `files` put in at their
+    /// names (see [`husk_protocol::cpio::write_tree_with`]); returns the
+    /// stream's size.
+    pub fn unpack(
+        &mut self,
+        dir: &str,
+        tree: &std::path::Path,
+        files: &[(String, std::path::PathBuf)],
+    ) -> Result<u64, ClientError> {
         let id = self.send(Body::Unpack {
             dir: dir.to_owned(),
         })?;
@@ -809,7 +816,7 @@ impl AgentClient {
             id,
             buf: Vec::with_capacity(FILE_CHUNK),
         };
-        husk_protocol::cpio::write_tree(tree, chunks)?;
+        husk_protocol::cpio::write_tree_with(tree, files, chunks)?;
         self.sender.send_as(id, Body::FileCommit)?;
         match self.reply(id)? {
             Body::Written { size } => Ok(size),

@@ -101,6 +101,58 @@ pub struct Bundle {
     pub vcpus: Option<u8>,
     /// Its place in a pod, when the CRI runs it.
     pub pod: Option<Pod>,
+    /// The spec's bind mounts of single files (the CRI's `/etc/hosts`,
+    /// `/etc/resolv.conf`, `/etc/hostname`), as (name in the root, host
+    /// file): a pod's container gets copies as it is created.
+    pub files: Vec<(String, PathBuf)>,
+}
+
+/// Largest file a bind mount brings into a pod's container.
+const MAX_MOUNTED_FILE: u64 = 1 << 20;
+
+/// The spec's bind mounts of regular files of at most [`MAX_MOUNTED_FILE`]
+/// bytes, named relative to the root; what the guest provides (`/proc`,
+/// `/dev`, `/sys`) is left out. Directory mounts (volumes) are not carried:
+/// logged.
+fn file_mounts(spec: &Spec) -> Vec<(String, PathBuf)> {
+    let mut files = Vec::new();
+    for m in spec.mounts().as_deref().unwrap_or_default() {
+        let bind = m.typ().as_deref() == Some("bind")
+            || m.options()
+                .as_deref()
+                .unwrap_or_default()
+                .iter()
+                .any(|o| o == "bind" || o == "rbind");
+        let Some(source) = m.source().as_ref().filter(|_| bind) else {
+            continue;
+        };
+        let parts: Option<Vec<&str>> = m
+            .destination()
+            .components()
+            .filter(|c| *c != Component::RootDir)
+            .map(|c| match c {
+                Component::Normal(p) => p.to_str(),
+                _ => None,
+            })
+            .collect();
+        let Some(parts) = parts.filter(|p| !p.is_empty()) else {
+            continue;
+        };
+        if ["proc", "dev", "sys"].contains(&parts[0]) {
+            continue;
+        }
+        match std::fs::metadata(source) {
+            Ok(meta) if meta.is_file() && meta.len() <= MAX_MOUNTED_FILE => {
+                files.push((parts.join("/"), source.clone()));
+            }
+            _ => tracing::warn!(
+                source = %source.display(),
+                destination = %m.destination().display(),
+                "a bind mount that is not a file of at most 1 MiB is not carried into the pod's VM"
+            ),
+        }
+    }
+    files
 }
 
 impl Bundle {
@@ -174,6 +226,11 @@ impl Bundle {
             source,
             mem_mib,
             vcpus: vcpus.filter(|_| sizes_a_vm),
+            files: if matches!(pod, Some(Pod::Container { .. })) {
+                file_mounts(&spec)
+            } else {
+                Vec::new()
+            },
             pod,
         })
     }

@@ -209,13 +209,18 @@ fn destroy_labelled(
 }
 
 /// Removes the socket a shim that died served on (the `address` file in
-/// its bundle names it).
+/// its bundle names it), unless a shim serves it: containerd runs `delete`
+/// in the bundle of every task it deletes, and a pod's containers share
+/// the pod's shim and socket (removing it would make the pod's next
+/// container start a shim that does not know the pod).
 fn remove_socket(bundle: &Path) {
     let Ok(address) = std::fs::read_to_string(bundle.join("address")) else {
         return;
     };
     if let Some(path) = address.trim().strip_prefix("unix://") {
-        let _ = std::fs::remove_file(path);
+        if std::os::unix::net::UnixStream::connect(path).is_err() {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -549,7 +554,7 @@ impl Inner {
         let root = container_root(&dir);
         let started = std::time::Instant::now();
         let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
-            .and_then(|mut agent| agent.unpack(&root, rootfs))?;
+            .and_then(|mut agent| agent.unpack(&root, rootfs, &bundle.files))?;
         tracing::info!(
             task = %req.id, pod = %sandbox, bytes = size,
             ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
