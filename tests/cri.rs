@@ -24,7 +24,8 @@ use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     ContainerState, ContainerStatsRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
-    RemoveContainerRequest, StopContainerRequest, VersionRequest,
+    LinuxContainerResources, NamespaceMode, RemoveContainerRequest, StopContainerRequest,
+    VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
@@ -194,6 +195,92 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             expected.join("@\n"),
             "{files:?}"
         );
+
+        // A container with a PID namespace of its own (Kubernetes'
+        // default; the two above share the pod's, as with
+        // shareProcessNamespace) and a memory limit.
+        let mut loner = container_config("loner", &["/bin/sleep", "100000"]);
+        if let Some(linux) = loner.linux.as_mut() {
+            if let Some(ns) = linux
+                .security_context
+                .as_mut()
+                .and_then(|c| c.namespace_options.as_mut())
+            {
+                ns.pid = NamespaceMode::Container as i32;
+            }
+            linux.resources = Some(LinuxContainerResources {
+                memory_limit_in_bytes: 8 << 20,
+                ..Default::default()
+            });
+        }
+        let loner = start_container(&mut runtime, (&pod, &config), loner).await;
+        let processes =
+            "for p in /proc/[0-9]*; do echo \"${p#/proc/} $(tr '\\0' ' ' < $p/cmdline)\"; done";
+        let seen_alone = runtime
+            .exec_sync(exec(&loner, &["sh", "-c", processes]))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        let seen_shared = runtime
+            .exec_sync(exec(&client, &["sh", "-c", processes]))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        let alone = String::from_utf8_lossy(&seen_alone.stdout).into_owned();
+        let shared = String::from_utf8_lossy(&seen_shared.stdout).into_owned();
+        assert!(
+            alone.lines().any(|l| l.trim() == "1 /bin/sleep 100000"),
+            "{alone}"
+        );
+        assert!(
+            !alone.contains("httpd"),
+            "the loner sees the pod's processes: {alone}"
+        );
+        assert!(
+            shared.contains("httpd"),
+            "the shared namespace lacks the server: {shared}"
+        );
+        // Its memory limit is its cgroup's in the pod's VM, and holds: a
+        // program that takes more is killed.
+        let vm = husk_sandboxes(&ctrd).pop().expect("the pod's VM");
+        let limit = ctrd.husk(&[
+            "exec",
+            &vm,
+            "--",
+            "/bin/sh",
+            "-c",
+            "cat /sys/fs/cgroup/sandbox/c*/memory.max",
+        ]);
+        assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), "8388608");
+        let hog = runtime
+            .exec_sync(exec(
+                &loner,
+                &[
+                    "sh",
+                    "-c",
+                    // 32 MiB in the shell's memory (no pipe: the guest
+                    // kernel's copies are slow here).
+                    "x=a; for i in $(seq 25); do x=$x$x; done; echo survived",
+                ],
+            ))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(hog.exit_code, 137, "{hog:?}");
+        assert!(!String::from_utf8_lossy(&hog.stdout).contains("survived"));
+        runtime
+            .stop_container(StopContainerRequest {
+                container_id: loner.clone(),
+                timeout: 2,
+            })
+            .await
+            .expect("StopContainer");
+        runtime
+            .remove_container(RemoveContainerRequest {
+                container_id: loner.clone(),
+            })
+            .await
+            .expect("RemoveContainer");
 
         // The client restarts as the kubelet restarts a container (a new
         // one of the same name); the server runs on untouched.

@@ -264,7 +264,24 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         Body::MkdirAs { path, user } => return Some(crate::files::mkdir_as(id, &path, user)),
         Body::Chown { path, user } => return Some(crate::files::chown(id, &path, user)),
         Body::Remove { path, recursive } => {
-            return Some(crate::files::remove(id, &path, recursive))
+            // A container's tree goes with its declaration.
+            crate::container::forget(&path);
+            return Some(crate::files::remove(id, &path, recursive));
+        }
+        Body::Container {
+            root,
+            memory_max,
+            own_pids,
+        } => {
+            if let Err(e) = crate::container::declare(&root, memory_max, own_pids) {
+                let kind = match e.kind() {
+                    std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
+                    std::io::ErrorKind::AlreadyExists => ErrorKind::Conflict,
+                    _ => ErrorKind::Internal,
+                };
+                return Some(error(id, kind, format!("container at {root}: {e}")));
+            }
+            Body::Done
         }
         Body::Rename { from, to } => return Some(crate::files::rename(id, &from, &to)),
         Body::Signal { pid, signal } => return Some(crate::exec::signal(id, pid, signal)),

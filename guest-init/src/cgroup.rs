@@ -24,6 +24,10 @@ const SANDBOX: &str = "/sys/fs/cgroup/sandbox";
 const PIDS_PARAM: &str = "husk.pids_max=";
 
 static READY: AtomicBool = AtomicBool::new(false);
+/// Whether the sandbox cgroup's children have the cpu controller, and the
+/// guest the memory controller.
+static CPU: AtomicBool = AtomicBool::new(false);
+static MEMORY: AtomicBool = AtomicBool::new(false);
 static NEXT: AtomicU64 = AtomicU64::new(1);
 /// Cgroups that still had processes when their program was collected;
 /// removal is retried when the next one is created.
@@ -43,10 +47,13 @@ pub fn setup(cmdline: &str) -> io::Result<u64> {
         "favordynmods",
     )?;
     std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+pids")?;
-    let cpu = std::fs::read_to_string(format!("{ROOT}/cgroup.controllers"))?
-        .split_whitespace()
-        .any(|c| c == "cpu")
-        && std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+cpu").is_ok();
+    let controllers = std::fs::read_to_string(format!("{ROOT}/cgroup.controllers"))?;
+    let has = |name: &str| controllers.split_whitespace().any(|c| c == name);
+    let cpu =
+        has("cpu") && std::fs::write(format!("{ROOT}/cgroup.subtree_control"), "+cpu").is_ok();
+    // Enabled by the first container with a memory limit: until then no
+    // program pays for a memory cgroup of its own.
+    MEMORY.store(has("memory"), Ordering::SeqCst);
     match std::fs::create_dir(SANDBOX) {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
         _ => {}
@@ -73,6 +80,7 @@ pub fn setup(cmdline: &str) -> io::Result<u64> {
     // program either.
     if cpu {
         std::fs::write(format!("{SANDBOX}/cgroup.subtree_control"), "+cpu")?;
+        CPU.store(true, Ordering::SeqCst);
     }
     READY.store(true, Ordering::SeqCst);
     Ok(limit)
@@ -123,10 +131,61 @@ pub struct Cgroup {
     pub procs: CString,
 }
 
+/// A container's cgroup: its programs' cgroups go below it, and its
+/// `memory.max` bounds them together.
+#[derive(Debug)]
+pub struct Group {
+    path: String,
+}
+
+impl Group {
+    /// A new container cgroup whose programs together may use at most
+    /// `memory_max` bytes.
+    pub fn create(memory_max: u64) -> io::Result<Group> {
+        if !READY.load(Ordering::SeqCst) || !MEMORY.load(Ordering::SeqCst) {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "this guest has no memory cgroup controller (a template built with an older \
+                 husk kernel): rebuild the template, or run the container without a memory limit",
+            ));
+        }
+        for parent in [ROOT, SANDBOX] {
+            std::fs::write(format!("{parent}/cgroup.subtree_control"), "+memory")?;
+        }
+        let path = format!("{SANDBOX}/c{}", NEXT.fetch_add(1, Ordering::SeqCst));
+        std::fs::create_dir(&path)?;
+        let group = Group { path };
+        std::fs::write(format!("{}/memory.max", group.path), memory_max.to_string())?;
+        std::fs::write(format!("{}/cgroup.subtree_control", group.path), "+pids")?;
+        if CPU.load(Ordering::SeqCst) {
+            std::fs::write(format!("{}/cgroup.subtree_control", group.path), "+cpu")?;
+        }
+        Ok(group)
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // Its programs' cgroups may still be there: retried after theirs
+        // (STALE is retried in order).
+        if std::fs::remove_dir(&self.path).is_err() {
+            STALE
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(std::mem::take(&mut self.path));
+        }
+    }
+}
+
 impl Cgroup {
-    /// Creates a fresh cgroup, with its own pids limit if asked. `None` when
-    /// the guest has no cgroup support (then only process groups are used).
-    pub fn create(pids_max: Option<u32>) -> io::Result<Option<Cgroup>> {
+    /// Creates a fresh cgroup (below `parent`, a container's, or the
+    /// sandbox's), with its own pids limit if asked. `None` when the guest
+    /// has no cgroup support (then only process groups are used).
+    pub fn create(pids_max: Option<u32>, parent: Option<&str>) -> io::Result<Option<Cgroup>> {
         if !READY.load(Ordering::SeqCst) {
             return Ok(None);
         }
@@ -134,7 +193,11 @@ impl Cgroup {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|p| std::fs::remove_dir(p).is_err());
-        let path = format!("{SANDBOX}/p{}", NEXT.fetch_add(1, Ordering::SeqCst));
+        let path = format!(
+            "{}/p{}",
+            parent.unwrap_or(SANDBOX),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
         std::fs::create_dir(&path)?;
         let cgroup = Cgroup {
             procs: crate::cstring(&format!("{path}/cgroup.procs"))?,

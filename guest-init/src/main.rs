@@ -24,6 +24,7 @@
 mod agent;
 mod cgroup;
 mod conn;
+mod container;
 mod egress;
 mod exec;
 mod files;

@@ -21,6 +21,7 @@ use husk_protocol::{
 };
 
 use crate::cgroup::Cgroup;
+use crate::container::PidNs;
 use crate::reaper;
 
 const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
@@ -285,9 +286,27 @@ pub fn start(req: &ExecRequest, root: Option<&str>) -> Result<Arc<Process>, Star
     if !make_room() {
         return Err(StartError::Full);
     }
-    let root = root.map(Root::new).transpose().map_err(StartError::Io)?;
-    let cgroup = Cgroup::create(req.pids_max).map_err(StartError::Io)?;
-    let spawned = spawn(req, cgroup.as_ref(), root.as_ref()).map_err(StartError::Io)?;
+    let (spawned, cgroup) = match root {
+        None => {
+            let cgroup = Cgroup::create(req.pids_max, None).map_err(StartError::Io)?;
+            let spawned = spawn(req, cgroup.as_ref(), None, &PidNs::Own);
+            (spawned.map_err(StartError::Io)?, cgroup)
+        }
+        // A container's program: in its PID namespace and cgroup.
+        Some(dir) => {
+            let root = Root::new(dir).map_err(StartError::Io)?;
+            let mut made = None;
+            crate::container::start(dir, |parent, ns| {
+                let cgroup = Cgroup::create(req.pids_max, parent)?;
+                let spawned = spawn(req, cgroup.as_ref(), Some(&root), &ns)?;
+                let pid = spawned.pid;
+                made = Some((spawned, cgroup));
+                Ok(pid)
+            })
+            .map_err(StartError::Io)?;
+            made.ok_or(StartError::Io(IoErrorKind::Other.into()))?
+        }
+    };
     let (stdin_tx, stdin_rx) = mpsc::sync_channel::<Vec<u8>>(STDIN_QUEUE);
     let process = Arc::new(Process {
         pid: spawned.pid,
@@ -362,6 +381,7 @@ fn wait_for_exit(p: &Process, deadline: Option<Instant>) {
             (exit, true)
         }
     };
+    crate::container::reaped(p.pid);
     // A child left behind may hold the output open: it gets a short grace.
     // Without one, the output is complete at the pipes' end, however slowly
     // this guest runs.
@@ -479,6 +499,7 @@ fn spawn(
     req: &ExecRequest,
     cgroup: Option<&Cgroup>,
     root: Option<&Root>,
+    ns: &PidNs<'_>,
 ) -> std::io::Result<Spawned> {
     let Some(program) = req.argv.first() else {
         return Err(IoErrorKind::InvalidInput.into());
@@ -568,7 +589,7 @@ fn spawn(
         pty,
         (&candidates, &argv_ptrs, &envp_ptrs, &cwd),
         req,
-        (cgroup, root),
+        (cgroup, root, ns),
     )
 }
 
@@ -704,7 +725,7 @@ fn finish_spawn(
     pty: Option<File>,
     (candidates, argv_ptrs, envp_ptrs, cwd): ExecArgs<'_>,
     req: &ExecRequest,
-    (cgroup, root): (Option<&Cgroup>, Option<&Root>),
+    (cgroup, root, ns): (Option<&Cgroup>, Option<&Root>, &PidNs<'_>),
 ) -> std::io::Result<Spawned> {
     let (exec_r, exec_w) = pipe()?;
     let fds: [libc::c_int; 3] = match child_io {
@@ -723,10 +744,7 @@ fn finish_spawn(
     let (pid, ()) = reaper::spawn_watched(|| {
         // SAFETY: after fork the child only makes async-signal-safe calls on
         // memory prepared before the fork, then execs or _exits.
-        let pid = unsafe { libc::fork() };
-        if pid < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let pid = unsafe { crate::container::fork_in(ns)? };
         if pid == 0 {
             // SAFETY: see above.
             unsafe {
@@ -736,7 +754,7 @@ fn finish_spawn(
                 )
             }
         }
-        Ok((pid, ()))
+        Ok::<_, std::io::Error>((pid, ()))
     })?;
     drop(exec_w);
     let mut exec_r = exec_r;

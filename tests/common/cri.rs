@@ -43,7 +43,7 @@ pub async fn connect(socket: PathBuf) -> Channel {
 pub fn images() -> (Vec<u8>, Vec<u8>) {
     let busybox = std::fs::read("/bin/busybox").expect("/bin/busybox (busybox-static)");
     let applets = [
-        "sh", "cat", "echo", "sleep", "mkdir", "httpd", "wget", "hostname", "ls", "id",
+        "sh", "cat", "echo", "sleep", "mkdir", "httpd", "wget", "hostname", "ls", "id", "tr", "seq",
     ];
     let links: Vec<String> = applets.iter().map(|a| format!("bin/{a}")).collect();
     let mut tree: Vec<oci::LayerEntry<'_>> = vec![

@@ -61,7 +61,8 @@
 //! | `KillAll` | host → guest | SIGKILL everything started in the sandbox (every program and what it left behind); the agent and PID 1 stay |
 //! | `KilledAll { tasks }` | guest → host | reply to `KillAll`, once they are gone: how many tasks (processes and threads) there were |
 //! | `Unpack { dir }` | host → guest | lay out a tree (a newc cpio archive in `FileChunk`s, then `FileCommit`) under the new directory `dir`; `Written` |
-//! | `ExecIn { root, request }` | host → guest | `Exec` with `root` as the program's `/`, in a mount namespace of its own: a container of a pod |
+//! | `ExecIn { root, request }` | host → guest | `Exec` with `root` as the program's `/`, in a mount namespace of its own (and its container's PID namespace, if it has one): a container of a pod |
+//! | `Container { root, memory_max, own_pids }` | host → guest | declares the container at `root` before its first `ExecIn`: the memory its programs may use together, whether they have a PID namespace of their own |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 //!
@@ -282,6 +283,16 @@ pub enum Body {
     ExecIn {
         root: String,
         request: ExecRequest,
+    },
+    /// Declares the container whose root is `root` before its first
+    /// `ExecIn`: its programs together may use at most `memory_max` bytes
+    /// (a cgroup of its own); with `own_pids`, they are in a PID namespace
+    /// of their own, which its first program makes (else in the guest's,
+    /// shared with the pod's other containers). `Done`.
+    Container {
+        root: String,
+        memory_max: Option<u64>,
+        own_pids: bool,
     },
 }
 

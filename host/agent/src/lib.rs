@@ -824,6 +824,25 @@ impl AgentClient {
         }
     }
 
+    /// Declares the container rooted at guest directory `root` before its
+    /// first program: its programs together may use at most `memory_max`
+    /// bytes; with `own_pids` they have a PID namespace of their own.
+    pub fn container(
+        &mut self,
+        root: &str,
+        memory_max: Option<u64>,
+        own_pids: bool,
+    ) -> Result<(), ClientError> {
+        match self.call(Body::Container {
+            root: root.to_owned(),
+            memory_max,
+            own_pids,
+        })? {
+            Body::Done => Ok(()),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Streams the guest file `path` into `sink`; returns its size.
     pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
         let id = self.send(Body::ReadFile {

@@ -101,6 +101,12 @@ pub struct Bundle {
     pub vcpus: Option<u8>,
     /// Its place in a pod, when the CRI runs it.
     pub pod: Option<Pod>,
+    /// A pod container's memory limit, in bytes (a cgroup in the pod's
+    /// VM).
+    pub container_memory: Option<u64>,
+    /// Whether a pod container has a PID namespace of its own (the spec
+    /// asks for a new one: Kubernetes' default), rather than the pod's.
+    pub own_pids: bool,
     /// The spec's bind mounts of single files (the CRI's `/etc/hosts`,
     /// `/etc/resolv.conf`, `/etc/hostname`), as (name in the root, host
     /// file): a pod's container gets copies as it is created.
@@ -208,11 +214,13 @@ impl Bundle {
         // A pod's container runs in the pod's VM: its limits do not size
         // one.
         let sizes_a_vm = !matches!(pod, Some(Pod::Container { .. }));
-        let mem_mib = resources
+        let memory_limit = resources
             .as_ref()
             .and_then(|r| r.memory().as_ref())
             .and_then(|m| m.limit())
-            .filter(|l| *l > 0 && sizes_a_vm)
+            .filter(|l| *l > 0);
+        let mem_mib = memory_limit
+            .filter(|_| sizes_a_vm)
             .map(mem_mib_for)
             .transpose()?;
         let vcpus = resources
@@ -226,6 +234,18 @@ impl Bundle {
             source,
             mem_mib,
             vcpus: vcpus.filter(|_| sizes_a_vm),
+            own_pids: !sizes_a_vm
+                && spec
+                    .linux()
+                    .as_ref()
+                    .and_then(|l| l.namespaces().as_ref())
+                    .is_some_and(|n| {
+                        n.iter().any(|ns| {
+                            ns.typ() == oci_spec::runtime::LinuxNamespaceType::Pid
+                                && ns.path().is_none()
+                        })
+                    }),
+            container_memory: memory_limit.filter(|_| !sizes_a_vm).map(|l| l as u64),
             files: if matches!(pod, Some(Pod::Container { .. })) {
                 file_mounts(&spec)
             } else {

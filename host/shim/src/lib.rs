@@ -554,7 +554,19 @@ impl Inner {
         let root = container_root(&dir);
         let started = std::time::Instant::now();
         let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
-            .and_then(|mut agent| agent.unpack(&root, rootfs, &bundle.files))?;
+            .and_then(|mut agent| {
+                let size = agent.unpack(&root, rootfs, &bundle.files)?;
+                // Its memory limit (a cgroup of its own in the pod's VM) and
+                // its PID namespace.
+                if bundle.container_memory.is_some() || bundle.own_pids {
+                    let declared = agent.container(&root, bundle.container_memory, bundle.own_pids);
+                    if let Err(e) = declared {
+                        let _ = agent.remove(&dir, true);
+                        return Err(e);
+                    }
+                }
+                Ok(size)
+            })?;
         tracing::info!(
             task = %req.id, pod = %sandbox, bytes = size,
             ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
