@@ -390,7 +390,45 @@ fn files_round_trip_atomically_and_directories_can_be_managed() {
         .arg(&back_file)
         .status()
         .expect("husk cp out");
+    // User extended attributes (E2B's file metadata), on the guest's
+    // tmpfs (its root file system is one too).
+    client
+        .write_file("/tmp/attrs", 0o644, &b"a"[..])
+        .expect("write");
+    let pair = |k: &str, v: &str| (k.to_owned(), v.to_owned());
+    let mut set = client
+        .user_attrs(
+            "/tmp/attrs",
+            &[pair("e2b.owner", "alice"), pair("other", "x")],
+        )
+        .expect("set attributes");
+    set.sort();
+    let mut read_back = client
+        .user_attrs("/tmp/attrs", &[])
+        .expect("read attributes");
+    read_back.sort();
+    client
+        .write_file("/attrs-on-root", 0o644, &b"b"[..])
+        .expect("write on the root");
+    let on_root = client.user_attrs("/attrs-on-root", &[pair("k", "v")]);
+    let in_dir = client
+        .dir_user_attrs("/tmp")
+        .expect("a directory's attributes");
+    let no_file = client.user_attrs("/tmp/nope", &[pair("k", "v")]);
+    client
+        .exec(sh("ln -s /tmp/attrs /tmp/attrs-link"))
+        .expect("ln");
+    let on_link = client.user_attrs("/tmp/attrs-link", &[pair("k", "v")]);
     let after = client.ping();
+
+    assert_eq!(set, [pair("e2b.owner", "alice"), pair("other", "x")]);
+    assert_eq!(read_back, set);
+    assert_eq!(on_root.expect("attributes on the root"), [pair("k", "v")]);
+    let listed: Vec<&str> = in_dir.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(listed, ["attrs"], "{in_dir:?}");
+    assert_eq!(kind(no_file), ErrorKind::NotFound);
+    // The kernel allows user attributes on files and directories only.
+    assert_eq!(kind(on_link), ErrorKind::PermissionDenied);
 
     assert_eq!(written, content.len() as u64);
     assert_eq!(read, content.len() as u64);

@@ -24,7 +24,7 @@ use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     ContainerState, ContainerStatsRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
-    LinuxContainerResources, NamespaceMode, RemoveContainerRequest, StopContainerRequest,
+    LinuxContainerResources, Mount, NamespaceMode, RemoveContainerRequest, StopContainerRequest,
     VersionRequest,
 };
 
@@ -213,7 +213,48 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 ..Default::default()
             });
         }
+        // A volume (a host directory, as the kubelet's emptyDir or
+        // configMap): the loner writes to it, the client (below) reads it.
+        let volume = ctrd.dir.join("volume");
+        std::fs::create_dir_all(volume.join("sub")).expect("volume");
+        std::fs::write(volume.join("sub/seed.txt"), "seeded\n").expect("volume file");
+        let mount = |at: &str, readonly: bool| Mount {
+            container_path: at.into(),
+            host_path: volume.to_string_lossy().into_owned(),
+            readonly,
+            ..Default::default()
+        };
+        loner.mounts = vec![mount("/data", false), mount("/escape/volume", true)];
         let loner = start_container(&mut runtime, (&pod, &config), loner).await;
+        let wrote = runtime
+            .exec_sync(exec(
+                &loner,
+                &[
+                    "sh",
+                    "-c",
+                    "cat /data/sub/seed.txt /etc/volume/sub/seed.txt && \
+                     echo from-the-loner > /data/note",
+                ],
+            ))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(
+            (
+                wrote.exit_code,
+                String::from_utf8_lossy(&wrote.stdout).as_ref()
+            ),
+            (0, "seeded\nseeded\n"),
+            "{wrote:?}"
+        );
+        // The link was followed inside the container's root, not the VM's.
+        let vm = husk_sandboxes(&ctrd).pop().expect("the pod's VM");
+        let outside = ctrd.husk_output(&["exec", &vm, "--", "/bin/sh", "-c", "ls /etc/volume"]);
+        assert!(
+            !outside.status.success()
+                && String::from_utf8_lossy(&outside.stderr).contains("No such file"),
+            "a volume was bound outside the root: {outside:?}"
+        );
         let processes =
             "for p in /proc/[0-9]*; do echo \"${p#/proc/} $(tr '\\0' ' ' < $p/cmdline)\"; done";
         let seen_alone = runtime
@@ -240,9 +281,9 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             shared.contains("httpd"),
             "the shared namespace lacks the server: {shared}"
         );
-        // Its memory limit is its cgroup's in the pod's VM, and holds: a
-        // program that takes more is killed.
-        let vm = husk_sandboxes(&ctrd).pop().expect("the pod's VM");
+        // Its memory limit is its cgroup's in the pod's VM (each of the
+        // three containers has one; the other two are unbounded), and
+        // holds: a program that takes more is killed.
         let limit = ctrd.husk(&[
             "exec",
             &vm,
@@ -251,7 +292,12 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             "-c",
             "cat /sys/fs/cgroup/sandbox/c*/memory.max",
         ]);
-        assert_eq!(String::from_utf8_lossy(&limit.stdout).trim(), "8388608");
+        let mut limits: Vec<String> = String::from_utf8_lossy(&limit.stdout)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        limits.sort();
+        assert_eq!(limits, ["8388608", "max", "max"]);
         let hog = runtime
             .exec_sync(exec(
                 &loner,
@@ -268,6 +314,30 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             .into_inner();
         assert_eq!(hog.exit_code, 137, "{hog:?}");
         assert!(!String::from_utf8_lossy(&hog.stdout).contains("survived"));
+        // Its stats are its own cgroup's in the pod's VM: within its
+        // limit, with the CPU time the hog spent.
+        let stats = runtime
+            .container_stats(ContainerStatsRequest {
+                container_id: loner.clone(),
+            })
+            .await
+            .expect("ContainerStats")
+            .into_inner()
+            .stats
+            .expect("the loner's stats");
+        let memory = stats
+            .memory
+            .and_then(|m| m.working_set_bytes)
+            .map(|v| v.value);
+        let cpu = stats
+            .cpu
+            .and_then(|c| c.usage_core_nano_seconds)
+            .map(|v| v.value);
+        assert!(
+            memory.is_some_and(|m| m > 0 && m <= 8 << 20),
+            "the loner's memory: {memory:?}"
+        );
+        assert!(cpu.is_some_and(|c| c > 0), "the loner's CPU time: {cpu:?}");
         runtime
             .stop_container(StopContainerRequest {
                 container_id: loner.clone(),
@@ -302,7 +372,32 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         if let Some(m) = again.metadata.as_mut() {
             m.attempt = 1;
         }
+        again.mounts = vec![mount("/shared", true)];
         let client = start_container(&mut runtime, (&pod, &config), again).await;
+        // The volume is the pod's: what the loner wrote outlived its
+        // removal, and comes read-only here.
+        let read = runtime
+            .exec_sync(exec(
+                &client,
+                &[
+                    "sh",
+                    "-c",
+                    "cat /shared/sub/seed.txt /shared/note; echo x > /shared/other",
+                ],
+            ))
+            .await
+            .expect("ExecSync")
+            .into_inner();
+        assert_eq!(
+            String::from_utf8_lossy(&read.stdout),
+            "seeded\nfrom-the-loner\n",
+            "{read:?}"
+        );
+        assert_ne!(read.exit_code, 0, "a read-only volume took a write");
+        assert!(
+            String::from_utf8_lossy(&read.stderr).contains("Read-only"),
+            "{read:?}"
+        );
         let refetched = runtime
             .exec_sync(exec(
                 &client,

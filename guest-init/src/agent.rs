@@ -268,6 +268,25 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             crate::container::forget(&path);
             return Some(crate::files::remove(id, &path, recursive));
         }
+        Body::ContainerStats { root } => match crate::container::usage(&root) {
+            Ok(usage) => Body::ContainerUsage(usage),
+            Err(e) => {
+                let message = format!("the container at {root}: {e}");
+                return Some(error(id, crate::files::kind_of(&e), message));
+            }
+        },
+        Body::Mount {
+            root,
+            source,
+            target,
+            readonly,
+        } => {
+            if let Err(e) = crate::container::bind(&root, &source, &target, readonly) {
+                let message = format!("binding {source} at {target} in {root}: {e}");
+                return Some(error(id, crate::files::kind_of(&e), message));
+            }
+            Body::Done
+        }
         Body::Container {
             root,
             memory_max,
@@ -284,6 +303,9 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             Body::Done
         }
         Body::Rename { from, to } => return Some(crate::files::rename(id, &from, &to)),
+        Body::UserAttrs { path, set } => {
+            return Some(crate::files::set_user_attrs(id, &path, &set))
+        }
         Body::Signal { pid, signal } => return Some(crate::exec::signal(id, pid, signal)),
         Body::Processes => return Some(crate::exec::processes(id)),
         body @ (Body::Stdin { .. } | Body::StdinClose { .. } | Body::Resize { .. }) => {
@@ -307,6 +329,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         | Body::Wait { .. }
         | Body::ReadFile { .. }
         | Body::List { .. }
+        | Body::DirUserAttrs { .. }
         | Body::Watch { .. }
         | Body::KillAll) => return spawn_long(id, body, conn),
         other => {
@@ -380,6 +403,7 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
                 Body::ReadFile { path } => crate::files::read(id, &path, &conn),
                 Body::List { path } => crate::files::list(id, &path, &conn),
+                Body::DirUserAttrs { path } => crate::files::dir_user_attrs(id, &path),
                 Body::KillAll => kill_all(id),
                 Body::Watch { path, recursive } => {
                     let cancel = cancel.expect("a watch has a cancel handle");

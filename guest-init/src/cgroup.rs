@@ -131,8 +131,8 @@ pub struct Cgroup {
     pub procs: CString,
 }
 
-/// A container's cgroup: its programs' cgroups go below it, and its
-/// `memory.max` bounds them together.
+/// A container's cgroup: its programs' cgroups go below it, its
+/// `memory.max` bounds them together, and it counts what they use.
 #[derive(Debug)]
 pub struct Group {
     path: String,
@@ -140,27 +140,53 @@ pub struct Group {
 
 impl Group {
     /// A new container cgroup whose programs together may use at most
-    /// `memory_max` bytes.
-    pub fn create(memory_max: u64) -> io::Result<Group> {
-        if !READY.load(Ordering::SeqCst) || !MEMORY.load(Ordering::SeqCst) {
+    /// `memory_max` bytes (unbounded without). Where the guest has the
+    /// memory controller it is enabled (by the first container: until
+    /// then no program pays for it), so that the container's memory is
+    /// counted.
+    pub fn create(memory_max: Option<u64>) -> io::Result<Group> {
+        let memory = MEMORY.load(Ordering::SeqCst);
+        if !READY.load(Ordering::SeqCst) || (memory_max.is_some() && !memory) {
             return Err(io::Error::new(
                 io::ErrorKind::Unsupported,
                 "this guest has no memory cgroup controller (a template built with an older \
                  husk kernel): rebuild the template, or run the container without a memory limit",
             ));
         }
-        for parent in [ROOT, SANDBOX] {
-            std::fs::write(format!("{parent}/cgroup.subtree_control"), "+memory")?;
+        if memory {
+            for parent in [ROOT, SANDBOX] {
+                std::fs::write(format!("{parent}/cgroup.subtree_control"), "+memory")?;
+            }
         }
         let path = format!("{SANDBOX}/c{}", NEXT.fetch_add(1, Ordering::SeqCst));
         std::fs::create_dir(&path)?;
         let group = Group { path };
-        std::fs::write(format!("{}/memory.max", group.path), memory_max.to_string())?;
+        if let Some(max) = memory_max {
+            std::fs::write(format!("{}/memory.max", group.path), max.to_string())?;
+        }
         std::fs::write(format!("{}/cgroup.subtree_control", group.path), "+pids")?;
         if CPU.load(Ordering::SeqCst) {
             std::fs::write(format!("{}/cgroup.subtree_control", group.path), "+cpu")?;
         }
         Ok(group)
+    }
+
+    /// What its programs use now.
+    pub fn usage(&self) -> io::Result<husk_protocol::ContainerUsage> {
+        let read = |file: &str| std::fs::read_to_string(format!("{}/{file}", self.path));
+        let number = |file: &str| read(file).ok().and_then(|t| t.trim().parse::<u64>().ok());
+        let cpu_usec = read("cpu.stat")?
+            .lines()
+            .find_map(|l| l.strip_prefix("usage_usec "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0);
+        Ok(husk_protocol::ContainerUsage {
+            memory_bytes: number("memory.current"),
+            // "max" (none) does not parse.
+            memory_max: number("memory.max"),
+            cpu_usec,
+            tasks: number("pids.current").unwrap_or(0),
+        })
     }
 
     pub fn path(&self) -> &str {

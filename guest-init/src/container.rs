@@ -4,9 +4,11 @@
 //! container sees only its own processes and the end of its first program
 //! ends them all, as under runc; then the container has ended and later
 //! programs in its root are refused. One without (the pod's PID namespace
-//! shared, or none declared) runs in the guest's. A container with a
-//! memory limit gets a cgroup whose `memory.max` bounds all its programs
-//! together (each program's own cgroup is below it).
+//! shared, or none declared) runs in the guest's. A declared container
+//! has a cgroup that counts what its programs use (each program's own
+//! cgroup is below it), whose `memory.max` bounds them together when it
+//! has a memory limit. Volumes are bound into its root (`bind`) before
+//! its first program.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -34,7 +36,7 @@ struct Container {
     /// Its first program, in the agent's PID namespace.
     init: Option<libc::pid_t>,
     ended: bool,
-    /// Its cgroup, when it has a memory limit.
+    /// Its cgroup (until it ends).
     group: Option<Group>,
 }
 
@@ -68,16 +70,34 @@ pub fn declare(root: &str, memory_max: Option<u64>, own_pids: bool) -> io::Resul
             format!("a container is declared at {root} already"),
         ));
     }
-    let group = memory_max.map(Group::create).transpose()?;
+    let group = Group::create(memory_max)?;
     map.insert(
         root.to_owned(),
         Container {
             own_pids,
-            group,
+            group: Some(group),
             ..Container::default()
         },
     );
     Ok(())
+}
+
+/// What the container rooted at `root` uses now.
+pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
+    let all = containers();
+    let c = all.as_ref().and_then(|m| m.get(root)).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no container is declared at {root}"),
+        )
+    })?;
+    match &c.group {
+        Some(g) => g.usage(),
+        None => Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("the container at {root} has ended"),
+        )),
+    }
 }
 
 /// Starts a program of the container rooted at `root`: `spawn` gets the
@@ -182,13 +202,193 @@ pub fn reaped(pid: libc::pid_t) {
 }
 
 /// The tree at `dir` is removed: the containers rooted in it are
-/// forgotten.
+/// forgotten, and what is bound inside it (volumes) unbound first, so
+/// that the removal does not reach into them.
 pub fn forget(dir: &str) {
     let dir = dir.trim_end_matches('/');
+    let below = |p: &str| p.strip_prefix(dir).is_some_and(|r| r.starts_with('/'));
+    let mut points: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(unescape))
+        .filter(|p| below(p))
+        .collect();
+    // The deepest first.
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        if let Ok(c) = std::ffi::CString::new(p) {
+            // SAFETY: a NUL-terminated path.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
     let mut all = containers();
     if let Some(map) = all.as_mut() {
         map.retain(|root, _| {
             !(root == dir || root.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
         });
     }
+}
+
+/// A mount point as mountinfo writes it (space, tab, newline and
+/// backslash as octal escapes).
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match (b[i], octal) {
+            (b'\\', Some(d)) => {
+                let n = d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0'));
+                out.push(n as u8);
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Binds directory `source` at `target` inside the container root `root`,
+/// read-only with `readonly` (a pod's volume). `target` is resolved as if
+/// `root` were `/` (a link in the container's tree stays inside it) and its
+/// missing directories are made. The bind is a detached clone of `source`
+/// attached at the resolved directory (`open_tree`, `move_mount`): nothing
+/// is looked up by path after the resolution.
+pub fn bind(root: &str, source: &str, target: &str, readonly: bool) -> io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    if !std::fs::metadata(source)?.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{source} is not a directory"),
+        ));
+    }
+    let root_fd = File::open(root)?;
+    let target_fd = make_dirs_in(&root_fd, target)?;
+    let source_c = std::ffi::CString::new(source).map_err(|_| io::ErrorKind::InvalidInput)?;
+    let check = |rc: libc::c_long| {
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc)
+        }
+    };
+    // SAFETY: a NUL-terminated path; the returned descriptor is owned.
+    let tree = unsafe {
+        OwnedFd::from_raw_fd(check(libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            source_c.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as libc::c_uint,
+        ))? as libc::c_int)
+    };
+    if readonly {
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_RDONLY,
+            ..MountAttr::default()
+        };
+        // SAFETY: an owned descriptor, an empty path and a mount_attr of
+        // the size given.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                (libc::AT_EMPTY_PATH | libc::AT_RECURSIVE) as libc::c_uint,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        })?;
+    }
+    // SAFETY: owned descriptors and empty paths.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            target_fd.as_raw_fd(),
+            c"".as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    })?;
+    Ok(())
+}
+
+// From <linux/mount.h>.
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+const MOUNT_ATTR_RDONLY: u64 = 1;
+
+#[repr(C)]
+#[derive(Default)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// `struct open_how` of <linux/openat2.h>.
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Opens directory `path` below `root` as if `root` were `/`, making the
+/// directories that are missing; an `O_PATH` descriptor.
+fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let open = |at: libc::c_int, rel: &std::ffi::CStr| -> io::Result<OwnedFd> {
+        let how = OpenHow {
+            flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+            mode: 0,
+            resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+        };
+        // SAFETY: a NUL-terminated path and an open_how of the size given.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                at,
+                rel.as_ptr(),
+                &how as *const OpenHow,
+                std::mem::size_of::<OpenHow>(),
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor just opened, owned from here.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+    };
+    let mut dir = open(root.as_raw_fd(), c".")?;
+    let mut so_far = String::from(".");
+    for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
+        if part == ".." || part.contains('\0') {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{path:?}: not a plain path"),
+            ));
+        }
+        so_far = format!("{so_far}/{part}");
+        let name = std::ffi::CString::new(part).map_err(|_| io::ErrorKind::InvalidInput)?;
+        // SAFETY: a directory descriptor and a NUL-terminated name.
+        let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o755) };
+        if made != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+            return Err(io::Error::last_os_error());
+        }
+        // From the root each time: an existing entry that is a link is
+        // followed as inside the container.
+        let rel =
+            std::ffi::CString::new(so_far.as_str()).map_err(|_| io::ErrorKind::InvalidInput)?;
+        dir = open(root.as_raw_fd(), &rel)?;
+    }
+    Ok(dir)
 }

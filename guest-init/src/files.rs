@@ -288,3 +288,155 @@ impl Drop for PendingWrite {
         let _ = std::fs::remove_file(&self.tmp);
     }
 }
+
+/// The `user.` extended attributes of `path` (a final symlink not
+/// followed), names without the prefix; none where its file system keeps
+/// none.
+fn user_attrs(path: &std::ffi::CStr) -> std::io::Result<Vec<(String, String)>> {
+    let mut names = vec![0u8; 1024];
+    let len = loop {
+        // SAFETY: `names` is a writable buffer of the length given.
+        let n = unsafe { libc::llistxattr(path.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            // The list grew meanwhile, or is long: a larger buffer (the
+            // kernel lists at most 64 KiB).
+            Some(libc::ERANGE) if names.len() < 1 << 17 => names.resize(names.len() * 4, 0),
+            Some(libc::ENOTSUP) => return Ok(Vec::new()),
+            _ => return Err(e),
+        }
+    };
+    let mut attrs = Vec::new();
+    for name in names[..len].split(|b| *b == 0) {
+        let Some(short) = name.strip_prefix(b"user.") else {
+            continue;
+        };
+        let cname = std::ffi::CString::new(name).map_err(|_| std::io::ErrorKind::InvalidData)?;
+        let mut value = vec![0u8; 256];
+        let got = loop {
+            // SAFETY: `value` is a writable buffer of the length given.
+            let n = unsafe {
+                libc::lgetxattr(
+                    path.as_ptr(),
+                    cname.as_ptr(),
+                    value.as_mut_ptr().cast(),
+                    value.len(),
+                )
+            };
+            if n >= 0 {
+                break Some(n as usize);
+            }
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ERANGE) if value.len() < 1 << 17 => value.resize(value.len() * 4, 0),
+                // Removed meanwhile.
+                Some(libc::ENODATA) => break None,
+                _ => return Err(e),
+            }
+        };
+        if let Some(n) = got {
+            attrs.push((
+                String::from_utf8_lossy(short).into_owned(),
+                String::from_utf8_lossy(&value[..n]).into_owned(),
+            ));
+        }
+    }
+    Ok(attrs)
+}
+
+/// `UserAttrs`: sets `set` on `path`, then answers its `user.` attributes.
+pub fn set_user_attrs(id: u64, path: &str, set: &[(String, String)]) -> Frame {
+    let Ok(cpath) = std::ffi::CString::new(path) else {
+        return error(id, ErrorKind::Invalid, format!("{path:?} holds a NUL"));
+    };
+    for (name, value) in set {
+        let Ok(full) = std::ffi::CString::new(format!("user.{name}")) else {
+            return error(
+                id,
+                ErrorKind::Invalid,
+                format!("attribute {name:?} holds a NUL"),
+            );
+        };
+        // SAFETY: NUL-terminated strings and a buffer of the length given.
+        let rc = unsafe {
+            libc::lsetxattr(
+                cpath.as_ptr(),
+                full.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            let (kind, why) = match e.raw_os_error() {
+                Some(libc::ENOTSUP) => (
+                    ErrorKind::Unsupported,
+                    "its file system keeps no user extended attributes".to_owned(),
+                ),
+                Some(libc::ERANGE) | Some(libc::E2BIG) => (
+                    ErrorKind::Invalid,
+                    "the name or value is too long for its file system".to_owned(),
+                ),
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) => (
+                    ErrorKind::Limit,
+                    "no room for more attributes on it".to_owned(),
+                ),
+                _ => (kind_of(&e), e.to_string()),
+            };
+            return error(id, kind, format!("cannot set {name:?} on {path}: {why}"));
+        }
+    }
+    match user_attrs(&cpath) {
+        Ok(attrs) => Frame {
+            id,
+            body: Body::Attrs(attrs),
+        },
+        Err(e) => error(
+            id,
+            kind_of(&e),
+            format!("cannot read the attributes of {path}: {e}"),
+        ),
+    }
+}
+
+/// `DirUserAttrs`: the entries of `path` that have `user.` attributes.
+pub fn dir_user_attrs(id: u64, path: &str) -> Frame {
+    let dir = match std::fs::read_dir(path) {
+        Ok(d) => d,
+        Err(e) => return error(id, kind_of(&e), format!("cannot list {path}: {e}")),
+    };
+    let mut entries = Vec::new();
+    let mut bytes = 0;
+    for entry in dir.flatten() {
+        use std::os::unix::ffi::OsStrExt;
+        let Ok(full) = std::ffi::CString::new(entry.path().as_os_str().as_bytes()) else {
+            continue;
+        };
+        let attrs = match user_attrs(&full) {
+            Ok(a) if !a.is_empty() => a,
+            // None, or gone meanwhile.
+            _ => continue,
+        };
+        let name = entry.file_name().to_string_lossy().into_owned();
+        bytes += name.len() + attrs.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        if bytes > husk_protocol::MAX_DIR_ATTRS {
+            return error(
+                id,
+                ErrorKind::Limit,
+                format!(
+                    "the attributes of {path}'s entries pass {} KiB",
+                    husk_protocol::MAX_DIR_ATTRS >> 10
+                ),
+            );
+        }
+        entries.push((name, attrs));
+    }
+    Frame {
+        id,
+        body: Body::DirAttrs(entries),
+    }
+}

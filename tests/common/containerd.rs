@@ -247,17 +247,22 @@ impl Containerd {
 
     /// The `husk` CLI against this daemon; fails on failure.
     pub fn husk(&self, args: &[&str]) -> Output {
-        let out = Command::new(super::husk_binary())
-            .args(args)
-            .env("HUSK_HOST", self.dir.join("husk/husk.sock"))
-            .output()
-            .expect("husk");
+        let out = self.husk_output(args);
         assert!(
             out.status.success(),
             "husk {args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
         out
+    }
+
+    /// `husk ARGS` against the test's daemon, however it ends.
+    pub fn husk_output(&self, args: &[&str]) -> Output {
+        Command::new(super::husk_binary())
+            .args(args)
+            .env("HUSK_HOST", self.dir.join("husk/husk.sock"))
+            .output()
+            .expect("husk")
     }
 
     /// The names of the daemon's templates.

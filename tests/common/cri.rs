@@ -63,6 +63,9 @@ pub fn images() -> (Vec<u8>, Vec<u8>) {
             0,
         ),
         ("tmp", None, None, 0o1777, 0),
+        // A link out of the root, were it followed outside it (a volume
+        // mounted through it must land in the container's own /etc).
+        ("escape", None, Some("/etc"), 0o777, 0),
     ]);
     let env = json!(["PATH=/bin"]);
     let image = oci::single_layer(BUSYBOX, &tree, json!({ "Env": env, "Cmd": ["/bin/sh"] }));

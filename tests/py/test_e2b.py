@@ -133,6 +133,25 @@ def test_files_are_the_users_and_signed_urls_reach_them(sbx):
         assert r.status_code == 401 and "expired" in r.text
 
 
+def test_file_metadata_are_the_files_extended_attributes(sbx):
+    meta = {"owner": "alice", "build-id": "42"}
+    written = sbx.files.write("meta.txt", "x", metadata={"Owner": "alice", "build-id": "42"})
+    assert written.metadata == meta, written
+    assert sbx.files.get_info("meta.txt").metadata == meta
+    listed = {e.name: e.metadata for e in sbx.files.list(".")}
+    assert listed["meta.txt"] == meta, listed
+    # They travel with the file, and are the guest's user.e2b.* attributes.
+    moved = sbx.files.rename("meta.txt", "moved.txt")
+    assert moved.metadata == meta, moved
+    plain = sbx.files.write("plain.txt", "y")
+    assert plain.metadata is None and sbx.files.get_info("plain.txt").metadata is None
+    relisted = {e.name: e.metadata for e in sbx.files.list(".")}
+    assert relisted["plain.txt"] is None and relisted["moved.txt"] == meta, relisted
+    # A new write is a new file: its metadata only.
+    sbx.files.write("moved.txt", "z", metadata={"v": "2"})
+    assert sbx.files.get_info("moved.txt").metadata == {"v": "2"}
+
+
 def test_watch_dir(sbx):
     sbx.files.make_dir("/home/user/watched", request_timeout=SLOW)
     w = sbx.files.watch_dir("/home/user/watched", request_timeout=SLOW)
@@ -227,13 +246,16 @@ def test_lifecycle_pauses_at_the_timeout_and_traffic_or_connect_resumes():
     # what it had.
     s = Sandbox.create(
         TEMPLATE,
-        timeout=2,
+        timeout=600,
         metadata={"suite": "hibernate"},
         lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}},
         request_timeout=SLOW,
     )
     try:
         s.files.write("/home/user/kept.txt", "kept\n", request_timeout=SLOW)
+        # The timeout from now (a busy host's write may take more than a
+        # short timeout from the create).
+        s.set_timeout(2, request_timeout=SLOW)
         wait_for_state(s.sandbox_id, "hibernate", "paused")
         s2 = Sandbox.connect(s.sandbox_id, timeout=600, request_timeout=SLOW)
         r = s2.commands.run("cat /home/user/kept.txt", timeout=SLOW, request_timeout=SLOW)

@@ -62,7 +62,14 @@
 //! | `KilledAll { tasks }` | guest → host | reply to `KillAll`, once they are gone: how many tasks (processes and threads) there were |
 //! | `Unpack { dir }` | host → guest | lay out a tree (a newc cpio archive in `FileChunk`s, then `FileCommit`) under the new directory `dir`; `Written` |
 //! | `ExecIn { root, request }` | host → guest | `Exec` with `root` as the program's `/`, in a mount namespace of its own (and its container's PID namespace, if it has one): a container of a pod |
+//! | `UserAttrs { path, set }` | host → guest | set a path's `user.` extended attributes (file metadata), then answer them all: `Attrs` |
+//! | `Attrs(Vec<(name, value)>)` | guest → host | a path's `user.` extended attributes, names without the prefix |
+//! | `DirUserAttrs { path }` | host → guest | the `user.` extended attributes of each entry of a directory that has any: `DirAttrs` |
+//! | `DirAttrs(Vec<(entry, attrs)>)` | guest → host | reply to `DirUserAttrs` |
 //! | `Container { root, memory_max, own_pids }` | host → guest | declares the container at `root` before its first `ExecIn`: the memory its programs may use together, whether they have a PID namespace of their own |
+//! | `Mount { root, source, target, readonly }` | host → guest | binds directory `source` at `target` inside the container root `root` (a pod's volume); `Done` |
+//! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
+//! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
 //! | `Error { kind, message }` | guest → host | the request failed; `kind` says why |
 //!
@@ -294,7 +301,63 @@ pub enum Body {
         memory_max: Option<u64>,
         own_pids: bool,
     },
+    /// Sets the `user.` extended attributes `set` (names without the
+    /// prefix) of `path` (not following a final symlink), then answers
+    /// all of its `user.` attributes (`UserAttrs`).
+    UserAttrs {
+        path: String,
+        set: Vec<(String, String)>,
+    },
+    /// The `user.` extended attributes of a path (names without the
+    /// prefix, values as text), or of each entry of a directory that has
+    /// any (`DirAttrs`).
+    Attrs(Vec<(String, String)>),
+    /// The entries of directory `path` that have `user.` extended
+    /// attributes, with them (`DirAttrs`); at most [`MAX_DIR_ATTRS`]
+    /// bytes of them.
+    DirUserAttrs {
+        path: String,
+    },
+    DirAttrs(Vec<(String, Attributes)>),
+    /// Binds guest directory `source` at `target` inside the container
+    /// root `root` (resolved there: a link in the container's tree cannot
+    /// lead out of it; missing directories are made), read-only with
+    /// `readonly`: a pod's volume. Before the container's first `ExecIn`;
+    /// removing the container's tree unbinds it (the volume stays).
+    /// `Done`.
+    Mount {
+        root: String,
+        source: String,
+        target: String,
+        readonly: bool,
+    },
+    /// What the declared container rooted at `root` uses now:
+    /// `ContainerUsage`.
+    ContainerStats {
+        root: String,
+    },
+    ContainerUsage(ContainerUsage),
 }
+
+/// What a container's programs use together (its cgroup in the guest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerUsage {
+    /// Memory charged to it, bytes (none where the guest has no memory
+    /// controller).
+    pub memory_bytes: Option<u64>,
+    /// Its memory limit, bytes.
+    pub memory_max: Option<u64>,
+    /// CPU time its programs used, microseconds.
+    pub cpu_usec: u64,
+    /// Its processes and threads.
+    pub tasks: u64,
+}
+
+/// A path's `user.` extended attributes: (name without the prefix, value).
+pub type Attributes = Vec<(String, String)>;
+
+/// The most bytes of names and values a `DirAttrs` answer carries.
+pub const MAX_DIR_ATTRS: usize = 512 << 10;
 
 /// The guest's state, for health checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -843,6 +843,71 @@ impl AgentClient {
         }
     }
 
+    /// Binds guest directory `source` at `target` inside the container
+    /// root `root` (resolved there), read-only with `readonly`: a pod's
+    /// volume, before the container's first program.
+    pub fn mount(
+        &mut self,
+        root: &str,
+        source: &str,
+        target: &str,
+        readonly: bool,
+    ) -> Result<(), ClientError> {
+        match self.call(Body::Mount {
+            root: root.to_owned(),
+            source: source.to_owned(),
+            target: target.to_owned(),
+            readonly,
+        })? {
+            Body::Done => Ok(()),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// What the declared container rooted at guest directory `root` uses
+    /// now.
+    pub fn container_stats(
+        &mut self,
+        root: &str,
+    ) -> Result<husk_protocol::ContainerUsage, ClientError> {
+        match self.call(Body::ContainerStats {
+            root: root.to_owned(),
+        })? {
+            Body::ContainerUsage(usage) => Ok(usage),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Sets the `user.` extended attributes `set` (names without the
+    /// prefix) of guest path `path`, then returns all of them.
+    pub fn user_attrs(
+        &mut self,
+        path: &str,
+        set: &[(String, String)],
+    ) -> Result<Vec<(String, String)>, ClientError> {
+        match self.call(Body::UserAttrs {
+            path: path.to_owned(),
+            set: set.to_vec(),
+        })? {
+            Body::Attrs(attrs) => Ok(attrs),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// The entries of guest directory `path` that have `user.` extended
+    /// attributes, with them.
+    pub fn dir_user_attrs(
+        &mut self,
+        path: &str,
+    ) -> Result<Vec<(String, husk_protocol::Attributes)>, ClientError> {
+        match self.call(Body::DirUserAttrs {
+            path: path.to_owned(),
+        })? {
+            Body::DirAttrs(entries) => Ok(entries),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Streams the guest file `path` into `sink`; returns its size.
     pub fn read_file(&mut self, path: &str, mut sink: impl Write) -> Result<u64, ClientError> {
         let id = self.send(Body::ReadFile {

@@ -17,8 +17,10 @@
 //! resolve there) unless the SDK names another user, as `/bin/bash -l -c`
 //! (husk's root file system carries bash and the user).
 //!
-//! Not served: file metadata (envd 0.6.2); the SDK is told envd
-//! [`ENVD_VERSION`], the lowest version whose features these are.
+//! File metadata (envd 0.6.2: `X-Metadata-*` upload headers, `metadata`
+//! in entries) are the file's `user.e2b.*` extended attributes, as envd
+//! keeps them. The SDK is told envd [`ENVD_VERSION`], the lowest version
+//! whose features these are (0.6.3's watch entries are not served).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Read;
@@ -45,7 +47,7 @@ use husk_types::{
 };
 
 /// What husk's envd speaks (see the module docs).
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.2";
 /// E2B's default sandbox timeout, seconds.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Largest file upload.
@@ -967,8 +969,17 @@ impl E2b {
         let text = match cached {
             Some(t) => t,
             None => {
+                // A guest without the file has root only; one that cannot
+                // be read now (its agent gone mid-request) is not cached.
                 let mut passwd = Vec::new();
-                let _ = agent.read_file("/etc/passwd", &mut passwd);
+                match agent.read_file("/etc/passwd", &mut passwd) {
+                    Err(e) if e.kind() == Some(husk_protocol::ErrorKind::NotFound) => {
+                        passwd.clear()
+                    }
+                    read => {
+                        read.map_err(RpcError::from)?;
+                    }
+                }
                 let t = Arc::new(String::from_utf8_lossy(&passwd).into_owned());
                 lock(&self.passwd).insert(id.to_owned(), t.clone());
                 t
@@ -1461,8 +1472,53 @@ fn start_program(
     agent.spawn(req).map_err(RpcError::from)
 }
 
-/// `EntryInfo` of a guest path.
-fn entry_info(path: &str, stat: &husk_protocol::FileStat) -> Value {
+/// Where E2B's file metadata are among a file's `user.` extended
+/// attributes: key `k` is `user.e2b.k`.
+const METADATA: &str = "e2b.";
+/// The upload headers that carry file metadata.
+const METADATA_HEADER: &str = "x-metadata-";
+
+/// E2B's metadata among a file's `user.` attributes.
+fn metadata_of(attrs: Vec<(String, String)>) -> serde_json::Map<String, Value> {
+    attrs
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.strip_prefix(METADATA)?.to_owned(), Value::String(v))))
+        .collect()
+}
+
+/// A path's metadata; none where the agent cannot tell (an older agent,
+/// a file gone meanwhile).
+fn metadata_at(agent: &mut AgentClient, path: &str) -> serde_json::Map<String, Value> {
+    agent
+        .user_attrs(path, &[])
+        .map(metadata_of)
+        .unwrap_or_default()
+}
+
+/// An upload's metadata from its `X-Metadata-KEY` headers, keys lowercased
+/// as envd does; values must be printable ASCII (as the SDK checks).
+fn upload_metadata(headers: &HeaderMap) -> Result<Vec<(String, String)>, String> {
+    let mut meta = Vec::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
+            continue;
+        };
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..0x7f).contains(&b)))
+            .ok_or_else(|| format!("metadata `{key}`: a value must be printable ASCII"))?;
+        meta.push((format!("{METADATA}{key}"), value.to_owned()));
+    }
+    Ok(meta)
+}
+
+/// `EntryInfo` of a guest path, with its metadata.
+fn entry_info(
+    path: &str,
+    stat: &husk_protocol::FileStat,
+    metadata: serde_json::Map<String, Value>,
+) -> Value {
     use husk_protocol::FileKind as K;
     let kind = match stat.kind {
         K::File => "FILE_TYPE_FILE",
@@ -1482,7 +1538,7 @@ fn entry_info(path: &str, stat: &husk_protocol::FileStat) -> Value {
         perms.push(if bits & 2 != 0 { 'w' } else { '-' });
         perms.push(if bits & 1 != 0 { 'x' } else { '-' });
     }
-    json!({
+    let mut entry = json!({
         "name": name,
         "type": kind,
         "path": path,
@@ -1492,7 +1548,11 @@ fn entry_info(path: &str, stat: &husk_protocol::FileStat) -> Value {
         "owner": "",
         "group": "",
         "modifiedTime": rfc3339(stat.mtime_s.max(0) as u64 * 1000),
-    })
+    });
+    if !metadata.is_empty() {
+        entry["metadata"] = Value::Object(metadata);
+    }
+    entry
 }
 
 async fn filesystem_rpc(
@@ -1532,7 +1592,8 @@ async fn filesystem_rpc(
                 "Stat" => {
                     let p = path("path")?;
                     let st = agent.stat(&p).map_err(RpcError::from)?;
-                    Ok(json!({ "entry": entry_info(&p, &st) }))
+                    let meta = metadata_at(&mut agent, &p);
+                    Ok(json!({ "entry": entry_info(&p, &st, meta) }))
                 }
                 "MakeDir" => {
                     let p = path("path")?;
@@ -1542,7 +1603,7 @@ async fn filesystem_rpc(
                     }
                     user.mkdir(&mut agent, &p)?;
                     let st = agent.stat(&p).map_err(RpcError::from)?;
-                    Ok(json!({ "entry": entry_info(&p, &st) }))
+                    Ok(json!({ "entry": entry_info(&p, &st, Default::default()) }))
                 }
                 "ListDir" => {
                     let p = path("path")?;
@@ -1558,12 +1619,19 @@ async fn filesystem_rpc(
                         ));
                     }
                     while let Some((dir, level)) = todo.pop() {
+                        // The metadata of the directory's entries, in one
+                        // request (none from an older agent).
+                        let mut meta: HashMap<String, Vec<(String, String)>> = agent
+                            .dir_user_attrs(&dir)
+                            .map(|e| e.into_iter().collect())
+                            .unwrap_or_default();
                         for ent in agent.list(&dir).map_err(RpcError::from)? {
                             let full = format!("{dir}/{}", ent.name);
                             if ent.stat.kind == husk_protocol::FileKind::Dir && level < depth {
                                 todo.push((full.clone(), level + 1));
                             }
-                            entries.push(entry_info(&full, &ent.stat));
+                            let m = metadata_of(meta.remove(&ent.name).unwrap_or_default());
+                            entries.push(entry_info(&full, &ent.stat, m));
                         }
                         if entries.len() > 100_000 {
                             return Err(RpcError(
@@ -1580,7 +1648,8 @@ async fn filesystem_rpc(
                         .audit(ENVD_WHO, "rename", &id, &format!("{from} -> {to}"))?;
                     agent.rename(&from, &to).map_err(RpcError::from)?;
                     let st = agent.stat(&to).map_err(RpcError::from)?;
-                    Ok(json!({ "entry": entry_info(&to, &st) }))
+                    let meta = metadata_at(&mut agent, &to);
+                    Ok(json!({ "entry": entry_info(&to, &st, meta) }))
                 }
                 "Remove" => {
                     let p = path("path")?;
@@ -1950,6 +2019,10 @@ async fn upload(
     if files.is_empty() {
         return file_error(StatusCode::BAD_REQUEST, "no `file` in the upload".into());
     }
+    let metadata = match upload_metadata(&headers) {
+        Ok(m) => m,
+        Err(e) => return file_error(StatusCode::BAD_REQUEST, e),
+    };
     let name = user_name(&headers, q.username.as_deref());
     let e = e2b.clone();
     let written = blocking(move || {
@@ -1969,7 +2042,15 @@ async fn upload(
                 .map_err(RpcError::from)?;
             user.own(&mut agent, &path)?;
             let file = path.rsplit('/').next().unwrap_or_default().to_owned();
-            out.push(json!({ "name": file, "type": "file", "path": path }));
+            let mut entry = json!({ "name": file, "type": "file", "path": path });
+            if !metadata.is_empty() {
+                let attrs = agent.user_attrs(&path, &metadata).map_err(|e| {
+                    let why = RpcError::from(e);
+                    RpcError(why.0, format!("the metadata of {path}: {}", why.1))
+                })?;
+                entry["metadata"] = Value::Object(metadata_of(attrs));
+            }
+            out.push(entry);
         }
         Ok::<_, RpcError>(out)
     })

@@ -111,24 +111,35 @@ pub struct Bundle {
     /// `/etc/resolv.conf`, `/etc/hostname`), as (name in the root, host
     /// file): a pod's container gets copies as it is created.
     pub files: Vec<(String, PathBuf)>,
+    /// The spec's directory bind mounts (a pod's container's volumes).
+    pub volumes: Vec<Volume>,
 }
 
 /// Largest file a bind mount brings into a pod's container.
 const MAX_MOUNTED_FILE: u64 = 1 << 20;
 
-/// The spec's bind mounts of regular files of at most [`MAX_MOUNTED_FILE`]
-/// bytes, named relative to the root; what the guest provides (`/proc`,
-/// `/dev`, `/sys`) is left out. Directory mounts (volumes) are not carried:
-/// logged.
-fn file_mounts(spec: &Spec) -> Vec<(String, PathBuf)> {
-    let mut files = Vec::new();
+/// A directory bind mount of a pod's container (a volume: emptyDir,
+/// configMap, secret, the service account token): its host directory is
+/// copied into the pod's VM once, and bound into each container that
+/// mounts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Volume {
+    pub source: PathBuf,
+    /// Where in the container's root, relative to it.
+    pub target: String,
+    pub readonly: bool,
+}
+
+/// The spec's bind mounts: regular files of at most [`MAX_MOUNTED_FILE`]
+/// bytes, named relative to the root, and directories (volumes); what the
+/// guest provides (`/proc`, `/dev`, `/sys`) is left out, and what is
+/// neither is logged.
+fn bind_mounts(spec: &Spec) -> (Vec<(String, PathBuf)>, Vec<Volume>) {
+    let (mut files, mut volumes) = (Vec::new(), Vec::new());
     for m in spec.mounts().as_deref().unwrap_or_default() {
+        let options = m.options().as_deref().unwrap_or_default();
         let bind = m.typ().as_deref() == Some("bind")
-            || m.options()
-                .as_deref()
-                .unwrap_or_default()
-                .iter()
-                .any(|o| o == "bind" || o == "rbind");
+            || options.iter().any(|o| o == "bind" || o == "rbind");
         let Some(source) = m.source().as_ref().filter(|_| bind) else {
             continue;
         };
@@ -151,14 +162,19 @@ fn file_mounts(spec: &Spec) -> Vec<(String, PathBuf)> {
             Ok(meta) if meta.is_file() && meta.len() <= MAX_MOUNTED_FILE => {
                 files.push((parts.join("/"), source.clone()));
             }
+            Ok(meta) if meta.is_dir() => volumes.push(Volume {
+                source: source.clone(),
+                target: parts.join("/"),
+                readonly: options.iter().any(|o| o == "ro"),
+            }),
             _ => tracing::warn!(
                 source = %source.display(),
                 destination = %m.destination().display(),
-                "a bind mount that is not a file of at most 1 MiB is not carried into the pod's VM"
+                "a bind mount that is neither a directory nor a file of at most 1 MiB is not carried into the pod's VM"
             ),
         }
     }
-    files
+    (files, volumes)
 }
 
 impl Bundle {
@@ -229,6 +245,11 @@ impl Bundle {
             .and_then(|c| Some((c.quota()?, c.period()?)))
             .filter(|(q, p)| *q > 0 && *p > 0)
             .map(|(q, p)| vcpus_for(q as u64, p));
+        let (files, volumes) = if matches!(pod, Some(Pod::Container { .. })) {
+            bind_mounts(&spec)
+        } else {
+            Default::default()
+        };
         Ok(Bundle {
             workload,
             source,
@@ -246,11 +267,8 @@ impl Bundle {
                         })
                     }),
             container_memory: memory_limit.filter(|_| !sizes_a_vm).map(|l| l as u64),
-            files: if matches!(pod, Some(Pod::Container { .. })) {
-                file_mounts(&spec)
-            } else {
-                Vec::new()
-            },
+            files,
+            volumes,
             pod,
         })
     }
@@ -573,5 +591,50 @@ mod tests {
         assert_eq!(vcpus_for(150_000, 100_000), 2);
         assert_eq!(vcpus_for(50_000, 100_000), 1);
         assert_eq!(vcpus_for(u64::MAX, 1), MAX_VCPUS);
+    }
+
+    #[test]
+    fn bind_mounts_are_files_or_volumes() {
+        let host = tree();
+        let bind = |dest: &str, source: &Path, options: &[&str]| {
+            serde_json::json!({
+                "destination": dest,
+                "type": "bind",
+                "source": source,
+                "options": options,
+            })
+        };
+        let spec: Spec = serde_json::from_value(serde_json::json!({
+            "ociVersion": "1.0.2",
+            "mounts": [
+                bind("/etc/hostname", &host.join("bin/data"), &["rbind", "rw"]),
+                bind("/data", &host.join("usr"), &["rbind", "rprivate", "rw"]),
+                bind("/config/", &host.join("bin"), &["rbind", "ro"]),
+                // What the guest provides, something neither, and a path
+                // that climbs.
+                bind("/dev/shm", &host.join("usr"), &["rbind"]),
+                bind("/gone", &host.join("nowhere"), &["rbind"]),
+                bind("/a/../b", &host.join("usr"), &["rbind"]),
+                { "destination": "/proc", "type": "proc", "source": "proc" },
+            ],
+        }))
+        .expect("test setup");
+        let (files, volumes) = bind_mounts(&spec);
+        assert_eq!(files, [("etc/hostname".to_owned(), host.join("bin/data"))]);
+        assert_eq!(
+            volumes,
+            [
+                Volume {
+                    source: host.join("usr"),
+                    target: "data".into(),
+                    readonly: false,
+                },
+                Volume {
+                    source: host.join("bin"),
+                    target: "config".into(),
+                    readonly: true,
+                },
+            ]
+        );
     }
 }

@@ -274,6 +274,9 @@ struct Vm {
     sandbox: SandboxInfo,
     agent: PathBuf,
     paused: std::sync::atomic::AtomicBool,
+    /// A pod's volumes copied into its VM so far, by host directory (held
+    /// while one is copied, so that two containers copy it once).
+    volumes: Mutex<HashMap<PathBuf, String>>,
 }
 
 /// A task: a container with its own VM, a pod's sandbox (whose task is the
@@ -315,6 +318,50 @@ fn container_root(dir: &str) -> String {
 
 /// Where a pod's container's root file system goes in the guest.
 const CONTAINERS_DIR: &str = "/run/husk/containers";
+/// Where a pod's volumes go in the guest.
+const VOLUMES_DIR: &str = "/run/husk/volumes";
+
+/// Binds `bundle`'s volumes into the container root `root`, copying each
+/// into the pod's VM on its first use (a copy at that time: later changes
+/// on the host do not follow; the pod's containers share it).
+fn bind_volumes(
+    vm: &Vm,
+    agent: &mut husk_agent_client::AgentClient,
+    root: &str,
+    volumes: &[bundle::Volume],
+) -> Result<(), husk_agent_client::ClientError> {
+    use sha2::{Digest, Sha256};
+    for v in volumes {
+        let mut copied = vm.volumes.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = match copied.get(&v.source) {
+            Some(dir) => dir.clone(),
+            None => {
+                let key = Sha256::digest(v.source.as_os_str().as_encoded_bytes());
+                let dir = format!("{VOLUMES_DIR}/{}", hex16(&key));
+                let started = std::time::Instant::now();
+                let size = agent.unpack(&dir, &v.source, &[]).inspect_err(|_| {
+                    // What came of it goes: the next container copies it
+                    // again.
+                    let _ = agent.remove(&dir, true);
+                })?;
+                tracing::info!(
+                    source = %v.source.display(), guest = %dir, bytes = size,
+                    ms = started.elapsed().as_millis() as u64, "a volume copied into the pod's VM"
+                );
+                copied.insert(v.source.clone(), dir.clone());
+                dir
+            }
+        };
+        drop(copied);
+        agent.mount(root, &dir, &v.target, v.readonly)?;
+    }
+    Ok(())
+}
+
+/// The first 16 hex digits of a digest.
+fn hex16(digest: &[u8]) -> String {
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
 
 fn timestamp(t: SystemTime) -> Timestamp {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
@@ -513,6 +560,7 @@ impl Inner {
             sandbox,
             agent,
             paused: Default::default(),
+            volumes: Default::default(),
         });
         self.add(req, bundle_dir, vm, None, init);
         Ok(pid)
@@ -556,14 +604,23 @@ impl Inner {
         let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
             .and_then(|mut agent| {
                 let size = agent.unpack(&root, rootfs, &bundle.files)?;
-                // Its memory limit (a cgroup of its own in the pod's VM) and
-                // its PID namespace.
-                if bundle.container_memory.is_some() || bundle.own_pids {
-                    let declared = agent.container(&root, bundle.container_memory, bundle.own_pids);
-                    if let Err(e) = declared {
-                        let _ = agent.remove(&dir, true);
-                        return Err(e);
+                // Its volumes, its memory limit (a cgroup of its own in the
+                // pod's VM) and its PID namespace.
+                let declared = bind_volumes(&vm, &mut agent, &root, &bundle.volumes).and_then(|_| {
+                    let asked = bundle.container_memory.is_some() || bundle.own_pids;
+                    match agent.container(&root, bundle.container_memory, bundle.own_pids) {
+                        // Only its stats need the declaration: without it
+                        // they are the pod's.
+                        Err(e) if !asked => {
+                            tracing::warn!(task = %req.id, "the pod's VM keeps no cgroup for it: {e}");
+                            Ok(())
+                        }
+                        declared => declared,
                     }
+                });
+                if let Err(e) = declared {
+                    let _ = agent.remove(&dir, true);
+                    return Err(e);
                 }
                 Ok(size)
             })?;
@@ -747,11 +804,27 @@ impl Inner {
     }
 
     fn stats(&self, id: &str) -> Result<Any, ShimError> {
-        let (pid, agent) = self.with_task(id, |t| Ok((t.vm.sandbox.pid, t.vm.agent.clone())))?;
-        let guest = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))
-            .and_then(|mut c| c.health())
-            .ok();
-        let metrics = stats::metrics(pid, guest.as_ref());
+        let (pid, agent, root) = self.with_task(id, |t| {
+            let root = t.guest_dir.as_deref().map(container_root);
+            Ok((t.vm.sandbox.pid, t.vm.agent.clone(), root))
+        })?;
+        let mut client = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60));
+        // A pod's container: its cgroup in the pod's VM, when it has one;
+        // else (and for a VM's task) the VM.
+        let own = root.and_then(|root| match client.as_mut().ok()?.container_stats(&root) {
+            Ok(usage) => Some(usage),
+            Err(e) => {
+                tracing::debug!(task = %id, "the pod's stats stand in for the container's: {e}");
+                None
+            }
+        });
+        let metrics = match own {
+            Some(usage) => stats::container_metrics(&usage),
+            None => {
+                let guest = client.and_then(|mut c| c.health()).ok();
+                stats::metrics(pid, guest.as_ref())
+            }
+        };
         shim::util::convert_to_any(Box::new(metrics))
             .map_err(|e| ShimError::Agent(format!("encoding the stats: {e}")))
     }

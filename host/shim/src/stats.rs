@@ -2,7 +2,8 @@
 //! metrics` and the kubelet read): memory, pids and CPU are the VMM's
 //! cgroup on the host (what the sandbox costs the host: guest memory it
 //! touched, the VMM's own, its threads); `memory.rss` is what the guest
-//! itself says is in use (its total less what it has available).
+//! itself says is in use (its total less what it has available). A pod's
+//! container reports its own cgroup in the pod's VM instead.
 
 use std::path::{Path, PathBuf};
 
@@ -74,6 +75,37 @@ pub fn metrics(pid: u32, guest: Option<&Health>) -> Metrics {
         cpu: MessageField::some(CPUStat {
             usage: MessageField::some(CPUUsage {
                 total: cpu_ns.unwrap_or(0),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The metrics of a pod's container, from its cgroup in the pod's VM
+/// (what it uses of the VM: its memory, its limit, its CPU time, its
+/// tasks).
+pub fn container_metrics(usage: &husk_protocol::ContainerUsage) -> Metrics {
+    let memory = usage.memory_bytes.unwrap_or(0);
+    Metrics {
+        memory: MessageField::some(MemoryStat {
+            usage: MessageField::some(MemoryEntry {
+                usage: memory,
+                limit: usage.memory_max.unwrap_or(0),
+                ..Default::default()
+            }),
+            rss: memory,
+            total_rss: memory,
+            ..Default::default()
+        }),
+        pids: MessageField::some(PidsStat {
+            current: usage.tasks,
+            ..Default::default()
+        }),
+        cpu: MessageField::some(CPUStat {
+            usage: MessageField::some(CPUUsage {
+                total: usage.cpu_usec * 1000,
                 ..Default::default()
             }),
             ..Default::default()
