@@ -37,6 +37,17 @@ fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {
         .collect()
 }
 
+/// The client's request to the server, on the pod's localhost.
+const FETCH: &[&str] = &[
+    "wget",
+    "-Y",
+    "off",
+    "-q",
+    "-O",
+    "-",
+    "http://127.0.0.1:8080/",
+];
+
 /// The husk shims running.
 fn shims() -> usize {
     processes_with(&["containerd-shim-husk-v2"]).len()
@@ -125,18 +136,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let mut fetched = None;
         for _ in 0..30 {
             let reply = runtime
-                .exec_sync(exec(
-                    &client,
-                    &[
-                        "wget",
-                        "-Y",
-                        "off",
-                        "-q",
-                        "-O",
-                        "-",
-                        "http://127.0.0.1:8080/",
-                    ],
-                ))
+                .exec_sync(exec(&client, FETCH))
                 .await
                 .expect("ExecSync")
                 .into_inner();
@@ -399,18 +399,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             "{read:?}"
         );
         let refetched = runtime
-            .exec_sync(exec(
-                &client,
-                &[
-                    "wget",
-                    "-Y",
-                    "off",
-                    "-q",
-                    "-O",
-                    "-",
-                    "http://127.0.0.1:8080/",
-                ],
-            ))
+            .exec_sync(exec(&client, FETCH))
             .await
             .expect("ExecSync")
             .into_inner();

@@ -198,12 +198,17 @@ impl Drop for Group {
     fn drop(&mut self) {
         // Its programs' cgroups may still be there: retried after theirs
         // (STALE is retried in order).
-        if std::fs::remove_dir(&self.path).is_err() {
-            STALE
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(std::mem::take(&mut self.path));
-        }
+        retire(&mut self.path);
+    }
+}
+
+/// Removes cgroup `path`, or leaves it to be retried.
+fn retire(path: &mut String) {
+    if std::fs::remove_dir(&*path).is_err() {
+        STALE
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(std::mem::take(path));
     }
 }
 
@@ -269,12 +274,8 @@ impl Cgroup {
 
 impl Drop for Cgroup {
     fn drop(&mut self) {
-        if std::fs::remove_dir(&self.path).is_err() {
-            // Still populated (a daemon the program left behind) or dying.
-            STALE
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(std::mem::take(&mut self.path));
-        }
+        // Still populated (a daemon the program left behind) or dying:
+        // retried.
+        retire(&mut self.path);
     }
 }

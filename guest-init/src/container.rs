@@ -206,13 +206,13 @@ pub fn reaped(pid: libc::pid_t) {
 /// that the removal does not reach into them.
 pub fn forget(dir: &str) {
     let dir = dir.trim_end_matches('/');
-    let below = |p: &str| p.strip_prefix(dir).is_some_and(|r| r.starts_with('/'));
-    let mut points: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4).map(unescape))
-        .filter(|p| below(p))
-        .collect();
+    let below = |p: &str| p == dir || p.strip_prefix(dir).is_some_and(|r| r.starts_with('/'));
+    let mut points: Vec<String> = {
+        let mut binds = BINDS.lock().unwrap_or_else(|e| e.into_inner());
+        let (gone, kept) = binds.drain(..).partition(|p| below(p));
+        *binds = kept;
+        gone
+    };
     // The deepest first.
     points.sort_by_key(|p| std::cmp::Reverse(p.len()));
     for p in points {
@@ -223,36 +223,13 @@ pub fn forget(dir: &str) {
     }
     let mut all = containers();
     if let Some(map) = all.as_mut() {
-        map.retain(|root, _| {
-            !(root == dir || root.strip_prefix(dir).is_some_and(|r| r.starts_with('/')))
-        });
+        map.retain(|root, _| !below(root));
     }
 }
 
-/// A mount point as mountinfo writes it (space, tab, newline and
-/// backslash as octal escapes).
-fn unescape(field: &str) -> String {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = b
-            .get(i + 1..i + 4)
-            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match (b[i], octal) {
-            (b'\\', Some(d)) => {
-                let n = d.iter().fold(0u32, |n, c| n * 8 + u32::from(c - b'0'));
-                out.push(n as u8);
-                i += 4;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
+/// Where volumes are bound (in the guest's mount namespace), to unbind
+/// them before their container's tree is removed.
+static BINDS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Binds directory `source` at `target` inside the container root `root`,
 /// read-only with `readonly` (a pod's volume). `target` is resolved as if
@@ -270,6 +247,8 @@ pub fn bind(root: &str, source: &str, target: &str, readonly: bool) -> io::Resul
     }
     let root_fd = File::open(root)?;
     let target_fd = make_dirs_in(&root_fd, target)?;
+    // Where it is in the guest's namespace (recorded once bound).
+    let at = std::fs::read_link(format!("/proc/self/fd/{}", target_fd.as_raw_fd()))?;
     let source_c = std::ffi::CString::new(source).map_err(|_| io::ErrorKind::InvalidInput)?;
     let check = |rc: libc::c_long| {
         if rc < 0 {
@@ -316,6 +295,10 @@ pub fn bind(root: &str, source: &str, target: &str, readonly: bool) -> io::Resul
             MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
         )
     })?;
+    BINDS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(at.to_string_lossy().into_owned());
     Ok(())
 }
 
