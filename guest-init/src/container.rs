@@ -36,7 +36,7 @@ struct Container {
     /// Its first program, in the agent's PID namespace.
     init: Option<libc::pid_t>,
     ended: bool,
-    /// Its cgroup (until it ends).
+    /// Its cgroup (until it ends; none in a guest without cgroups).
     group: Option<Group>,
 }
 
@@ -70,12 +70,18 @@ pub fn declare(root: &str, memory_max: Option<u64>, own_pids: bool) -> io::Resul
             format!("a container is declared at {root} already"),
         ));
     }
-    let group = Group::create(memory_max)?;
+    let group = match Group::create(memory_max) {
+        Ok(g) => Some(g),
+        // A guest without cgroups (their setup failed at boot) runs a
+        // container that asks for no limit, without its stats.
+        Err(e) if memory_max.is_none() && e.kind() == io::ErrorKind::Unsupported => None,
+        Err(e) => return Err(e),
+    };
     map.insert(
         root.to_owned(),
         Container {
             own_pids,
-            group: Some(group),
+            group,
             ..Container::default()
         },
     );
@@ -93,9 +99,13 @@ pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
     })?;
     match &c.group {
         Some(g) => g.usage(),
-        None => Err(io::Error::new(
+        None if c.ended => Err(io::Error::new(
             io::ErrorKind::NotFound,
             format!("the container at {root} has ended"),
+        )),
+        None => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this guest keeps no cgroups (their setup failed at boot)",
         )),
     }
 }
