@@ -16,16 +16,15 @@ use std::time::Duration;
 
 use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
 use cri::{
-    connect, container_config, container_status, images, import, pod_config, remove_pod, run_pod,
-    start_container, BUSYBOX,
+    connect, container_config, container_status, exec_sync, images, import, pod_config,
+    remove_container, remove_pod, run_pod, start_container, stop_container, BUSYBOX,
 };
 use husk_bench::density::vmms_below;
 use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
-    ContainerState, ContainerStatsRequest, ExecSyncRequest, ImageSpec, ImageStatusRequest,
-    LinuxContainerResources, Mount, NamespaceMode, RemoveContainerRequest, StopContainerRequest,
-    VersionRequest,
+    ContainerState, ContainerStatsRequest, ImageSpec, ImageStatusRequest, LinuxContainerResources,
+    Mount, NamespaceMode, VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
@@ -126,20 +125,11 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         assert_eq!(husk_sandboxes(&ctrd).len(), 1, "the containers made VMs");
         assert_eq!(shims(), shims_before + 1, "one shim for the pod");
 
-        let exec = |id: &str, cmd: &[&str]| ExecSyncRequest {
-            container_id: id.to_owned(),
-            cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
-            timeout: 300,
-        };
         // The client reaches the server on localhost (it may still be
         // starting: the guest is slow here).
         let mut fetched = None;
         for _ in 0..30 {
-            let reply = runtime
-                .exec_sync(exec(&client, FETCH))
-                .await
-                .expect("ExecSync")
-                .into_inner();
+            let reply = exec_sync(&mut runtime, &client, FETCH).await;
             if reply.exit_code == 0 {
                 fetched = Some(String::from_utf8_lossy(&reply.stdout).into_owned());
                 break;
@@ -152,17 +142,14 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
         // Exit codes come back; each container has its own root: the
         // server's /www is not in the client's.
-        let code = runtime
-            .exec_sync(exec(&client, &["sh", "-c", "exit 3"]))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let code = exec_sync(&mut runtime, &client, &["sh", "-c", "exit 3"]).await;
         assert_eq!(code.exit_code, 3);
-        let own_root = runtime
-            .exec_sync(exec(&client, &["sh", "-c", "cat /etc/os-release; ls /www"]))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let own_root = exec_sync(
+            &mut runtime,
+            &client,
+            &["sh", "-c", "cat /etc/os-release; ls /www"],
+        )
+        .await;
         assert!(
             String::from_utf8_lossy(&own_root.stdout).contains("husk-test-busybox"),
             "{own_root:?}"
@@ -170,18 +157,16 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         assert_ne!(own_root.exit_code, 0, "the client sees the server's /www");
         // The CRI's files for the pod (hosts, resolver, hostname) are in
         // each container, as containerd wrote them.
-        let files = runtime
-            .exec_sync(exec(
-                &client,
-                &[
-                    "sh",
-                    "-c",
-                    "cat /etc/hosts; echo @; cat /etc/resolv.conf; echo @; cat /etc/hostname",
-                ],
-            ))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let files = exec_sync(
+            &mut runtime,
+            &client,
+            &[
+                "sh",
+                "-c",
+                "cat /etc/hosts; echo @; cat /etc/resolv.conf; echo @; cat /etc/hostname",
+            ],
+        )
+        .await;
         let pod_dir = ctrd
             .dir
             .join("root/io.containerd.grpc.v1.cri/sandboxes")
@@ -226,19 +211,17 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         };
         loner.mounts = vec![mount("/data", false), mount("/escape/volume", true)];
         let loner = start_container(&mut runtime, (&pod, &config), loner).await;
-        let wrote = runtime
-            .exec_sync(exec(
-                &loner,
-                &[
-                    "sh",
-                    "-c",
-                    "cat /data/sub/seed.txt /etc/volume/sub/seed.txt && \
+        let wrote = exec_sync(
+            &mut runtime,
+            &loner,
+            &[
+                "sh",
+                "-c",
+                "cat /data/sub/seed.txt /etc/volume/sub/seed.txt && \
                      echo from-the-loner > /data/note",
-                ],
-            ))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+            ],
+        )
+        .await;
         assert_eq!(
             (
                 wrote.exit_code,
@@ -257,16 +240,8 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
         let processes =
             "for p in /proc/[0-9]*; do echo \"${p#/proc/} $(tr '\\0' ' ' < $p/cmdline)\"; done";
-        let seen_alone = runtime
-            .exec_sync(exec(&loner, &["sh", "-c", processes]))
-            .await
-            .expect("ExecSync")
-            .into_inner();
-        let seen_shared = runtime
-            .exec_sync(exec(&client, &["sh", "-c", processes]))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let seen_alone = exec_sync(&mut runtime, &loner, &["sh", "-c", processes]).await;
+        let seen_shared = exec_sync(&mut runtime, &client, &["sh", "-c", processes]).await;
         let alone = String::from_utf8_lossy(&seen_alone.stdout).into_owned();
         let shared = String::from_utf8_lossy(&seen_shared.stdout).into_owned();
         assert!(
@@ -298,20 +273,18 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             .collect();
         limits.sort();
         assert_eq!(limits, ["8388608", "max", "max"]);
-        let hog = runtime
-            .exec_sync(exec(
-                &loner,
-                &[
-                    "sh",
-                    "-c",
-                    // 32 MiB in the shell's memory (no pipe: the guest
-                    // kernel's copies are slow here).
-                    "x=a; for i in $(seq 25); do x=$x$x; done; echo survived",
-                ],
-            ))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let hog = exec_sync(
+            &mut runtime,
+            &loner,
+            &[
+                "sh",
+                "-c",
+                // 32 MiB in the shell's memory (no pipe: the guest
+                // kernel's copies are slow here).
+                "x=a; for i in $(seq 25); do x=$x$x; done; echo survived",
+            ],
+        )
+        .await;
         assert_eq!(hog.exit_code, 137, "{hog:?}");
         assert!(!String::from_utf8_lossy(&hog.stdout).contains("survived"));
         // Its stats are its own cgroup's in the pod's VM: within its
@@ -338,36 +311,14 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             "the loner's memory: {memory:?}"
         );
         assert!(cpu.is_some_and(|c| c > 0), "the loner's CPU time: {cpu:?}");
-        runtime
-            .stop_container(StopContainerRequest {
-                container_id: loner.clone(),
-                timeout: 2,
-            })
-            .await
-            .expect("StopContainer");
-        runtime
-            .remove_container(RemoveContainerRequest {
-                container_id: loner.clone(),
-            })
-            .await
-            .expect("RemoveContainer");
+        stop_container(&mut runtime, &loner, 2).await;
+        remove_container(&mut runtime, &loner).await;
 
         // The client restarts as the kubelet restarts a container (a new
         // one of the same name); the server runs on untouched.
         let server_started = container_status(&mut runtime, &server).await.started_at;
-        runtime
-            .stop_container(StopContainerRequest {
-                container_id: client.clone(),
-                timeout: 10,
-            })
-            .await
-            .expect("StopContainer");
-        runtime
-            .remove_container(RemoveContainerRequest {
-                container_id: client.clone(),
-            })
-            .await
-            .expect("RemoveContainer");
+        stop_container(&mut runtime, &client, 10).await;
+        remove_container(&mut runtime, &client).await;
         let mut again = container_config("client", &["/bin/sleep", "100000"]);
         if let Some(m) = again.metadata.as_mut() {
             m.attempt = 1;
@@ -376,18 +327,16 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let client = start_container(&mut runtime, (&pod, &config), again).await;
         // The volume is the pod's: what the loner wrote outlived its
         // removal, and comes read-only here.
-        let read = runtime
-            .exec_sync(exec(
-                &client,
-                &[
-                    "sh",
-                    "-c",
-                    "cat /shared/sub/seed.txt /shared/note; echo x > /shared/other",
-                ],
-            ))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let read = exec_sync(
+            &mut runtime,
+            &client,
+            &[
+                "sh",
+                "-c",
+                "cat /shared/sub/seed.txt /shared/note; echo x > /shared/other",
+            ],
+        )
+        .await;
         assert_eq!(
             String::from_utf8_lossy(&read.stdout),
             "seeded\nfrom-the-loner\n",
@@ -398,11 +347,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             String::from_utf8_lossy(&read.stderr).contains("Read-only"),
             "{read:?}"
         );
-        let refetched = runtime
-            .exec_sync(exec(&client, FETCH))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let refetched = exec_sync(&mut runtime, &client, FETCH).await;
         assert_eq!(
             String::from_utf8_lossy(&refetched.stdout).trim(),
             "hello-from-the-server",
@@ -412,11 +357,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         assert_eq!(server_now.state, ContainerState::ContainerRunning as i32);
         assert_eq!(server_now.started_at, server_started);
 
-        let served = runtime
-            .exec_sync(exec(&server, &["cat", "/www/index.html"]))
-            .await
-            .expect("ExecSync")
-            .into_inner();
+        let served = exec_sync(&mut runtime, &server, &["cat", "/www/index.html"]).await;
         assert_eq!(
             String::from_utf8_lossy(&served.stdout).trim(),
             "hello-from-the-server"
@@ -449,21 +390,10 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
 
         // Stop and remove the containers, then the pod.
         for id in [&client, &server] {
-            runtime
-                .stop_container(StopContainerRequest {
-                    container_id: id.clone(),
-                    timeout: 10,
-                })
-                .await
-                .expect("StopContainer");
+            stop_container(&mut runtime, id, 10).await;
             let state = container_status(&mut runtime, id).await;
             assert_eq!(state.state, ContainerState::ContainerExited as i32);
-            runtime
-                .remove_container(RemoveContainerRequest {
-                    container_id: id.clone(),
-                })
-                .await
-                .expect("RemoveContainer");
+            remove_container(&mut runtime, id).await;
         }
         assert_eq!(
             husk_sandboxes(&ctrd).len(),
@@ -498,12 +428,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let status = status.expect("the container of a dead VM is reported exited");
         assert_ne!(status.exit_code, 0, "{status:?}");
         assert!(!status.reason.is_empty(), "{status:?}");
-        runtime
-            .remove_container(RemoveContainerRequest {
-                container_id: sleeper,
-            })
-            .await
-            .expect("RemoveContainer");
+        remove_container(&mut runtime, &sleeper).await;
         remove_pod(&mut runtime, &doomed).await;
         pod
     });

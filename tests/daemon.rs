@@ -1258,12 +1258,16 @@ fn start_test_server(id: &str, port: u16) {
 
 /// An HTTP client whose every name resolves to the front door: what DNS
 /// with a wildcard record for the front door's domain would do.
-fn front_door_client(d: &TestDaemon) -> ureq::Agent {
+/// With `tls`, HTTPS clients trust what it says.
+fn front_door_client(d: &TestDaemon, tls: Option<rustls::ClientConfig>) -> ureq::Agent {
     let door: std::net::SocketAddr = d.expose.parse().expect("front door address");
-    ureq::AgentBuilder::new()
+    let agent = ureq::AgentBuilder::new()
         .resolver(move |_: &str| Ok(vec![door]))
-        .timeout(PATIENCE)
-        .build()
+        .timeout(PATIENCE);
+    match tls {
+        Some(tls) => agent.tls_config(std::sync::Arc::new(tls)).build(),
+        None => agent.build(),
+    }
 }
 
 /// `url` fetched through the front door: its status and body (errors are
@@ -1291,7 +1295,7 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
     let url = |s: &SandboxInfo, port: u16, path: &str| {
         format!("http://{port}-{}.{FRONT_DOMAIN}:{door_port}{path}", s.id)
     };
-    let agent = front_door_client(d);
+    let agent = front_door_client(d, None);
     // Nothing listens yet.
     let before = api().port(&open.id, 8000).expect("port");
     let nobody = front_get(&agent, &url(&open, 8000, "/hello"), None);
@@ -1478,18 +1482,10 @@ fn the_front_door_speaks_https_with_the_operators_certificate() {
         .expect("versions")
         .with_root_certificates(roots)
         .with_no_client_auth();
-    let door: std::net::SocketAddr = d.expose.parse().expect("front door address");
-    let agent = ureq::AgentBuilder::new()
-        .resolver(move |_: &str| Ok(vec![door]))
-        .tls_config(std::sync::Arc::new(client))
-        .timeout(PATIENCE)
-        .build();
+    let agent = front_door_client(d, Some(client));
     let hello = front_get(&agent, &format!("https://{host}:{door_port}/hello"), None);
     // Plain HTTP gets no answer from it.
-    let plain = ureq::AgentBuilder::new()
-        .resolver(move |_: &str| Ok(vec![door]))
-        .timeout(PATIENCE)
-        .build()
+    let plain = front_door_client(d, None)
         .get(&format!("http://{host}:{door_port}/hello"))
         .call();
     destroy(&s.id);

@@ -339,7 +339,7 @@ struct OpenHow {
 /// directories that are missing; an `O_PATH` descriptor.
 fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let open = |at: libc::c_int, rel: &std::ffi::CStr| -> io::Result<OwnedFd> {
+    let open = |rel: &std::ffi::CStr| -> io::Result<OwnedFd> {
         let how = OpenHow {
             flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
             mode: 0,
@@ -349,7 +349,7 @@ fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
         let fd = unsafe {
             libc::syscall(
                 libc::SYS_openat2,
-                at,
+                root.as_raw_fd(),
                 rel.as_ptr(),
                 &how as *const OpenHow,
                 std::mem::size_of::<OpenHow>(),
@@ -361,17 +361,19 @@ fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
         // SAFETY: a descriptor just opened, owned from here.
         Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
     };
-    let mut dir = open(root.as_raw_fd(), c".")?;
+    let mut dir = open(c".")?;
     let mut so_far = String::from(".");
     for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {
-        if part == ".." || part.contains('\0') {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{path:?}: not a plain path"),
-            ));
-        }
+        let name = std::ffi::CString::new(part)
+            .ok()
+            .filter(|_| part != "..")
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{path:?}: not a plain path"),
+                )
+            })?;
         so_far = format!("{so_far}/{part}");
-        let name = std::ffi::CString::new(part).map_err(|_| io::ErrorKind::InvalidInput)?;
         // SAFETY: a directory descriptor and a NUL-terminated name.
         let made = unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), 0o755) };
         if made != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
@@ -381,7 +383,7 @@ fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
         // followed as inside the container.
         let rel =
             std::ffi::CString::new(so_far.as_str()).map_err(|_| io::ErrorKind::InvalidInput)?;
-        dir = open(root.as_raw_fd(), &rel)?;
+        dir = open(&rel)?;
     }
     Ok(dir)
 }

@@ -289,60 +289,68 @@ impl Drop for PendingWrite {
     }
 }
 
-/// The `user.` extended attributes of `path` (a final symlink not
-/// followed), names without the prefix; none where its file system keeps
-/// none.
-fn user_attrs(path: &std::ffi::CStr) -> std::io::Result<Vec<(String, String)>> {
-    let mut names = vec![0u8; 1024];
-    let len = loop {
-        // SAFETY: `names` is a writable buffer of the length given.
-        let n = unsafe { libc::llistxattr(path.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+/// What `call` writes into a buffer it is given, retried with a larger
+/// one while it says the buffer is too small (`ERANGE`: the value grew
+/// meanwhile, or is long; the kernel answers at most 64 KiB).
+fn sized(
+    first: usize,
+    mut call: impl FnMut(&mut [u8]) -> libc::ssize_t,
+) -> std::io::Result<Vec<u8>> {
+    let mut buf = vec![0u8; first];
+    loop {
+        let n = call(&mut buf);
         if n >= 0 {
-            break n as usize;
+            buf.truncate(n as usize);
+            return Ok(buf);
         }
         let e = std::io::Error::last_os_error();
         match e.raw_os_error() {
-            // The list grew meanwhile, or is long: a larger buffer (the
-            // kernel lists at most 64 KiB).
-            Some(libc::ERANGE) if names.len() < 1 << 17 => names.resize(names.len() * 4, 0),
-            Some(libc::ENOTSUP) => return Ok(Vec::new()),
+            Some(libc::ERANGE) if buf.len() < 1 << 17 => buf.resize(buf.len() * 4, 0),
             _ => return Err(e),
         }
+    }
+}
+
+/// The `user.` extended attributes of `path` (a final symlink not
+/// followed), names without the prefix; none where its file system keeps
+/// none.
+fn user_attrs(path: &std::ffi::CStr) -> std::io::Result<husk_protocol::Attributes> {
+    let list = |buf: &mut [u8]| {
+        // SAFETY: a NUL-terminated path and a writable buffer of the
+        // length given.
+        unsafe { libc::llistxattr(path.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) }
+    };
+    let names = match sized(1024, list) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(Vec::new()),
+        names => names?,
     };
     let mut attrs = Vec::new();
-    for name in names[..len].split(|b| *b == 0) {
+    for name in names.split(|b| *b == 0) {
         let Some(short) = name.strip_prefix(b"user.") else {
             continue;
         };
         let cname = std::ffi::CString::new(name).map_err(|_| std::io::ErrorKind::InvalidData)?;
-        let mut value = vec![0u8; 256];
-        let got = loop {
-            // SAFETY: `value` is a writable buffer of the length given.
-            let n = unsafe {
+        let get = |buf: &mut [u8]| {
+            // SAFETY: NUL-terminated strings and a writable buffer of the
+            // length given.
+            unsafe {
                 libc::lgetxattr(
                     path.as_ptr(),
                     cname.as_ptr(),
-                    value.as_mut_ptr().cast(),
-                    value.len(),
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
                 )
-            };
-            if n >= 0 {
-                break Some(n as usize);
-            }
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::ERANGE) if value.len() < 1 << 17 => value.resize(value.len() * 4, 0),
-                // Removed meanwhile.
-                Some(libc::ENODATA) => break None,
-                _ => return Err(e),
             }
         };
-        if let Some(n) = got {
-            attrs.push((
-                String::from_utf8_lossy(short).into_owned(),
-                String::from_utf8_lossy(&value[..n]).into_owned(),
-            ));
-        }
+        let value = match sized(256, get) {
+            // Removed meanwhile.
+            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => continue,
+            value => value?,
+        };
+        attrs.push((
+            String::from_utf8_lossy(short).into_owned(),
+            String::from_utf8_lossy(&value).into_owned(),
+        ));
     }
     Ok(attrs)
 }

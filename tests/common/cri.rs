@@ -12,10 +12,11 @@ use super::oci;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     ContainerConfig, ContainerMetadata, ContainerStatus, ContainerStatusRequest,
-    CreateContainerRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext,
-    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption,
-    PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StartContainerRequest, StopPodSandboxRequest,
+    CreateContainerRequest, ExecSyncRequest, ExecSyncResponse, ImageSpec, LinuxContainerConfig,
+    LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
+    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemoveContainerRequest,
+    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
+    StopPodSandboxRequest,
 };
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
@@ -207,6 +208,44 @@ pub async fn start_container(
         .await
         .expect("StartContainer");
     id
+}
+
+/// ExecSync of `cmd` in container `id` (within 300 s).
+pub async fn exec_sync(
+    runtime: &mut RuntimeServiceClient<Channel>,
+    id: &str,
+    cmd: &[&str],
+) -> ExecSyncResponse {
+    runtime
+        .exec_sync(ExecSyncRequest {
+            container_id: id.to_owned(),
+            cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
+            timeout: 300,
+        })
+        .await
+        .expect("ExecSync")
+        .into_inner()
+}
+
+/// StopContainer of `id`, killed after `timeout` seconds.
+pub async fn stop_container(runtime: &mut RuntimeServiceClient<Channel>, id: &str, timeout: i64) {
+    runtime
+        .stop_container(StopContainerRequest {
+            container_id: id.to_owned(),
+            timeout,
+        })
+        .await
+        .expect("StopContainer");
+}
+
+/// RemoveContainer of `id`.
+pub async fn remove_container(runtime: &mut RuntimeServiceClient<Channel>, id: &str) {
+    runtime
+        .remove_container(RemoveContainerRequest {
+            container_id: id.to_owned(),
+        })
+        .await
+        .expect("RemoveContainer");
 }
 
 /// ContainerStatus of `id`.

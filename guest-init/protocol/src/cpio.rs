@@ -88,12 +88,12 @@ impl<W: Write> Writer<W> {
             entry.name.len() as u32 + 1,
             0, // check
         ];
-        let mut header = String::with_capacity(HEADER);
-        header.push_str("070701");
+        let mut header = Vec::with_capacity(HEADER);
+        header.extend_from_slice(MAGIC);
         for f in fields {
-            header.push_str(&format!("{f:08x}"));
+            header.extend_from_slice(format!("{f:08x}").as_bytes());
         }
-        self.put(header.as_bytes())?;
+        self.put(&header)?;
         self.put(entry.name)?;
         self.put(&[0])?;
         self.pad()?;
@@ -281,11 +281,12 @@ mod tests {
                 hex(&bytes[54..62]) as usize,
                 hex(&bytes[94..102]) as usize,
             );
-            let name = String::from_utf8_lossy(&bytes[110..110 + namesize - 1]).into_owned();
-            let data_at = 110 + namesize + pad(110 + namesize);
-            if name == "TRAILER!!!" {
+            let name = &bytes[HEADER..HEADER + namesize - 1];
+            let data_at = HEADER + namesize + pad(HEADER + namesize);
+            if name == TRAILER {
                 return out;
             }
+            let name = String::from_utf8_lossy(name).into_owned();
             out.push((name, mode, bytes[data_at..data_at + size].to_vec()));
             bytes = &bytes[data_at + size + pad(size)..];
         }

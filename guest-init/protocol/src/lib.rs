@@ -306,12 +306,12 @@ pub enum Body {
     /// all of its `user.` attributes (`UserAttrs`).
     UserAttrs {
         path: String,
-        set: Vec<(String, String)>,
+        set: Attributes,
     },
     /// The `user.` extended attributes of a path (names without the
     /// prefix, values as text), or of each entry of a directory that has
     /// any (`DirAttrs`).
-    Attrs(Vec<(String, String)>),
+    Attrs(Attributes),
     /// The entries of directory `path` that have `user.` extended
     /// attributes, with them (`DirAttrs`); at most [`MAX_DIR_ATTRS`]
     /// bytes of them.

@@ -833,14 +833,11 @@ impl AgentClient {
         memory_max: Option<u64>,
         own_pids: bool,
     ) -> Result<(), ClientError> {
-        match self.call(Body::Container {
+        self.expect_done(Body::Container {
             root: root.to_owned(),
             memory_max,
             own_pids,
-        })? {
-            Body::Done => Ok(()),
-            other => Err(ClientError::Unexpected(Box::new(other))),
-        }
+        })
     }
 
     /// Binds guest directory `source` at `target` inside the container
@@ -853,15 +850,12 @@ impl AgentClient {
         target: &str,
         readonly: bool,
     ) -> Result<(), ClientError> {
-        match self.call(Body::Mount {
+        self.expect_done(Body::Mount {
             root: root.to_owned(),
             source: source.to_owned(),
             target: target.to_owned(),
             readonly,
-        })? {
-            Body::Done => Ok(()),
-            other => Err(ClientError::Unexpected(Box::new(other))),
-        }
+        })
     }
 
     /// What the declared container rooted at guest directory `root` uses
@@ -884,7 +878,7 @@ impl AgentClient {
         &mut self,
         path: &str,
         set: &[(String, String)],
-    ) -> Result<Vec<(String, String)>, ClientError> {
+    ) -> Result<husk_protocol::Attributes, ClientError> {
         match self.call(Body::UserAttrs {
             path: path.to_owned(),
             set: set.to_vec(),

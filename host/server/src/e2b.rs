@@ -1479,7 +1479,7 @@ const METADATA: &str = "e2b.";
 const METADATA_HEADER: &str = "x-metadata-";
 
 /// E2B's metadata among a file's `user.` attributes.
-fn metadata_of(attrs: Vec<(String, String)>) -> serde_json::Map<String, Value> {
+fn metadata_of(attrs: husk_protocol::Attributes) -> serde_json::Map<String, Value> {
     attrs
         .into_iter()
         .filter_map(|(k, v)| Some((k.strip_prefix(METADATA)?.to_owned(), Value::String(v))))
@@ -1497,7 +1497,7 @@ fn metadata_at(agent: &mut AgentClient, path: &str) -> serde_json::Map<String, V
 
 /// An upload's metadata from its `X-Metadata-KEY` headers, keys lowercased
 /// as envd does; values must be printable ASCII (as the SDK checks).
-fn upload_metadata(headers: &HeaderMap) -> Result<Vec<(String, String)>, String> {
+fn upload_metadata(headers: &HeaderMap) -> Result<husk_protocol::Attributes, String> {
     let mut meta = Vec::new();
     for (name, value) in headers {
         let Some(key) = name.as_str().strip_prefix(METADATA_HEADER) else {
@@ -1621,7 +1621,7 @@ async fn filesystem_rpc(
                     while let Some((dir, level)) = todo.pop() {
                         // The metadata of the directory's entries, in one
                         // request (none from an older agent).
-                        let mut meta: HashMap<String, Vec<(String, String)>> = agent
+                        let mut meta: HashMap<String, husk_protocol::Attributes> = agent
                             .dir_user_attrs(&dir)
                             .map(|e| e.into_iter().collect())
                             .unwrap_or_default();

@@ -245,10 +245,10 @@ impl Bundle {
             .and_then(|c| Some((c.quota()?, c.period()?)))
             .filter(|(q, p)| *q > 0 && *p > 0)
             .map(|(q, p)| vcpus_for(q as u64, p));
-        let (files, volumes) = if matches!(pod, Some(Pod::Container { .. })) {
-            bind_mounts(&spec)
-        } else {
-            Default::default()
+        // A pod's container: the spec's mounts come into the pod's VM.
+        let (files, volumes) = match sizes_a_vm {
+            true => Default::default(),
+            false => bind_mounts(&spec),
         };
         Ok(Bundle {
             workload,
@@ -422,7 +422,12 @@ fn resolve_in(root: &Path, path: &str) -> Option<PathBuf> {
 pub fn rootfs_digest(root: &Path) -> Result<String, ShimError> {
     let mut hash = Sha256::new();
     digest_dir(root, Path::new(""), &mut hash)?;
-    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&hash.finalize()))
+}
+
+/// `bytes` in lowercase hex.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn digest_dir(root: &Path, rel: &Path, hash: &mut Sha256) -> Result<(), ShimError> {

@@ -337,7 +337,7 @@ fn bind_volumes(
             Some(dir) => dir.clone(),
             None => {
                 let key = Sha256::digest(v.source.as_os_str().as_encoded_bytes());
-                let dir = format!("{VOLUMES_DIR}/{}", hex16(&key));
+                let dir = format!("{VOLUMES_DIR}/{}", bundle::hex(&key[..8]));
                 let started = std::time::Instant::now();
                 let size = agent.unpack(&dir, &v.source, &[]).inspect_err(|_| {
                     // What came of it goes: the next container copies it
@@ -356,11 +356,6 @@ fn bind_volumes(
         agent.mount(root, &dir, &v.target, v.readonly)?;
     }
     Ok(())
-}
-
-/// The first 16 hex digits of a digest.
-fn hex16(digest: &[u8]) -> String {
-    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn timestamp(t: SystemTime) -> Timestamp {

@@ -55,32 +55,15 @@ pub fn metrics(pid: u32, guest: Option<&Health>) -> Metrics {
     let guest_used = guest.map_or(0, |h| {
         h.mem_total_kib.saturating_sub(h.mem_available_kib) * 1024
     });
-    Metrics {
-        memory: MessageField::some(MemoryStat {
-            usage: MessageField::some(MemoryEntry {
-                usage: usage.unwrap_or(0),
-                limit: limit.unwrap_or(0),
-                max: max.unwrap_or(0),
-                ..Default::default()
-            }),
-            rss: guest_used,
-            total_rss: guest_used,
-            ..Default::default()
-        }),
-        pids: MessageField::some(PidsStat {
-            current: read(&pids, "pids.current").unwrap_or(0),
-            limit: read(&pids, "pids.max").unwrap_or(0),
-            ..Default::default()
-        }),
-        cpu: MessageField::some(CPUStat {
-            usage: MessageField::some(CPUUsage {
-                total: cpu_ns.unwrap_or(0),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    metrics_of(Figures {
+        usage: usage.unwrap_or(0),
+        limit: limit.unwrap_or(0),
+        max: max.unwrap_or(0),
+        rss: guest_used,
+        tasks: read(&pids, "pids.current").unwrap_or(0),
+        tasks_limit: read(&pids, "pids.max").unwrap_or(0),
+        cpu_ns: cpu_ns.unwrap_or(0),
+    })
 }
 
 /// The metrics of a pod's container, from its cgroup in the pod's VM
@@ -88,24 +71,52 @@ pub fn metrics(pid: u32, guest: Option<&Health>) -> Metrics {
 /// tasks).
 pub fn container_metrics(usage: &husk_protocol::ContainerUsage) -> Metrics {
     let memory = usage.memory_bytes.unwrap_or(0);
+    metrics_of(Figures {
+        usage: memory,
+        limit: usage.memory_max.unwrap_or(0),
+        max: 0,
+        rss: memory,
+        tasks: usage.tasks,
+        tasks_limit: 0,
+        cpu_ns: usage.cpu_usec * 1000,
+    })
+}
+
+/// What a task's metrics report (0: unknown or unbounded).
+struct Figures {
+    /// Memory in use, its limit, the most used.
+    usage: u64,
+    limit: u64,
+    max: u64,
+    /// Resident memory.
+    rss: u64,
+    tasks: u64,
+    tasks_limit: u64,
+    /// CPU time used.
+    cpu_ns: u64,
+}
+
+fn metrics_of(f: Figures) -> Metrics {
     Metrics {
         memory: MessageField::some(MemoryStat {
             usage: MessageField::some(MemoryEntry {
-                usage: memory,
-                limit: usage.memory_max.unwrap_or(0),
+                usage: f.usage,
+                limit: f.limit,
+                max: f.max,
                 ..Default::default()
             }),
-            rss: memory,
-            total_rss: memory,
+            rss: f.rss,
+            total_rss: f.rss,
             ..Default::default()
         }),
         pids: MessageField::some(PidsStat {
-            current: usage.tasks,
+            current: f.tasks,
+            limit: f.tasks_limit,
             ..Default::default()
         }),
         cpu: MessageField::some(CPUStat {
             usage: MessageField::some(CPUUsage {
-                total: usage.cpu_usec * 1000,
+                total: f.cpu_ns,
                 ..Default::default()
             }),
             ..Default::default()
