@@ -17,23 +17,55 @@ use std::time::Duration;
 use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
 use cri::{
     connect, container_config, container_status, exec_sync, images, import, pod_config,
-    remove_container, remove_pod, run_pod, start_container, stop_container, BUSYBOX,
+    remove_container, remove_pod, run_pod, start_container, stop_container, Stream, BUSYBOX,
 };
 use husk_bench::density::vmms_below;
 use husk_cri_api::image_service_client::ImageServiceClient;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
-    ContainerState, ContainerStatsRequest, ImageSpec, ImageStatusRequest, LinuxContainerResources,
-    Mount, NamespaceMode, VersionRequest,
+    AttachRequest, ContainerState, ContainerStatsRequest, ExecRequest, ImageSpec,
+    ImageStatusRequest, LinuxContainerResources, Mount, NamespaceMode, PodSandboxConfig,
+    VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
 fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {
-    let out = ctrd.husk(&["ps", "--json"]);
-    let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("husk ps");
-    list.iter()
-        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+    husk_vms(ctrd).into_iter().map(|(id, _)| id).collect()
+}
+
+/// The husk sandboxes the daemon has, with the name of the template each
+/// is a clone of.
+fn husk_vms(ctrd: &Containerd) -> Vec<(String, String)> {
+    let json = |args: &[&str]| -> Vec<serde_json::Value> {
+        serde_json::from_slice(&ctrd.husk(args).stdout).expect("husk's JSON")
+    };
+    let templates = json(&["template", "ls", "--json"]);
+    let name_of = |id: &str| {
+        templates
+            .iter()
+            .find(|t| t["id"] == id)
+            .and_then(|t| t["name"].as_str())
+            .unwrap_or(id)
+            .to_owned()
+    };
+    json(&["ps", "--json"])
+        .iter()
+        .filter_map(|s| {
+            Some((
+                s["id"].as_str()?.to_owned(),
+                name_of(s["template"].as_str()?),
+            ))
+        })
         .collect()
+}
+
+/// The pod's containers' limits, summed into its config as the kubelet
+/// does (`LinuxPodSandboxConfig.resources`).
+fn with_limits(mut config: PodSandboxConfig, limits: &LinuxContainerResources) -> PodSandboxConfig {
+    if let Some(linux) = config.linux.as_mut() {
+        linux.resources = Some(limits.clone());
+    }
+    config
 }
 
 /// The client's request to the server, on the pod's localhost.
@@ -96,10 +128,17 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
 
         // RunPodSandbox: one husk VM, and no VM for the pause container.
-        let config = pod_config("web", &logs);
+        // The pod's limits (the loner's 8 MiB, below) fit in `base`: its
+        // VM is a clone of it.
+        let loner_limits = LinuxContainerResources {
+            memory_limit_in_bytes: 8 << 20,
+            ..Default::default()
+        };
+        let config = with_limits(pod_config("web", &logs), &loner_limits);
         let pod = run_pod(&mut runtime, &config, "husk").await;
-        let vms = husk_sandboxes(&ctrd);
+        let vms = husk_vms(&ctrd);
         assert_eq!(vms.len(), 1, "one VM for the pod: {vms:?}");
+        assert_eq!(vms[0].1, "base", "{vms:?}");
 
         // Two containers: one serves on localhost, the other reaches it.
         let server = start_container(
@@ -193,10 +232,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             {
                 ns.pid = NamespaceMode::Container as i32;
             }
-            linux.resources = Some(LinuxContainerResources {
-                memory_limit_in_bytes: 8 << 20,
-                ..Default::default()
-            });
+            linux.resources = Some(loner_limits);
         }
         // A volume (a host directory, as the kubelet's emptyDir or
         // configMap): the loner writes to it, the client (below) reads it.
@@ -319,10 +355,15 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let server_started = container_status(&mut runtime, &server).await.started_at;
         stop_container(&mut runtime, &client, 10).await;
         remove_container(&mut runtime, &client).await;
-        let mut again = container_config("client", &["/bin/sleep", "100000"]);
+        // It reads its stdin this time (kept open between attaches).
+        let mut again = container_config(
+            "client",
+            &["/bin/sh", "-c", "while read l; do echo \"got:$l\"; done"],
+        );
         if let Some(m) = again.metadata.as_mut() {
             m.attempt = 1;
         }
+        again.stdin = true;
         again.mounts = vec![mount("/shared", true)];
         let client = start_container(&mut runtime, (&pod, &config), again).await;
         // The volume is the pod's: what the loner wrote outlived its
@@ -347,6 +388,62 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             String::from_utf8_lossy(&read.stderr).contains("Read-only"),
             "{read:?}"
         );
+        // Attach (`kubectl attach -i`): what goes in reaches the
+        // container's program, and what it says comes back.
+        let url = runtime
+            .attach(AttachRequest {
+                container_id: client.clone(),
+                stdin: true,
+                stdout: true,
+                stderr: true,
+                tty: false,
+            })
+            .await
+            .expect("Attach")
+            .into_inner()
+            .url;
+        let mut attached = Stream::open(&url);
+        attached.stdin(b"through-attach\n");
+        let said = attached.read_until(|s| s.stdout.ends_with(b"got:through-attach\n"));
+        assert_eq!(
+            String::from_utf8_lossy(&said.stdout).trim(),
+            "got:through-attach",
+            "{said:?}"
+        );
+        attached.close();
+        // Exec (`kubectl exec -i`): stdin in, both outputs and the exit
+        // code back.
+        let url = runtime
+            .exec(ExecRequest {
+                container_id: client.clone(),
+                cmd: ["sh", "-c", "read l; echo \"in:$l\"; echo oops >&2; exit 5"]
+                    .map(str::to_owned)
+                    .to_vec(),
+                stdin: true,
+                stdout: true,
+                stderr: true,
+                tty: false,
+            })
+            .await
+            .expect("Exec")
+            .into_inner()
+            .url;
+        let mut exec = Stream::open(&url);
+        exec.stdin(b"through-exec\n");
+        let done = exec.read_until(|s| s.status.is_some());
+        exec.close();
+        assert_eq!(
+            (
+                String::from_utf8_lossy(&done.stdout).as_ref(),
+                String::from_utf8_lossy(&done.stderr).as_ref()
+            ),
+            ("in:through-exec\n", "oops\n"),
+            "{done:?}"
+        );
+        let status = done.status.unwrap_or_default();
+        assert_eq!(status["reason"], "NonZeroExitCode", "{status}");
+        assert_eq!(status["details"]["causes"][0]["message"], "5", "{status}");
+
         let refetched = exec_sync(&mut runtime, &client, FETCH).await;
         assert_eq!(
             String::from_utf8_lossy(&refetched.stdout).trim(),
@@ -402,16 +499,51 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
         remove_pod(&mut runtime, &pod).await;
 
-        // A pod whose VM dies: its container is reported exited, with a
-        // failing status.
-        let doomed_config = pod_config("doomed", &logs);
+        // A pod whose limits (160 MiB, 1.5 CPUs) `base` cannot hold: its
+        // VM is a copy of `base` at the pod's size (the limits and 64 MiB
+        // for the guest, in 64 MiB steps: 256 MiB; 2 vCPUs).
+        let limits = LinuxContainerResources {
+            memory_limit_in_bytes: 160 << 20,
+            cpu_quota: 150_000,
+            cpu_period: 100_000,
+            ..Default::default()
+        };
+        let doomed_config = with_limits(pod_config("doomed", &logs), &limits);
         let doomed = run_pod(&mut runtime, &doomed_config, "husk").await;
-        let sleeper = start_container(
+        let vms = husk_vms(&ctrd);
+        assert_eq!(
+            vms.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>(),
+            ["base-256m-2c"],
+            "{vms:?}"
+        );
+        let mut sleeper = container_config("sleeper", &["/bin/sleep", "100000"]);
+        if let Some(linux) = sleeper.linux.as_mut() {
+            linux.resources = Some(limits);
+        }
+        let sleeper = start_container(&mut runtime, (&doomed, &doomed_config), sleeper).await;
+        let size = exec_sync(
             &mut runtime,
-            (&doomed, &doomed_config),
-            container_config("sleeper", &["/bin/sleep", "100000"]),
+            &sleeper,
+            &[
+                "sh",
+                "-c",
+                "grep -c ^processor /proc/cpuinfo; grep MemTotal /proc/meminfo",
+            ],
         )
         .await;
+        let size = String::from_utf8_lossy(&size.stdout).into_owned();
+        let mut lines = size.lines();
+        assert_eq!(lines.next(), Some("2"), "the pod VM's vCPUs: {size}");
+        let kib: u64 = lines
+            .next()
+            .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            .unwrap_or_else(|| panic!("no MemTotal: {size}"));
+        // More than `base`'s 128 MiB could give (the kernel keeps some of
+        // the 256).
+        assert!(kib > 200 << 10, "the pod VM's memory: {kib} KiB");
+
+        // It dies: its container is reported exited, with a failing
+        // status.
         let vmms = vmms_below(ctrd.daemon_pid());
         assert_eq!(vmms.len(), 1, "the doomed pod's VMM");
         // SAFETY: signalling a process by pid.

@@ -264,3 +264,79 @@ pub async fn container_status(
         .status
         .expect("a status")
 }
+
+/// What a CRI streaming session (Exec or Attach) gave back: its output
+/// and, for an exec, its status (the `v4.channel.k8s.io` error channel's
+/// JSON).
+#[derive(Debug, Default)]
+pub struct Streamed {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub status: Option<serde_json::Value>,
+}
+
+/// A session with the CRI's streaming server, at the URL Exec or Attach
+/// answered, over a WebSocket as `kubectl exec`/`attach` make one
+/// (protocol `v4.channel.k8s.io`: each message's first byte is its
+/// channel, 0 stdin, 1 stdout, 2 stderr, 3 the status).
+pub struct Stream(tungstenite::WebSocket<std::net::TcpStream>);
+
+impl Stream {
+    pub fn open(url: &str) -> Stream {
+        use tungstenite::client::IntoClientRequest;
+        let address = url
+            .split_once("://")
+            .and_then(|(_, rest)| rest.split('/').next())
+            .unwrap_or_else(|| panic!("the streaming URL `{url}`"));
+        let tcp = std::net::TcpStream::connect(address).expect("the CRI's streaming server");
+        // The guest is slow here: no read waits for ever.
+        tcp.set_read_timeout(Some(super::common::BOOT_TIMEOUT))
+            .expect("timeout");
+        let mut request = url
+            .replacen("http", "ws", 1)
+            .into_client_request()
+            .expect("the streaming URL");
+        request.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            tungstenite::http::HeaderValue::from_static("v4.channel.k8s.io"),
+        );
+        let (ws, _) = tungstenite::client::client(request, tcp).expect("WebSocket upgrade");
+        Stream(ws)
+    }
+
+    pub fn stdin(&mut self, data: &[u8]) {
+        let mut message = vec![0];
+        message.extend_from_slice(data);
+        self.0
+            .send(tungstenite::Message::binary(message))
+            .expect("stdin");
+    }
+
+    /// Reads until `done` holds for what came, or the server ends the
+    /// session.
+    pub fn read_until(&mut self, done: impl Fn(&Streamed) -> bool) -> Streamed {
+        let mut got = Streamed::default();
+        while !done(&got) {
+            match self.0.read() {
+                Ok(tungstenite::Message::Binary(data)) if !data.is_empty() => match data[0] {
+                    1 => got.stdout.extend_from_slice(&data[1..]),
+                    2 => got.stderr.extend_from_slice(&data[1..]),
+                    3 => got.status = Some(serde_json::from_slice(&data[1..]).expect("status")),
+                    _ => {}
+                },
+                Ok(tungstenite::Message::Close(_))
+                | Err(tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed) => {
+                    break
+                }
+                Ok(_) => {}
+                Err(e) => panic!("the streaming session: {e} (so far: {got:?})"),
+            }
+        }
+        got
+    }
+
+    pub fn close(mut self) {
+        let _ = self.0.close(None);
+        while self.0.read().is_ok() {}
+    }
+}

@@ -44,6 +44,77 @@ pub const SANDBOX_ID_ANNOTATION: &str = "io.kubernetes.cri.sandbox-id";
 /// The template a pod's VM is a clone of when the pod names none.
 pub const DEFAULT_POD_TEMPLATE: &str = "base";
 
+/// The CRI's annotations on a pod's sandbox container with the sum of its
+/// containers' limits (the kubelet's `LinuxPodSandboxConfig.resources`):
+/// memory in bytes, and the CPU quota per period (both 0 when unset).
+pub const SANDBOX_MEMORY_ANNOTATION: &str = "io.kubernetes.cri.sandbox-memory";
+pub const SANDBOX_CPU_QUOTA_ANNOTATION: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+pub const SANDBOX_CPU_PERIOD_ANNOTATION: &str = "io.kubernetes.cri.sandbox-cpu-period";
+
+/// What a pod's VM holds beside its containers' limits: the guest kernel,
+/// the agent, and the containers' root file systems (unpacked into the
+/// guest's memory).
+pub const POD_OVERHEAD_MIB: u32 = 64;
+
+/// A pod's VM grows in steps of this many MiB, so that pods of about the
+/// same size share a template.
+const POD_MEM_STEP_MIB: u32 = 64;
+
+/// What a pod's containers are limited to, together (from the CRI's
+/// sandbox annotations).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PodResources {
+    /// The sum of the containers' memory limits, in bytes.
+    pub memory: Option<u64>,
+    /// The sum of their CPU limits, as vCPUs (rounded up).
+    pub vcpus: Option<u8>,
+    /// Whether the VM may be a larger copy of its template (the pod named
+    /// none: the base template is built again at the pod's size); a
+    /// template the pod names is used as it is, or refused if too small.
+    pub may_grow: bool,
+}
+
+impl PodResources {
+    fn from_annotations(
+        annotations: &std::collections::HashMap<String, String>,
+        may_grow: bool,
+    ) -> Result<PodResources, ShimError> {
+        let number = |key: &str| -> Result<i64, ShimError> {
+            annotations.get(key).map_or(Ok(0), |v| {
+                v.trim().parse().map_err(|_| {
+                    ShimError::Invalid(format!("annotation `{key}`: `{v}` is not a number"))
+                })
+            })
+        };
+        let memory = number(SANDBOX_MEMORY_ANNOTATION)?;
+        let (quota, period) = (
+            number(SANDBOX_CPU_QUOTA_ANNOTATION)?,
+            number(SANDBOX_CPU_PERIOD_ANNOTATION)?,
+        );
+        Ok(PodResources {
+            memory: u64::try_from(memory).ok().filter(|m| *m > 0),
+            vcpus: (quota > 0 && period > 0).then(|| vcpus_for(quota as u64, period as u64)),
+            may_grow,
+        })
+    }
+
+    /// The VM size (vCPUs, MiB) the pod needs when a template of
+    /// `template` (vCPUs, MiB) is too small for it: its limits plus
+    /// [`POD_OVERHEAD_MIB`], rounded up to [`POD_MEM_STEP_MIB`]. `None`
+    /// when the template holds it.
+    pub fn larger_than(&self, template: (u8, u32)) -> Option<(u8, u32)> {
+        let mem = self.memory.map_or(0, |bytes| {
+            let mib = u32::try_from(bytes.div_ceil(1 << 20)).unwrap_or(u32::MAX);
+            mib.saturating_add(POD_OVERHEAD_MIB)
+                .div_ceil(POD_MEM_STEP_MIB)
+                .saturating_mul(POD_MEM_STEP_MIB)
+        });
+        let vcpus = self.vcpus.unwrap_or(0);
+        (mem > template.1 || vcpus > template.0)
+            .then(|| (vcpus.max(template.0), mem.max(template.1)))
+    }
+}
+
 /// A task's place in a Kubernetes pod (from the CRI's annotations).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pod {
@@ -113,6 +184,8 @@ pub struct Bundle {
     pub files: Vec<(String, PathBuf)>,
     /// The spec's directory bind mounts (a pod's container's volumes).
     pub volumes: Vec<Volume>,
+    /// A pod's sandbox: its containers' limits, which size its VM.
+    pub pod_resources: Option<PodResources>,
 }
 
 /// Largest file a bind mount brings into a pod's container.
@@ -192,6 +265,13 @@ impl Bundle {
         let workload = workload(process)?;
         let annotations = spec.annotations().clone().unwrap_or_default();
         let pod = pod_of(&annotations);
+        let pod_resources = match &pod {
+            Some(Pod::Sandbox) => Some(PodResources::from_annotations(
+                &annotations,
+                !annotations.contains_key(TEMPLATE_ANNOTATION),
+            )?),
+            _ => None,
+        };
         let template = match (&pod, annotations.get(TEMPLATE_ANNOTATION)) {
             // A pod's VM: the pod's template, or the base one; the pause
             // image is not used.
@@ -270,6 +350,7 @@ impl Bundle {
             files,
             volumes,
             pod,
+            pod_resources,
         })
     }
 }
@@ -599,6 +680,43 @@ mod tests {
     }
 
     #[test]
+    fn a_pods_limits_and_overhead_size_its_vm_when_the_template_is_smaller() {
+        let annotations = |memory: &str, quota: &str| {
+            [
+                (SANDBOX_MEMORY_ANNOTATION, memory),
+                (SANDBOX_CPU_QUOTA_ANNOTATION, quota),
+                (SANDBOX_CPU_PERIOD_ANNOTATION, "100000"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+        };
+        let pod = |memory, quota| {
+            PodResources::from_annotations(&annotations(memory, quota), true).expect("test setup")
+        };
+        // No limits (the kubelet's zeros): the template as it is.
+        assert_eq!(
+            pod("0", "0"),
+            PodResources {
+                may_grow: true,
+                ..Default::default()
+            }
+        );
+        assert_eq!(pod("0", "0").larger_than((1, 128)), None);
+        // 8 MiB + 64 fits in 128 MiB; 160 MiB + 64 is 224, rounded to 256.
+        assert_eq!(pod("8388608", "0").larger_than((1, 128)), None);
+        assert_eq!(pod("167772160", "0").larger_than((1, 128)), Some((1, 256)));
+        assert_eq!(pod("167772160", "0").larger_than((2, 512)), None);
+        // 1.5 CPUs: 2 vCPUs; the template's memory is kept.
+        assert_eq!(pod("0", "150000").larger_than((1, 128)), Some((2, 128)));
+        assert_eq!(pod("0", "150000").larger_than((4, 128)), None);
+        // Not from the kubelet: said so.
+        let err =
+            PodResources::from_annotations(&annotations("lots", "0"), true).expect_err("refused");
+        assert!(err.to_string().contains(SANDBOX_MEMORY_ANNOTATION), "{err}");
+    }
+
+    #[test]
     fn bind_mounts_are_files_or_volumes() {
         let host = tree();
         let bind = |dest: &str, source: &Path, options: &[&str]| {
@@ -641,5 +759,6 @@ mod tests {
                 },
             ]
         );
+        std::fs::remove_dir_all(host).expect("test setup");
     }
 }

@@ -15,7 +15,9 @@
 //!   content hash and shared read-only by its clones, each with its own
 //!   copy-on-write layer), or the `io.husk.template` annotation names a
 //!   template; the task's sandbox is a clone of it (pooled when the daemon
-//!   keeps a pool). The OCI memory and CPU limits size the VM.
+//!   keeps a pool). The OCI memory and CPU limits size the VM; a pod's
+//!   VM is sized by its containers' limits (the CRI's sandbox
+//!   annotations, see [`bundle::PodResources`]).
 //! - Start runs the OCI process (args, env, cwd, user, terminal) through
 //!   the agent, with the FIFOs bridged ([`process`]); Exec adds processes.
 //! - Kill, Wait, State, Pids, ResizePty, CloseIO, Pause and Resume (the
@@ -407,14 +409,18 @@ impl Inner {
         })
     }
 
-    /// The template for a bundle: the annotation's, or its root file
-    /// system's (built now if no shim built it before).
+    /// The template for a bundle: the annotation's (for a pod, one of its
+    /// size), or its root file system's (built now if no shim built it
+    /// before).
     fn template_for(&self, bundle: &Bundle) -> Result<String, ShimError> {
         let dir = match &bundle.source {
             Source::Template(name) => {
                 // Unknown: fail now, with the daemon's word for it.
-                self.daemon.template(name)?;
-                return Ok(name.clone());
+                let record = self.daemon.template(name)?;
+                return match bundle.pod_resources {
+                    Some(pod) => self.pod_template(record, &pod),
+                    None => Ok(name.clone()),
+                };
             }
             Source::Rootfs(dir) => dir,
         };
@@ -422,12 +428,8 @@ impl Inner {
         let mem_mib = bundle.mem_mib.unwrap_or(128);
         let vcpus = bundle.vcpus.unwrap_or(1);
         let name = bundle::template_name(&digest, mem_mib, vcpus);
-        let mut wait = husk_agent_client::readiness::WaitBudget::new(BUILD_WAIT);
-        loop {
-            if self.template_exists(&name)? {
-                return Ok(name);
-            }
-            let spec = husk_types::TemplateSpec {
+        self.built(&name, || {
+            Ok(husk_types::TemplateSpec {
                 vcpus,
                 mem_mib,
                 // The daemon reads no host path a client names: the
@@ -436,10 +438,69 @@ impl Inner {
                     upload: self.daemon.upload_dir(dir)?,
                 },
                 ..husk_types::TemplateSpec::new(name.clone())
-            };
-            tracing::info!(template = %name, rootfs = %dir.display(), "building the task's template");
+            })
+        })
+    }
+
+    /// A pod's template: `record`'s, if its VMs hold the pod's limits;
+    /// else, for the base template, a copy of it at the pod's size (built
+    /// once per size); a template the pod names that is too small is
+    /// refused, saying what the pod needs.
+    fn pod_template(
+        &self,
+        record: husk_types::TemplateRecord,
+        pod: &bundle::PodResources,
+    ) -> Result<String, ShimError> {
+        let Some((vcpus, mem_mib)) = pod.larger_than((record.vcpus, record.mem_mib)) else {
+            return Ok(record.name);
+        };
+        // Only husk's own root file system is built again from its name:
+        // another template's source (an upload, warm-up commands) is not
+        // on record.
+        if !pod.may_grow || record.source != "default" {
+            return Err(ShimError::Invalid(format!(
+                "the pod needs {vcpus} vCPU and {mem_mib} MiB (its containers' limits and \
+                 {} MiB for the guest); template `{}` has {} vCPU and {} MiB: name a larger \
+                 one ({})",
+                bundle::POD_OVERHEAD_MIB,
+                record.name,
+                record.vcpus,
+                record.mem_mib,
+                bundle::TEMPLATE_ANNOTATION
+            )));
+        }
+        let name = format!("{}-{mem_mib}m-{vcpus}c", record.name);
+        self.built(&name, || {
+            Ok(husk_types::TemplateSpec {
+                vcpus,
+                mem_mib,
+                network: record.network,
+                block_limit: record.block_limit.clone(),
+                net_limit: record.net_limit.clone(),
+                ..husk_types::TemplateSpec::new(name.clone())
+            })
+        })
+    }
+
+    /// `name`, built from `spec()` unless it exists; waits for another
+    /// shim's build of it.
+    fn built(
+        &self,
+        name: &str,
+        spec: impl Fn() -> Result<husk_types::TemplateSpec, ShimError>,
+    ) -> Result<String, ShimError> {
+        let mut wait = husk_agent_client::readiness::WaitBudget::new(BUILD_WAIT);
+        loop {
+            if self.template_exists(name)? {
+                return Ok(name.to_owned());
+            }
+            let spec = spec()?;
+            tracing::info!(
+                template = %name, vcpus = spec.vcpus, mem_mib = spec.mem_mib,
+                "building the task's template"
+            );
             match self.build(&spec) {
-                Ok(()) => return Ok(name),
+                Ok(()) => return Ok(name.to_owned()),
                 // Another shim is building it: wait for that build (or, if
                 // it fails, try again).
                 Err(ShimError::Daemon(ApiClientError::Status { status: 409, .. })) => {}
