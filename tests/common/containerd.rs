@@ -162,9 +162,14 @@ impl Containerd {
             for sub in ["cni/bin", "cni/conf"] {
                 std::fs::create_dir_all(dir.join(sub)).expect("cni dirs");
             }
+            // `restrict_oom_score_adj`: no OOM score below containerd's
+            // own, as for a containerd in a user namespace. runc's pods
+            // need it where even root may not lower a score (this host:
+            // the pause container's -998 fails runc's init).
             text.push_str(&format!(
                 "[plugins.\"io.containerd.grpc.v1.cri\"]\n\
                  \x20 sandbox_image = \"{PAUSE_IMAGE}\"\n\
+                 \x20 restrict_oom_score_adj = true\n\
                  \x20 stream_server_address = \"127.0.0.1\"\n\
                  \x20 stream_server_port = \"0\"\n\
                  [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n\
