@@ -25,7 +25,7 @@ use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     AttachRequest, ContainerState, ContainerStatsRequest, ExecRequest, ImageSpec,
     ImageStatusRequest, LinuxContainerResources, Mount, NamespaceMode, PodSandboxConfig,
-    VersionRequest,
+    UpdateContainerResourcesRequest, VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
@@ -295,20 +295,23 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         // Its memory limit is its cgroup's in the pod's VM (each of the
         // three containers has one; the other two are unbounded), and
         // holds: a program that takes more is killed.
-        let limit = ctrd.husk(&[
-            "exec",
-            &vm,
-            "--",
-            "/bin/sh",
-            "-c",
-            "cat /sys/fs/cgroup/sandbox/c*/memory.max",
-        ]);
-        let mut limits: Vec<String> = String::from_utf8_lossy(&limit.stdout)
-            .lines()
-            .map(str::to_owned)
-            .collect();
-        limits.sort();
-        assert_eq!(limits, ["8388608", "max", "max"]);
+        let memory_maxes = || {
+            let limit = ctrd.husk(&[
+                "exec",
+                &vm,
+                "--",
+                "/bin/sh",
+                "-c",
+                "cat /sys/fs/cgroup/sandbox/c*/memory.max",
+            ]);
+            let mut limits: Vec<String> = String::from_utf8_lossy(&limit.stdout)
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            limits.sort();
+            limits
+        };
+        assert_eq!(memory_maxes(), ["8388608", "max", "max"]);
         let hog = exec_sync(
             &mut runtime,
             &loner,
@@ -347,6 +350,20 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             "the loner's memory: {memory:?}"
         );
         assert!(cpu.is_some_and(|c| c > 0), "the loner's CPU time: {cpu:?}");
+        // UpdateContainerResources (the kubelet's in-place resize): its
+        // cgroup's limit changes, the others' stay.
+        runtime
+            .update_container_resources(UpdateContainerResourcesRequest {
+                container_id: loner.clone(),
+                linux: Some(LinuxContainerResources {
+                    memory_limit_in_bytes: 24 << 20,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .expect("UpdateContainerResources");
+        assert_eq!(memory_maxes(), ["25165824", "max", "max"]);
         stop_container(&mut runtime, &loner, 2).await;
         remove_container(&mut runtime, &loner).await;
 

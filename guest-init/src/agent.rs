@@ -302,6 +302,18 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             }
             Body::Done
         }
+        Body::ContainerLimits { root, memory_max } => {
+            if let Err(e) = crate::container::set_memory_max(&root, memory_max) {
+                let kind = match e.kind() {
+                    std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
+                    std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+                    _ => crate::files::kind_of(&e),
+                };
+                let message = format!("limits of the container at {root}: {e}");
+                return Some(error(id, kind, message));
+            }
+            Body::Done
+        }
         Body::Rename { from, to } => return Some(crate::files::rename(id, &from, &to)),
         Body::UserAttrs { path, set } => {
             return Some(crate::files::set_user_attrs(id, &path, &set))

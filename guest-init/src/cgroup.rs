@@ -171,6 +171,21 @@ impl Group {
         Ok(group)
     }
 
+    /// Sets its memory limit anew (bytes; `None`: unbounded).
+    pub fn set_memory_max(&self, memory_max: Option<u64>) -> io::Result<()> {
+        if !MEMORY.load(Ordering::SeqCst) {
+            return match memory_max {
+                None => Ok(()),
+                Some(_) => Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "this guest has no memory cgroup controller",
+                )),
+            };
+        }
+        let max = memory_max.map_or("max".to_owned(), |m| m.to_string());
+        std::fs::write(format!("{}/memory.max", self.path), max)
+    }
+
     /// What its programs use now.
     pub fn usage(&self) -> io::Result<husk_protocol::ContainerUsage> {
         let read = |file: &str| std::fs::read_to_string(format!("{}/{file}", self.path));

@@ -88,6 +88,25 @@ pub fn declare(root: &str, memory_max: Option<u64>, own_pids: bool) -> io::Resul
     Ok(())
 }
 
+/// Sets the memory limit of the container rooted at `root` anew (`None`:
+/// unbounded).
+pub fn set_memory_max(root: &str, memory_max: Option<u64>) -> io::Result<()> {
+    let all = containers();
+    let c = all.as_ref().and_then(|m| m.get(root)).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("no container is declared at {root}"),
+        )
+    })?;
+    match &c.group {
+        Some(g) => g.set_memory_max(memory_max),
+        None => Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this guest keeps no cgroups (their setup failed at boot)",
+        )),
+    }
+}
+
 /// What the container rooted at `root` uses now.
 pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
     let all = containers();

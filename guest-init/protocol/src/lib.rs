@@ -67,6 +67,7 @@
 //! | `DirUserAttrs { path }` | host → guest | the `user.` extended attributes of each entry of a directory that has any: `DirAttrs` |
 //! | `DirAttrs(Vec<(entry, attrs)>)` | guest → host | reply to `DirUserAttrs` |
 //! | `Container { root, memory_max, own_pids }` | host → guest | declares the container at `root` before its first `ExecIn`: the memory its programs may use together, whether they have a PID namespace of their own |
+//! | `ContainerLimits { root, memory_max }` | host → guest | sets a declared container's memory limit anew (none: unbounded); `Done` |
 //! | `Mount { root, source, target, readonly }` | host → guest | binds directory `source` at `target` inside the container root `root` (a pod's volume); `Done` |
 //! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
 //! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
@@ -335,6 +336,13 @@ pub enum Body {
     /// `ContainerUsage`.
     ContainerStats {
         root: String,
+    },
+    /// Sets the limit of the declared container rooted at `root` anew:
+    /// its programs together may use `memory_max` bytes (`None`:
+    /// unbounded). `Done`.
+    ContainerLimits {
+        root: String,
+        memory_max: Option<u64>,
     },
     ContainerUsage(ContainerUsage),
 }

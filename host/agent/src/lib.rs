@@ -840,6 +840,19 @@ impl AgentClient {
         })
     }
 
+    /// Sets the memory limit of the declared container rooted at `root`
+    /// anew (bytes; `None`: unbounded).
+    pub fn container_memory_max(
+        &mut self,
+        root: &str,
+        memory_max: Option<u64>,
+    ) -> Result<(), ClientError> {
+        self.expect_done(Body::ContainerLimits {
+            root: root.to_owned(),
+            memory_max,
+        })
+    }
+
     /// Binds guest directory `source` at `target` inside the container
     /// root `root` (resolved there), read-only with `readonly`: a pod's
     /// volume, before the container's first program.

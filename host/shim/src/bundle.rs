@@ -310,11 +310,7 @@ impl Bundle {
         // A pod's container runs in the pod's VM: its limits do not size
         // one.
         let sizes_a_vm = !matches!(pod, Some(Pod::Container { .. }));
-        let memory_limit = resources
-            .as_ref()
-            .and_then(|r| r.memory().as_ref())
-            .and_then(|m| m.limit())
-            .filter(|l| *l > 0);
+        let memory_limit = resources.as_ref().and_then(memory_limit);
         let mem_mib = memory_limit
             .filter(|_| sizes_a_vm)
             .map(mem_mib_for)
@@ -346,7 +342,7 @@ impl Bundle {
                                 && ns.path().is_none()
                         })
                     }),
-            container_memory: memory_limit.filter(|_| !sizes_a_vm).map(|l| l as u64),
+            container_memory: memory_limit.filter(|_| !sizes_a_vm),
             files,
             volumes,
             pod,
@@ -355,9 +351,19 @@ impl Bundle {
     }
 }
 
+/// A pod's container's memory limit in bytes, where `resources` set one.
+pub fn memory_limit(resources: &oci_spec::runtime::LinuxResources) -> Option<u64> {
+    resources
+        .memory()
+        .as_ref()
+        .and_then(|m| m.limit())
+        .and_then(|l| u64::try_from(l).ok())
+        .filter(|l| *l > 0)
+}
+
 /// A memory limit in bytes as a VM size in MiB (rounded up).
-fn mem_mib_for(limit: i64) -> Result<u32, ShimError> {
-    let mib = u32::try_from((limit as u64).div_ceil(1 << 20)).unwrap_or(u32::MAX);
+fn mem_mib_for(limit: u64) -> Result<u32, ShimError> {
+    let mib = u32::try_from(limit.div_ceil(1 << 20)).unwrap_or(u32::MAX);
     if mib < MIN_MEM_MIB {
         return Err(ShimError::Invalid(format!(
             "a memory limit of {mib} MiB is below the {MIN_MEM_MIB} MiB a husk VM needs"

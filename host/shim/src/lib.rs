@@ -859,6 +859,32 @@ impl Inner {
         Ok(())
     }
 
+    /// New limits for a pod's container (the CRI's
+    /// UpdateContainerResources): its memory limit, its cgroup's in the
+    /// pod's VM. A VM's own size is set when it starts; a container's CPU
+    /// limit is not applied inside the VM (the guest kernel has no CPU
+    /// bandwidth control).
+    fn update(&self, id: &str, resources: Option<&Any>) -> Result<(), ShimError> {
+        let (agent, root) =
+            self.with_task(id, |t| Ok((t.vm.agent.clone(), t.guest_dir.clone())))?;
+        let Some(root) = root.as_deref().map(container_root) else {
+            return Err(ShimError::Conflict(format!(
+                "`{id}` is a VM, whose size is set when it starts: only a pod's container's \
+                 memory limit changes"
+            )));
+        };
+        let Some(resources) = resources else {
+            return Ok(());
+        };
+        let resources: oci_spec::runtime::LinuxResources = serde_json::from_slice(&resources.value)
+            .map_err(|e| ShimError::Invalid(format!("the update's resources: {e}")))?;
+        let memory_max = bundle::memory_limit(&resources);
+        husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))?
+            .container_memory_max(&root, memory_max)?;
+        tracing::info!(task = %id, ?memory_max, "the container's memory limit changed");
+        Ok(())
+    }
+
     fn stats(&self, id: &str) -> Result<Any, ShimError> {
         let (pid, agent, root) = self.with_task(id, |t| {
             let root = t.guest_dir.as_deref().map(container_root);
@@ -1155,6 +1181,11 @@ impl shim::Task for TaskService {
             stats: MessageField::some(stats),
             ..Default::default()
         })
+    }
+
+    fn update(&self, _ctx: &TtrpcContext, req: api::UpdateTaskRequest) -> TtrpcResult<api::Empty> {
+        self.inner.update(&req.id, req.resources.as_ref())?;
+        Ok(api::Empty::default())
     }
 
     fn delete(
