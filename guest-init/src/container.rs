@@ -91,24 +91,16 @@ pub fn declare(root: &str, memory_max: Option<u64>, own_pids: bool) -> io::Resul
 /// Sets the memory limit of the container rooted at `root` anew (`None`:
 /// unbounded).
 pub fn set_memory_max(root: &str, memory_max: Option<u64>) -> io::Result<()> {
-    let all = containers();
-    let c = all.as_ref().and_then(|m| m.get(root)).ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("no container is declared at {root}"),
-        )
-    })?;
-    match &c.group {
-        Some(g) => g.set_memory_max(memory_max),
-        None => Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "this guest keeps no cgroups (their setup failed at boot)",
-        )),
-    }
+    with_group(root, |g| g.set_memory_max(memory_max))
 }
 
 /// What the container rooted at `root` uses now.
 pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
+    with_group(root, Group::usage)
+}
+
+/// `f` of the cgroup of the container rooted at `root`, while it has one.
+fn with_group<T>(root: &str, f: impl FnOnce(&Group) -> io::Result<T>) -> io::Result<T> {
     let all = containers();
     let c = all.as_ref().and_then(|m| m.get(root)).ok_or_else(|| {
         io::Error::new(
@@ -117,7 +109,7 @@ pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
         )
     })?;
     match &c.group {
-        Some(g) => g.usage(),
+        Some(g) => f(g),
         None if c.ended => Err(io::Error::new(
             io::ErrorKind::NotFound,
             format!("the container at {root} has ended"),

@@ -657,9 +657,11 @@ impl Inner {
         let dir = format!("{CONTAINERS_DIR}/{}", req.id);
         let root = container_root(&dir);
         let started = std::time::Instant::now();
+        let mut unpacked_ms = 0;
         let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
             .and_then(|mut agent| {
                 let size = agent.unpack(&root, rootfs, &bundle.files)?;
+                unpacked_ms = started.elapsed().as_millis() as u64;
                 // Its volumes, its memory limit (a cgroup of its own in the
                 // pod's VM) and its PID namespace.
                 let declared = bind_volumes(&vm, &mut agent, &root, &bundle.volumes).and_then(|_| {
@@ -681,7 +683,7 @@ impl Inner {
                 Ok(size)
             })?;
         tracing::info!(
-            task = %req.id, pod = %sandbox, bytes = size,
+            task = %req.id, pod = %sandbox, bytes = size, unpack_ms = unpacked_ms,
             ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
         );
         let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
