@@ -363,11 +363,28 @@ mod tests {
     use husk_protocol::cpio;
     use std::os::unix::fs::PermissionsExt;
 
-    fn tempdir(tag: &str) -> PathBuf {
+    /// A new directory under the system's, removed with its contents
+    /// when dropped.
+    struct TempDir(PathBuf);
+
+    impl std::ops::Deref for TempDir {
+        type Target = Path;
+        fn deref(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn tempdir(tag: &str) -> TempDir {
         let dir = std::env::temp_dir().join(format!("husk-unpack-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("tempdir");
-        dir
+        TempDir(dir)
     }
 
     /// Feeds `archive` in chunks of `size`; the reply.
@@ -395,7 +412,8 @@ mod tests {
         let archive = cpio::write_tree(&src, Vec::new()).expect("archive");
 
         for size in [1, 3, 110, 4096, archive.len()] {
-            let out = tempdir("out").join("rootfs");
+            let parent = tempdir("out");
+            let out = parent.join("rootfs");
             let reply = unpack(&archive, &out, size);
             assert!(
                 matches!(reply.body, Body::Written { .. }),
@@ -417,7 +435,6 @@ mod tests {
             );
             assert_eq!(std::fs::read(out.join("empty")).expect("empty"), b"");
         }
-        let _ = std::fs::remove_dir_all(&src);
     }
 
     #[test]
@@ -442,7 +459,8 @@ mod tests {
                     .expect("entry");
             }
             let archive = w.finish().expect("archive");
-            let out = tempdir("bad").join("rootfs");
+            let parent = tempdir("bad");
+            let out = parent.join("rootfs");
             let reply = unpack(&archive, &out, 64);
             assert!(
                 matches!(
@@ -487,7 +505,8 @@ mod tests {
         let src = tempdir("abandoned-src");
         std::fs::write(src.join("f"), vec![1u8; 10_000]).expect("file");
         let archive = cpio::write_tree(&src, Vec::new()).expect("archive");
-        let out = tempdir("abandoned").join("rootfs");
+        let parent = tempdir("abandoned");
+        let out = parent.join("rootfs");
         let mut u = PendingUnpack::start(1, out.to_str().expect("utf-8"));
         u.chunk(&archive[..archive.len() / 2]);
         assert!(out.exists());
@@ -499,7 +518,8 @@ mod tests {
 
     #[test]
     fn garbage_and_a_missing_trailer_are_errors() {
-        let out = tempdir("garbage").join("rootfs");
+        let parent = tempdir("garbage");
+        let out = parent.join("rootfs");
         let reply = unpack(&[b'x'; 300], &out, 50);
         assert!(matches!(reply.body, Body::Error { .. }), "{reply:?}");
 
