@@ -30,16 +30,23 @@ use husk_cri_api::{
 
 /// The husk sandboxes the daemon has, by id.
 fn husk_sandboxes(ctrd: &Containerd) -> Vec<String> {
-    husk_vms(ctrd).into_iter().map(|(id, _)| id).collect()
+    sandbox_list(ctrd)
+        .iter()
+        .filter_map(|s| s["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// `husk ps --json`.
+fn sandbox_list(ctrd: &Containerd) -> Vec<serde_json::Value> {
+    serde_json::from_slice(&ctrd.husk(&["ps", "--json"]).stdout).expect("husk ps")
 }
 
 /// The husk sandboxes the daemon has, with the name of the template each
 /// is a clone of.
 fn husk_vms(ctrd: &Containerd) -> Vec<(String, String)> {
-    let json = |args: &[&str]| -> Vec<serde_json::Value> {
-        serde_json::from_slice(&ctrd.husk(args).stdout).expect("husk's JSON")
-    };
-    let templates = json(&["template", "ls", "--json"]);
+    let templates: Vec<serde_json::Value> =
+        serde_json::from_slice(&ctrd.husk(&["template", "ls", "--json"]).stdout)
+            .expect("husk template ls");
     let name_of = |id: &str| {
         templates
             .iter()
@@ -48,7 +55,7 @@ fn husk_vms(ctrd: &Containerd) -> Vec<(String, String)> {
             .unwrap_or(id)
             .to_owned()
     };
-    json(&["ps", "--json"])
+    sandbox_list(ctrd)
         .iter()
         .filter_map(|s| {
             Some((

@@ -161,8 +161,8 @@ impl Group {
         let path = format!("{SANDBOX}/c{}", NEXT.fetch_add(1, Ordering::SeqCst));
         std::fs::create_dir(&path)?;
         let group = Group { path };
-        if let Some(max) = memory_max {
-            std::fs::write(format!("{}/memory.max", group.path), max.to_string())?;
+        if memory_max.is_some() {
+            group.set_memory_max(memory_max)?;
         }
         std::fs::write(format!("{}/cgroup.subtree_control", group.path), "+pids")?;
         if CPU.load(Ordering::SeqCst) {
