@@ -5,7 +5,10 @@
 //! * ping round trip (p50/p99 over 50), the protocol path with no process
 //!   work in the guest;
 //! * `exec true` round trip (p50/p99 over 10): fork+exec+wait in the guest;
-//! * stdout throughput of `dd if=/dev/zero bs=64k count=256` (16 MiB).
+//! * stdout throughput of `dd if=/dev/zero bs=64k count=16` (1 MiB);
+//! * host to guest: `write_file` of the host's busybox (~2 MB), and
+//!   `unpack` of a busybox tree (the binary and links to it, as a pod's
+//!   container's root file system is brought in).
 //!
 //! On an emulating (PVM) host the guest kernel's share of each number is
 //! inflated ~1000x (a fork+exec alone costs seconds there); the host side
@@ -80,9 +83,26 @@ fn main() {
     );
     let t = Instant::now();
     let out = client
-        .exec(argv(&["dd", "if=/dev/zero", "bs=65536", "count=256"]))
+        .exec(argv(&["dd", "if=/dev/zero", "bs=65536", "count=16"]))
         .expect("dd");
     let dd = t.elapsed();
+    let busybox = std::path::Path::new("/bin/busybox");
+    let size = std::fs::metadata(busybox).map(|m| m.len()).unwrap_or(0);
+    let written = (size > 0).then(|| {
+        let t = Instant::now();
+        let file = std::fs::File::open(busybox).expect("open busybox");
+        client
+            .write_file("/tmp/busybox", 0o755, file)
+            .expect("write_file");
+        t.elapsed()
+    });
+    let unpacked = (size > 0).then(|| {
+        let tree = dir.as_path().join("tree");
+        common::containerd::busybox_rootfs(&tree, "marker");
+        let t = Instant::now();
+        client.unpack("/tmp/tree", &tree, &[]).expect("unpack");
+        t.elapsed()
+    });
     // SAFETY: signalling our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     common::wait(child, Duration::from_secs(60));
@@ -92,4 +112,17 @@ fn main() {
         out.stdout.len() >> 20,
         out.stdout.len() as f64 / (1 << 20) as f64 / dd.as_secs_f64()
     );
+    match (written, unpacked) {
+        (Some(w), Some(u)) => {
+            let mib = size as f64 / (1 << 20) as f64;
+            println!(
+                "write_file busybox:   {mib:.2} MiB in {w:.2?}: {:.2} MiB/s",
+                mib / w.as_secs_f64()
+            );
+            println!("unpack busybox tree:  {mib:.2} MiB + 9 links in {u:.2?}");
+        }
+        _ => println!(
+            "write_file, unpack:   skipped (no /bin/busybox: apt-get install busybox-static)"
+        ),
+    }
 }

@@ -135,10 +135,13 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
 
         // RunPodSandbox: one husk VM, and no VM for the pause container.
-        // The pod's limits (the loner's 8 MiB, below) fit in `base`: its
+        // The pod's limits (the loner's 8 MiB and 0.8 CPU, below) fit in
+        // `base`: its
         // VM is a clone of it.
         let loner_limits = LinuxContainerResources {
             memory_limit_in_bytes: 8 << 20,
+            cpu_quota: 80_000,
+            cpu_period: 100_000,
             ..Default::default()
         };
         let config = with_limits(pod_config("web", &logs), &loner_limits);
@@ -299,17 +302,17 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             shared.contains("httpd"),
             "the shared namespace lacks the server: {shared}"
         );
-        // Its memory limit is its cgroup's in the pod's VM (each of the
-        // three containers has one; the other two are unbounded), and
-        // holds: a program that takes more is killed.
-        let memory_maxes = || {
+        // Its memory and CPU limits are its cgroup's in the pod's VM (each
+        // of the three containers has one; the other two are unbounded),
+        // and the memory limit holds: a program that takes more is killed.
+        let limits = |file: &str| {
             let limit = ctrd.husk(&[
                 "exec",
                 &vm,
                 "--",
                 "/bin/sh",
                 "-c",
-                "cat /sys/fs/cgroup/sandbox/c*/memory.max",
+                &format!("cat /sys/fs/cgroup/sandbox/c*/{file}"),
             ]);
             let mut limits: Vec<String> = String::from_utf8_lossy(&limit.stdout)
                 .lines()
@@ -318,7 +321,11 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             limits.sort();
             limits
         };
-        assert_eq!(memory_maxes(), ["8388608", "max", "max"]);
+        assert_eq!(limits("memory.max"), ["8388608", "max", "max"]);
+        assert_eq!(
+            limits("cpu.max"),
+            ["80000 100000", "max 100000", "max 100000"]
+        );
         let hog = exec_sync(
             &mut runtime,
             &loner,
@@ -358,19 +365,25 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         );
         assert!(cpu.is_some_and(|c| c > 0), "the loner's CPU time: {cpu:?}");
         // UpdateContainerResources (the kubelet's in-place resize): its
-        // cgroup's limit changes, the others' stay.
+        // cgroup's limits change, the others' stay.
         runtime
             .update_container_resources(UpdateContainerResourcesRequest {
                 container_id: loner.clone(),
                 linux: Some(LinuxContainerResources {
                     memory_limit_in_bytes: 24 << 20,
+                    cpu_quota: 20_000,
+                    cpu_period: 100_000,
                     ..Default::default()
                 }),
                 ..Default::default()
             })
             .await
             .expect("UpdateContainerResources");
-        assert_eq!(memory_maxes(), ["25165824", "max", "max"]);
+        assert_eq!(limits("memory.max"), ["25165824", "max", "max"]);
+        assert_eq!(
+            limits("cpu.max"),
+            ["20000 100000", "max 100000", "max 100000"]
+        );
         stop_container(&mut runtime, &loner, 2).await;
         remove_container(&mut runtime, &loner).await;
 

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use husk_protocol::{
-    read_frame, write_frame, Body, ErrorKind, Frame, ProtocolError, AGENT_PORT, VERSION,
+    decode, file_chunk, read_payload, write_frame, Body, ErrorKind, Frame, ProtocolError,
+    AGENT_PORT, VERSION,
 };
 
 use crate::conn::{lock, Cancel, Conn};
@@ -75,6 +76,24 @@ pub fn error(id: u64, kind: ErrorKind, message: impl Into<String>) -> Frame {
     }
 }
 
+/// The answer to a change of a container's limits.
+fn limits_set(id: u64, root: &str, set: std::io::Result<()>) -> Frame {
+    match set {
+        Ok(()) => Frame {
+            id,
+            body: Body::Done,
+        },
+        Err(e) => {
+            let kind = match e.kind() {
+                std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
+                std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+                _ => crate::files::kind_of(&e),
+            };
+            error(id, kind, format!("limits of the container at {root}: {e}"))
+        }
+    }
+}
+
 /// Serves one connection until the client leaves or breaks the framing.
 fn serve(stream: File) {
     let Ok(out) = stream.try_clone() else {
@@ -84,8 +103,36 @@ fn serve(stream: File) {
     let mut input = BufReader::new(stream);
     let mut greeted = false;
     let mut writing: Option<Pending> = None;
+    // One payload buffer for the connection's frames: a streamed write's
+    // chunks are taken from it in place (each fresh buffer of a large
+    // frame would cost the guest kernel an mmap, its page faults and an
+    // munmap).
+    let mut payload = Vec::new();
     loop {
-        let frame = match read_frame(&mut input) {
+        match read_payload(&mut input, &mut payload) {
+            Ok(()) => {}
+            Err(ProtocolError::TooLarge(n)) => {
+                // The stream cannot be resynchronised: say why, then close.
+                let msg = format!("frame of {n} bytes is over the limit");
+                let _ = conn.send(&error(0, ErrorKind::TooLarge, msg));
+                break;
+            }
+            Err(_) => break,
+        }
+        if let Some((id, data)) = file_chunk(&payload).filter(|_| greeted) {
+            let reply = match writing.as_mut() {
+                Some(w) if w.id() == id => {
+                    w.chunk(data);
+                    None
+                }
+                _ => Some(error(id, ErrorKind::Invalid, "no write in progress")),
+            };
+            if reply.is_some_and(|r| conn.send(&r).is_err()) {
+                break;
+            }
+            continue;
+        }
+        let frame = match decode(&payload) {
             Ok(frame) => frame,
             Err(ProtocolError::Malformed(e)) => {
                 if conn
@@ -95,12 +142,6 @@ fn serve(stream: File) {
                     break;
                 }
                 continue;
-            }
-            Err(ProtocolError::TooLarge(n)) => {
-                // The stream cannot be resynchronised: say why, then close.
-                let msg = format!("frame of {n} bytes is over the limit");
-                let _ = conn.send(&error(0, ErrorKind::TooLarge, msg));
-                break;
             }
             Err(_) => break,
         };
@@ -137,13 +178,6 @@ fn serve(stream: File) {
                         writing = Some(Pending::start(id, body));
                         None
                     }
-                },
-                Body::FileChunk { data } => match writing.as_mut() {
-                    Some(w) if w.id() == id => {
-                        w.chunk(&data);
-                        None
-                    }
-                    _ => Some(error(id, ErrorKind::Invalid, "no write in progress")),
                 },
                 Body::FileCommit => match writing.take() {
                     Some(w) if w.id() == id => Some(w.commit()),
@@ -303,16 +337,16 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             Body::Done
         }
         Body::ContainerLimits { root, memory_max } => {
-            if let Err(e) = crate::container::set_memory_max(&root, memory_max) {
-                let kind = match e.kind() {
-                    std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
-                    std::io::ErrorKind::NotFound => ErrorKind::NotFound,
-                    _ => crate::files::kind_of(&e),
-                };
-                let message = format!("limits of the container at {root}: {e}");
-                return Some(error(id, kind, message));
-            }
-            Body::Done
+            let set = crate::container::set_memory_max(&root, memory_max);
+            return Some(limits_set(id, &root, set));
+        }
+        Body::ContainerCpu {
+            root,
+            quota_us,
+            period_us,
+        } => {
+            let set = crate::container::set_cpu_max(&root, quota_us, period_us);
+            return Some(limits_set(id, &root, set));
         }
         Body::Rename { from, to } => return Some(crate::files::rename(id, &from, &to)),
         Body::UserAttrs { path, set } => {

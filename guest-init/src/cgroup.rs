@@ -186,6 +186,24 @@ impl Group {
         std::fs::write(format!("{}/memory.max", self.path), max)
     }
 
+    /// Sets its CPU limit: `quota_us` microseconds of CPU time in each
+    /// `period_us` (`None`: unbounded).
+    pub fn set_cpu_max(&self, quota_us: Option<u64>, period_us: u64) -> io::Result<()> {
+        let file = format!("{}/cpu.max", self.path);
+        if !CPU.load(Ordering::SeqCst) || !std::path::Path::new(&file).exists() {
+            return match quota_us {
+                None => Ok(()),
+                Some(_) => Err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "this guest has no CPU bandwidth control (a template built with an older \
+                     husk kernel): rebuild the template",
+                )),
+            };
+        }
+        let quota = quota_us.map_or("max".to_owned(), |q| q.to_string());
+        std::fs::write(file, format!("{quota} {period_us}"))
+    }
+
     /// What its programs use now.
     pub fn usage(&self) -> io::Result<husk_protocol::ContainerUsage> {
         let read = |file: &str| std::fs::read_to_string(format!("{}/{file}", self.path));

@@ -8,12 +8,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use husk_protocol::{write_frame, Frame, ProtocolError};
+use husk_protocol::{write_frame_with, Frame, ProtocolError};
 
 /// One client connection, shared by the threads serving its requests.
 #[derive(Debug)]
 pub struct Conn {
-    out: Mutex<File>,
+    /// The connection, and the buffer frames are encoded in (kept: a
+    /// stream of large frames allocates it once).
+    out: Mutex<(File, Vec<u8>)>,
     closed: AtomicBool,
     /// Long requests running for it (the agent bounds them).
     pub in_flight: AtomicUsize,
@@ -31,7 +33,7 @@ impl Conn {
     /// A connection whose frames go to `out`.
     pub fn new(out: File) -> Self {
         Conn {
-            out: Mutex::new(out),
+            out: Mutex::new((out, Vec::new())),
             closed: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
             foreground: Mutex::new(HashSet::new()),
@@ -44,7 +46,10 @@ impl Conn {
         if self.is_closed() {
             return Err(ProtocolError::Closed);
         }
-        let result = write_frame(&mut *lock(&self.out), frame);
+        let mut out = lock(&self.out);
+        let (file, buf) = &mut *out;
+        let result = write_frame_with(file, frame, buf);
+        drop(out);
         if result.is_err() {
             self.close();
         }

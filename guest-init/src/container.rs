@@ -94,6 +94,12 @@ pub fn set_memory_max(root: &str, memory_max: Option<u64>) -> io::Result<()> {
     with_group(root, |g| g.set_memory_max(memory_max))
 }
 
+/// Sets the CPU limit of the container rooted at `root`: `quota_us` of
+/// every `period_us` microseconds (`None`: unbounded).
+pub fn set_cpu_max(root: &str, quota_us: Option<u64>, period_us: u64) -> io::Result<()> {
+    with_group(root, |g| g.set_cpu_max(quota_us, period_us))
+}
+
 /// What the container rooted at `root` uses now.
 pub fn usage(root: &str) -> io::Result<husk_protocol::ContainerUsage> {
     with_group(root, Group::usage)

@@ -68,6 +68,7 @@
 //! | `DirAttrs(Vec<(entry, attrs)>)` | guest → host | reply to `DirUserAttrs` |
 //! | `Container { root, memory_max, own_pids }` | host → guest | declares the container at `root` before its first `ExecIn`: the memory its programs may use together, whether they have a PID namespace of their own |
 //! | `ContainerLimits { root, memory_max }` | host → guest | sets a declared container's memory limit anew (none: unbounded); `Done` |
+//! | `ContainerCpu { root, quota_us, period_us }` | host → guest | sets a declared container's CPU limit: `quota_us` of CPU time per `period_us` (none: unbounded); `Done` |
 //! | `Mount { root, source, target, readonly }` | host → guest | binds directory `source` at `target` inside the container root `root` (a pod's volume); `Done` |
 //! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
 //! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
@@ -345,6 +346,14 @@ pub enum Body {
         memory_max: Option<u64>,
     },
     ContainerUsage(ContainerUsage),
+    /// Sets the CPU limit of the declared container rooted at `root`: its
+    /// programs together may run `quota_us` of every `period_us`
+    /// microseconds (`None`: unbounded; its cgroup's `cpu.max`). `Done`.
+    ContainerCpu {
+        root: String,
+        quota_us: Option<u64>,
+        period_us: u64,
+    },
 }
 
 /// What a container's programs use together (its cgroup in the guest).
@@ -559,20 +568,41 @@ pub enum ProtocolError {
 
 /// Writes one frame.
 pub fn write_frame<W: Write>(out: &mut W, frame: &Frame) -> Result<(), ProtocolError> {
-    let payload = postcard::to_stdvec(frame)?;
-    if payload.len() > MAX_FRAME {
-        return Err(ProtocolError::TooLarge(payload.len()));
+    write_frame_with(out, frame, &mut Vec::new())
+}
+
+/// Writes one frame, encoded in `buf` (cleared first; its capacity kept
+/// for the next frame: a writer of many large frames allocates once).
+pub fn write_frame_with<W: Write>(
+    out: &mut W,
+    frame: &Frame,
+    buf: &mut Vec<u8>,
+) -> Result<(), ProtocolError> {
+    buf.clear();
+    buf.extend([0u8; 4]);
+    let mut bytes = postcard::to_extend(frame, std::mem::take(buf))?;
+    let len = bytes.len() - 4;
+    if len > MAX_FRAME {
+        *buf = bytes;
+        return Err(ProtocolError::TooLarge(len));
     }
-    let mut bytes = Vec::with_capacity(4 + payload.len());
-    bytes.extend((payload.len() as u32).to_le_bytes());
-    bytes.extend(payload);
-    out.write_all(&bytes)?;
-    out.flush()?;
-    Ok(())
+    bytes[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    let written = out.write_all(&bytes).and_then(|()| out.flush());
+    *buf = bytes;
+    Ok(written?)
 }
 
 /// Reads one frame. `Closed` means a clean end between frames.
 pub fn read_frame<R: Read>(input: &mut R) -> Result<Frame, ProtocolError> {
+    let mut payload = Vec::new();
+    read_payload(input, &mut payload)?;
+    decode(&payload)
+}
+
+/// Reads one frame's payload into `buf` (resized to it; its capacity kept
+/// for the next frame: a reader of many large frames allocates once).
+/// `Closed` means a clean end between frames.
+pub fn read_payload<R: Read>(input: &mut R, buf: &mut Vec<u8>) -> Result<(), ProtocolError> {
     let mut len = [0u8; 4];
     match input.read_exact(&mut len) {
         Ok(()) => {}
@@ -585,9 +615,45 @@ pub fn read_frame<R: Read>(input: &mut R) -> Result<Frame, ProtocolError> {
     if len > MAX_FRAME {
         return Err(ProtocolError::TooLarge(len));
     }
-    let mut payload = vec![0u8; len];
-    input.read_exact(&mut payload)?;
-    Ok(postcard::from_bytes(&payload)?)
+    buf.resize(len, 0);
+    input.read_exact(buf)?;
+    Ok(())
+}
+
+/// The frame a payload from [`read_payload`] holds.
+pub fn decode(payload: &[u8]) -> Result<Frame, ProtocolError> {
+    Ok(postcard::from_bytes(payload)?)
+}
+
+/// A `FileChunk` frame as it is encoded: its fields in order, the body's
+/// variant index between them, the data borrowed from the payload.
+#[derive(Deserialize)]
+struct ChunkView<'a> {
+    id: u64,
+    variant: u32,
+    #[serde(borrow)]
+    data: &'a [u8],
+}
+
+/// The id and data of a payload from [`read_payload`] that holds a
+/// `FileChunk`, borrowed from it; `None` for any other frame (decode it).
+/// A streamed write takes its chunks this way without copying each one.
+pub fn file_chunk(payload: &[u8]) -> Option<(u64, &[u8])> {
+    static VARIANT: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let variant = (*VARIANT.get_or_init(|| {
+        let sample = Frame {
+            id: 0,
+            body: Body::FileChunk { data: Vec::new() },
+        };
+        let bytes = postcard::to_stdvec(&sample).ok()?;
+        postcard::from_bytes::<ChunkView<'_>>(&bytes)
+            .ok()
+            .map(|v| v.variant)
+    }))?;
+    match postcard::from_bytes::<ChunkView<'_>>(payload) {
+        Ok(view) if view.variant == variant => Some((view.id, view.data)),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -702,6 +768,58 @@ mod tests {
 
         assert_eq!(back, frames);
         assert!(matches!(read_frame(&mut input), Err(ProtocolError::Closed)));
+    }
+
+    #[test]
+    fn file_chunks_are_read_in_place_and_other_frames_decoded() {
+        let chunk = |id, data: &[u8]| Frame {
+            id,
+            body: Body::FileChunk {
+                data: data.to_vec(),
+            },
+        };
+        let frames = [
+            chunk(7, b"abc"),
+            Frame {
+                id: 7,
+                body: Body::FileCommit,
+            },
+            chunk(u64::MAX, &[0xa5; 300]),
+            Frame {
+                id: 8,
+                body: Body::WriteFile {
+                    path: "/x".into(),
+                    mode: 0o644,
+                },
+            },
+            chunk(9, b""),
+        ];
+        let mut bytes = Vec::new();
+        let mut buf = Vec::new();
+        for f in &frames {
+            write_frame_with(&mut bytes, f, &mut buf).expect("write");
+        }
+        assert_eq!(bytes, frames.iter().flat_map(encoded).collect::<Vec<_>>());
+
+        let mut input = bytes.as_slice();
+        let mut payload = Vec::new();
+        for f in &frames {
+            read_payload(&mut input, &mut payload).expect("read");
+            let expected = match &f.body {
+                Body::FileChunk { data } => Some((f.id, data.as_slice())),
+                _ => None,
+            };
+            assert_eq!(file_chunk(&payload), expected);
+            assert_eq!(&decode(&payload).expect("decode"), f);
+        }
+        assert!(matches!(
+            read_payload(&mut input, &mut payload),
+            Err(ProtocolError::Closed)
+        ));
+        // A chunk whose data runs past the payload is not one.
+        let mut cut = encoded(&chunk(1, b"abcdef"));
+        cut.truncate(cut.len() - 2);
+        assert_eq!(file_chunk(&cut[4..]), None);
     }
 
     #[test]

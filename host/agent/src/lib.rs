@@ -853,6 +853,22 @@ impl AgentClient {
         })
     }
 
+    /// Sets the CPU limit of the declared container rooted at `root`:
+    /// `quota_us` of CPU time in every `period_us` microseconds (`None`:
+    /// unbounded).
+    pub fn container_cpu_max(
+        &mut self,
+        root: &str,
+        quota_us: Option<u64>,
+        period_us: u64,
+    ) -> Result<(), ClientError> {
+        self.expect_done(Body::ContainerCpu {
+            root: root.to_owned(),
+            quota_us,
+            period_us,
+        })
+    }
+
     /// Binds guest directory `source` at `target` inside the container
     /// root `root` (resolved there), read-only with `readonly`: a pod's
     /// volume, before the container's first program.

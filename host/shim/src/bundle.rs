@@ -175,6 +175,9 @@ pub struct Bundle {
     /// A pod container's memory limit, in bytes (a cgroup in the pod's
     /// VM).
     pub container_memory: Option<u64>,
+    /// A pod container's CPU limit: microseconds of CPU time per period
+    /// (its cgroup's `cpu.max` in the pod's VM).
+    pub container_cpu: Option<(u64, u64)>,
     /// Whether a pod container has a PID namespace of its own (the spec
     /// asks for a new one: Kubernetes' default), rather than the pod's.
     pub own_pids: bool,
@@ -315,12 +318,7 @@ impl Bundle {
             .filter(|_| sizes_a_vm)
             .map(mem_mib_for)
             .transpose()?;
-        let vcpus = resources
-            .as_ref()
-            .and_then(|r| r.cpu().as_ref())
-            .and_then(|c| Some((c.quota()?, c.period()?)))
-            .filter(|(q, p)| *q > 0 && *p > 0)
-            .map(|(q, p)| vcpus_for(q as u64, p));
+        let cpu_limit = resources.as_ref().and_then(cpu_limit);
         // A pod's container: the spec's mounts come into the pod's VM.
         let (files, volumes) = match sizes_a_vm {
             true => Default::default(),
@@ -330,7 +328,9 @@ impl Bundle {
             workload,
             source,
             mem_mib,
-            vcpus: vcpus.filter(|_| sizes_a_vm),
+            vcpus: cpu_limit
+                .filter(|_| sizes_a_vm)
+                .map(|(quota, period)| vcpus_for(quota, period)),
             own_pids: !sizes_a_vm
                 && spec
                     .linux()
@@ -343,6 +343,7 @@ impl Bundle {
                         })
                     }),
             container_memory: memory_limit.filter(|_| !sizes_a_vm),
+            container_cpu: cpu_limit.filter(|_| !sizes_a_vm),
             files,
             volumes,
             pod,
@@ -359,6 +360,14 @@ pub fn memory_limit(resources: &oci_spec::runtime::LinuxResources) -> Option<u64
         .and_then(|m| m.limit())
         .and_then(|l| u64::try_from(l).ok())
         .filter(|l| *l > 0)
+}
+
+/// A pod's container's CPU limit (quota and period, in microseconds),
+/// where `resources` set one.
+pub fn cpu_limit(resources: &oci_spec::runtime::LinuxResources) -> Option<(u64, u64)> {
+    let cpu = resources.cpu().as_ref()?;
+    let quota = u64::try_from(cpu.quota()?).ok().filter(|q| *q > 0)?;
+    Some((quota, cpu.period().filter(|p| *p > 0)?))
 }
 
 /// A memory limit in bytes as a VM size in MiB (rounded up).
@@ -683,6 +692,29 @@ mod tests {
         assert_eq!(vcpus_for(150_000, 100_000), 2);
         assert_eq!(vcpus_for(50_000, 100_000), 1);
         assert_eq!(vcpus_for(u64::MAX, 1), MAX_VCPUS);
+    }
+
+    #[test]
+    fn a_cpu_limit_needs_a_quota_and_a_period() {
+        let resources = |quota: Option<i64>, period: Option<u64>| {
+            let mut cpu = oci_spec::runtime::LinuxCpu::default();
+            cpu.set_quota(quota).set_period(period);
+            let mut r = oci_spec::runtime::LinuxResources::default();
+            r.set_cpu(Some(cpu));
+            r
+        };
+        assert_eq!(
+            cpu_limit(&resources(Some(80_000), Some(100_000))),
+            Some((80_000, 100_000))
+        );
+        // The CRI's "no limit": a quota of 0 or -1.
+        assert_eq!(cpu_limit(&resources(Some(0), Some(100_000))), None);
+        assert_eq!(cpu_limit(&resources(Some(-1), Some(100_000))), None);
+        assert_eq!(cpu_limit(&resources(Some(80_000), None)), None);
+        assert_eq!(
+            cpu_limit(&oci_spec::runtime::LinuxResources::default()),
+            None
+        );
     }
 
     #[test]

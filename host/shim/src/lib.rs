@@ -662,17 +662,23 @@ impl Inner {
             .and_then(|mut agent| {
                 let size = agent.unpack(&root, rootfs, &bundle.files)?;
                 unpacked_ms = started.elapsed().as_millis() as u64;
-                // Its volumes, its memory limit (a cgroup of its own in the
-                // pod's VM) and its PID namespace.
+                // Its volumes, its memory and CPU limits (a cgroup of its
+                // own in the pod's VM) and its PID namespace.
                 let declared = bind_volumes(&vm, &mut agent, &root, &bundle.volumes).and_then(|_| {
                     let asked = bundle.container_memory.is_some() || bundle.own_pids;
                     match agent.container(&root, bundle.container_memory, bundle.own_pids) {
                         // Only its stats need the declaration: without it
                         // they are the pod's.
-                        Err(e) if !asked => {
+                        Err(e) if !asked && bundle.container_cpu.is_none() => {
                             tracing::warn!(task = %req.id, "the pod's VM keeps no cgroup for it: {e}");
                             Ok(())
                         }
+                        Ok(()) => match bundle.container_cpu {
+                            Some((quota, period)) => {
+                                agent.container_cpu_max(&root, Some(quota), period)
+                            }
+                            None => Ok(()),
+                        },
                         declared => declared,
                     }
                 });
@@ -862,10 +868,9 @@ impl Inner {
     }
 
     /// New limits for a pod's container (the CRI's
-    /// UpdateContainerResources): its memory limit, its cgroup's in the
-    /// pod's VM. A VM's own size is set when it starts; a container's CPU
-    /// limit is not applied inside the VM (the guest kernel has no CPU
-    /// bandwidth control).
+    /// UpdateContainerResources): its memory limit and, where the update
+    /// has a CPU section, its CPU limit: its cgroup's in the pod's VM. A
+    /// VM's own size is set when it starts.
     fn update(&self, id: &str, resources: Option<&Any>) -> Result<(), ShimError> {
         let (agent, root) =
             self.with_task(id, |t| Ok((t.vm.agent.clone(), t.guest_dir.clone())))?;
@@ -881,9 +886,17 @@ impl Inner {
         let resources: oci_spec::runtime::LinuxResources = serde_json::from_slice(&resources.value)
             .map_err(|e| ShimError::Invalid(format!("the update's resources: {e}")))?;
         let memory_max = bundle::memory_limit(&resources);
-        husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))?
-            .container_memory_max(&root, memory_max)?;
+        let mut client = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60))?;
+        client.container_memory_max(&root, memory_max)?;
         tracing::info!(task = %id, ?memory_max, "the container's memory limit changed");
+        if let Some(cpu) = resources.cpu() {
+            let limit = bundle::cpu_limit(&resources);
+            // No limit: unbounded, in the kernel's default period.
+            let period = limit.map_or(cpu.period().unwrap_or(0), |(_, p)| p);
+            let period = if period > 0 { period } else { 100_000 };
+            client.container_cpu_max(&root, limit.map(|(quota, _)| quota), period)?;
+            tracing::info!(task = %id, ?limit, "the container's CPU limit changed");
+        }
         Ok(())
     }
 
