@@ -119,7 +119,7 @@ fn main() {
                 "write_file busybox:   {mib:.2} MiB in {w:.2?}: {:.2} MiB/s",
                 mib / w.as_secs_f64()
             );
-            println!("unpack busybox tree:  {mib:.2} MiB + 9 links in {u:.2?}");
+            println!("unpack busybox tree:  {mib:.2} MiB and its links in {u:.2?}");
         }
         _ => println!(
             "write_file, unpack:   skipped (no /bin/busybox: apt-get install busybox-static)"

@@ -136,8 +136,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
 
         // RunPodSandbox: one husk VM, and no VM for the pause container.
         // The pod's limits (the loner's 8 MiB and 0.8 CPU, below) fit in
-        // `base`: its
-        // VM is a clone of it.
+        // `base`: its VM is a clone of it.
         let loner_limits = LinuxContainerResources {
             memory_limit_in_bytes: 8 << 20,
             cpu_quota: 80_000,
