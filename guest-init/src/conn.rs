@@ -46,10 +46,10 @@ impl Conn {
         if self.is_closed() {
             return Err(ProtocolError::Closed);
         }
-        let mut out = lock(&self.out);
-        let (file, buf) = &mut *out;
-        let result = write_frame_with(file, frame, buf);
-        drop(out);
+        let result = {
+            let (file, buf) = &mut *lock(&self.out);
+            write_frame_with(file, frame, buf)
+        };
         if result.is_err() {
             self.close();
         }

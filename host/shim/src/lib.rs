@@ -665,20 +665,19 @@ impl Inner {
                 // Its volumes, its memory and CPU limits (a cgroup of its
                 // own in the pod's VM) and its PID namespace.
                 let declared = bind_volumes(&vm, &mut agent, &root, &bundle.volumes).and_then(|_| {
-                    let asked = bundle.container_memory.is_some() || bundle.own_pids;
+                    let asked = bundle.container_memory.is_some()
+                        || bundle.container_cpu.is_some()
+                        || bundle.own_pids;
                     match agent.container(&root, bundle.container_memory, bundle.own_pids) {
                         // Only its stats need the declaration: without it
                         // they are the pod's.
-                        Err(e) if !asked && bundle.container_cpu.is_none() => {
+                        Err(e) if !asked => {
                             tracing::warn!(task = %req.id, "the pod's VM keeps no cgroup for it: {e}");
                             Ok(())
                         }
-                        Ok(()) => match bundle.container_cpu {
-                            Some((quota, period)) => {
-                                agent.container_cpu_max(&root, Some(quota), period)
-                            }
-                            None => Ok(()),
-                        },
+                        Ok(()) => bundle.container_cpu.map_or(Ok(()), |(quota, period)| {
+                            agent.container_cpu_max(&root, Some(quota), period)
+                        }),
                         declared => declared,
                     }
                 });
@@ -891,9 +890,8 @@ impl Inner {
         tracing::info!(task = %id, ?memory_max, "the container's memory limit changed");
         if let Some(cpu) = resources.cpu() {
             let limit = bundle::cpu_limit(&resources);
-            // No limit: unbounded, in the kernel's default period.
-            let period = limit.map_or(cpu.period().unwrap_or(0), |(_, p)| p);
-            let period = if period > 0 { period } else { 100_000 };
+            // Without a period, the kernel's default.
+            let period = cpu.period().filter(|p| *p > 0).unwrap_or(100_000);
             client.container_cpu_max(&root, limit.map(|(quota, _)| quota), period)?;
             tracing::info!(task = %id, ?limit, "the container's CPU limit changed");
         }
