@@ -114,6 +114,138 @@ fn exec_streams_output_and_reports_how_programs_end() {
     assert!(alive.is_ok(), "{alive:?}");
 }
 
+/// An ext4 image of `size_mib` MiB holding `/hello` with `text`.
+fn ext4_with_hello(path: &std::path::Path, size_mib: u64, text: &str) {
+    let tree = path.with_extension("tree");
+    std::fs::create_dir_all(&tree).expect("tree");
+    std::fs::write(tree.join("hello"), format!("{text}\n")).expect("hello");
+    std::fs::File::create(path)
+        .and_then(|f| f.set_len(size_mib << 20))
+        .expect("image");
+    let made = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-d"])
+        .arg(&tree)
+        .arg(path)
+        .status()
+        .expect("run mkfs.ext4");
+    assert!(made.success(), "mkfs.ext4 failed");
+}
+
+#[test]
+fn a_drive_takes_a_new_medium_that_becomes_a_container_root() {
+    use husk_vmm_api::{Reply, Request};
+    let vm = sandbox("medium");
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let (a, b) = (dir.as_path().join("a.ext4"), dir.as_path().join("b.ext4"));
+    ext4_with_hello(&a, 8, "from-a");
+    ext4_with_hello(&b, 16, "from-b");
+    let hosts = dir.as_path().join("hosts");
+    std::fs::write(&hosts, "10.0.0.7 pod\n").expect("hosts");
+    let a_before = std::fs::read(&a).expect("read a");
+    let (a_overlay, b_overlay) = (dir.as_path().join("a.ov"), dir.as_path().join("b.ov"));
+    let medium = |path: &std::path::Path, overlay: Option<&std::path::Path>| Request::Medium {
+        drive: SLOT.into(),
+        path: path.to_owned(),
+        overlay: overlay.map(|o| o.to_owned()),
+    };
+    let mut client = vm.client();
+
+    let put_a = control(&vm.api, &medium(&a, Some(&a_overlay)));
+    let mounted_a = client.mount_medium(SLOT, 8 << 20, "/ctr/a/root");
+    let files = client.unpack_files("/ctr/a/files", &[("etc/hosts".into(), hosts.clone())]);
+    let bound = client.mount("/ctr/a/root", "/ctr/a/files/etc/hosts", "etc/hosts", false);
+    let on_a = client
+        .exec(sh(
+            "cd /ctr/a/root && cat hello etc/hosts && ls && echo written > new",
+        ))
+        .expect("exec on a");
+    let busy = client.mount_medium(SLOT, 8 << 20, "/ctr/again/root");
+    let removed_a = client.remove("/ctr/a", true);
+    let put_b = control(&vm.api, &medium(&b, Some(&b_overlay)));
+    let mounted_b = client.mount_medium(SLOT, 16 << 20, "/ctr/b/root");
+    let on_b = client
+        .exec(sh("cd /ctr/b/root && cat hello && ls"))
+        .expect("exec on b");
+    let reused_overlay = control(&vm.api, &medium(&a, Some(&b_overlay)));
+    let no_drive = control(
+        &vm.api,
+        &Request::Medium {
+            drive: "nope".into(),
+            path: a.clone(),
+            overlay: None,
+        },
+    );
+    let no_file = control(&vm.api, &medium(&dir.as_path().join("none"), None));
+    let no_serial = client.mount_medium("nope", 8 << 20, "/ctr/c/root");
+    let still_b = client.exec(sh("cat /ctr/b/root/hello")).expect("b again");
+
+    assert!(
+        matches!(put_a, Ok(Reply::Medium { size, .. }) if size == 8 << 20),
+        "{put_a:?}"
+    );
+    assert!(mounted_a.is_ok(), "{mounted_a:?}");
+    assert!(files.is_ok() && bound.is_ok(), "{files:?} {bound:?}");
+    assert_eq!(
+        text(&on_a.stdout),
+        "from-a\n10.0.0.7 pod\netc\nhello\nlost+found\n",
+        "{on_a:?}"
+    );
+    assert_eq!(kind(busy), ErrorKind::Conflict);
+    assert!(removed_a.is_ok(), "{removed_a:?}");
+    assert!(matches!(put_b, Ok(Reply::Medium { .. })), "{put_b:?}");
+    assert!(mounted_b.is_ok(), "{mounted_b:?}");
+    // A new medium: nothing of the old one's cache or the guest's writes.
+    assert_eq!(
+        text(&on_b.stdout),
+        "from-b\nhello\nlost+found\n",
+        "{on_b:?}"
+    );
+    assert!(
+        reused_overlay
+            .as_ref()
+            .is_err_and(|e| e.contains("already exists")),
+        "{reused_overlay:?}"
+    );
+    assert!(
+        no_drive
+            .as_ref()
+            .is_err_and(|e| e.contains("no drive `nope`")),
+        "{no_drive:?}"
+    );
+    assert!(no_file.is_err(), "{no_file:?}");
+    assert_eq!(kind(no_serial), ErrorKind::NotFound);
+    // Refusals leave the drive with its medium.
+    assert_eq!(text(&still_b.stdout), "from-b\n", "{still_b:?}");
+    assert!(
+        std::fs::read(&a).expect("read a") == a_before,
+        "image a changed"
+    );
+    assert_eq!(merged_file(&a, &a_overlay, "/new"), "written\n");
+}
+
+/// `path` in the ext4 file system that `image` under `overlay` holds,
+/// read with debugfs from the merged bytes.
+fn merged_file(image: &std::path::Path, overlay: &std::path::Path, path: &str) -> String {
+    use husk_vmm::devices::virtio::block::{Disk, DiskMode};
+    let disk = Disk::open(
+        image,
+        &DiskMode::CopyOnWrite {
+            overlay: overlay.to_owned(),
+        },
+    )
+    .expect("open the image under its overlay");
+    let merged = overlay.with_extension("merged");
+    let mut bytes = vec![0u8; disk.size() as usize];
+    disk.read_at(&mut bytes, 0).expect("read merged");
+    std::fs::write(&merged, bytes).expect("write merged");
+    let out = Command::new("debugfs")
+        .args(["-R", &format!("cat {path}")])
+        .arg(&merged)
+        .output()
+        .expect("run debugfs");
+    text(&out.stdout)
+}
+
 #[test]
 fn stdin_can_be_streamed_and_programs_can_run_on_a_terminal() {
     let vm = sandbox("stdin-pty");

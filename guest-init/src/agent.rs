@@ -377,6 +377,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         | Body::List { .. }
         | Body::DirUserAttrs { .. }
         | Body::Watch { .. }
+        | Body::MountMedium { .. }
         | Body::KillAll) => return spawn_long(id, body, conn),
         other => {
             let msg = format!("the agent does not handle {}", name(&other));
@@ -451,6 +452,18 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::List { path } => crate::files::list(id, &path, &conn),
                 Body::DirUserAttrs { path } => crate::files::dir_user_attrs(id, &path),
                 Body::KillAll => kill_all(id),
+                Body::MountMedium { serial, size, root } => {
+                    match crate::medium::mount(&serial, size, &root) {
+                        Ok(()) => Frame {
+                            id,
+                            body: Body::Done,
+                        },
+                        Err(e) => {
+                            let message = format!("the medium of drive {serial:?} at {root}: {e}");
+                            error(id, crate::files::kind_of(&e), message)
+                        }
+                    }
+                }
                 Body::Watch { path, recursive } => {
                     let cancel = cancel.expect("a watch has a cancel handle");
                     let reply = crate::watch::run(id, &path, recursive, &conn, &cancel);

@@ -254,9 +254,18 @@ pub fn forget(dir: &str) {
     }
 }
 
-/// Where volumes are bound (in the guest's mount namespace), to unbind
-/// them before their container's tree is removed.
+/// Where volumes and media are mounted (in the guest's mount namespace),
+/// to unmount them before their container's tree is removed.
 static BINDS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Records a mount at `path` (a container's root on a medium): removing
+/// a tree it is in unmounts it first.
+pub fn track_mount(path: &str) {
+    BINDS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(path.trim_end_matches('/').to_owned());
+}
 
 /// Binds directory `source` at `target` inside the container root `root`,
 /// read-only with `readonly` (a pod's volume). `target` is resolved as if
@@ -266,14 +275,19 @@ static BINDS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 /// is looked up by path after the resolution.
 pub fn bind(root: &str, source: &str, target: &str, readonly: bool) -> io::Result<()> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    if !std::fs::metadata(source)?.is_dir() {
+    let meta = std::fs::metadata(source)?;
+    if !meta.is_dir() && !meta.is_file() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{source} is not a directory"),
+            format!("{source} is neither a directory nor a regular file"),
         ));
     }
     let root_fd = File::open(root)?;
-    let target_fd = make_dirs_in(&root_fd, target)?;
+    let target_fd = if meta.is_dir() {
+        make_dirs_in(&root_fd, target)?
+    } else {
+        make_file_in(&root_fd, target)?
+    };
     // Where it is in the guest's namespace (recorded once bound).
     let at = std::fs::read_link(format!("/proc/self/fd/{}", target_fd.as_raw_fd()))?;
     let source_c = std::ffi::CString::new(source).map_err(|_| io::ErrorKind::InvalidInput)?;
@@ -352,32 +366,84 @@ struct OpenHow {
     resolve: u64,
 }
 
+/// Opens `rel` below `root` as if `root` were `/` (links inside it are
+/// followed there), with `flags` and `O_PATH`.
+fn open_in(
+    root: &File,
+    rel: &std::ffi::CStr,
+    flags: libc::c_int,
+) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_CLOEXEC | flags) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: a NUL-terminated path and an open_how of the size given.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            rel.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a descriptor just opened, owned from here.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Opens regular file `path` below `root` as if `root` were `/`, making
+/// it (empty, mode 0644) and the directories that are missing; an
+/// `O_PATH` descriptor.
+fn make_file_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let plain = || {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{path:?}: not a plain path"),
+        )
+    };
+    let (parent, name) = path
+        .trim_end_matches('/')
+        .rsplit_once('/')
+        .unwrap_or(("", path));
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(plain());
+    }
+    let dir = make_dirs_in(root, parent)?;
+    let name_c = std::ffi::CString::new(name).map_err(|_| plain())?;
+    // SAFETY: a directory descriptor and a NUL-terminated name; the
+    // descriptor made is closed at once.
+    let made = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            name_c.as_ptr(),
+            libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        )
+    };
+    if made >= 0 {
+        // SAFETY: the descriptor just made, closed once.
+        unsafe { libc::close(made) };
+    } else if io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+        return Err(io::Error::last_os_error());
+    }
+    // From the root: an existing entry that is a link is followed as
+    // inside the container.
+    let rel = std::ffi::CString::new(format!("./{}", path.trim_start_matches('/')))
+        .map_err(|_| plain())?;
+    open_in(root, &rel, 0)
+}
+
 /// Opens directory `path` below `root` as if `root` were `/`, making the
 /// directories that are missing; an `O_PATH` descriptor.
 fn make_dirs_in(root: &File, path: &str) -> io::Result<std::os::fd::OwnedFd> {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let open = |rel: &std::ffi::CStr| -> io::Result<OwnedFd> {
-        let how = OpenHow {
-            flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
-            mode: 0,
-            resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
-        };
-        // SAFETY: a NUL-terminated path and an open_how of the size given.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                root.as_raw_fd(),
-                rel.as_ptr(),
-                &how as *const OpenHow,
-                std::mem::size_of::<OpenHow>(),
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a descriptor just opened, owned from here.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
-    };
+    use std::os::fd::AsRawFd;
+    let open = |rel: &std::ffi::CStr| open_in(root, rel, libc::O_DIRECTORY);
     let mut dir = open(c".")?;
     let mut so_far = String::from(".");
     for part in path.split('/').filter(|p| !p.is_empty() && *p != ".") {

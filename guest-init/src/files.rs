@@ -17,7 +17,16 @@ pub(crate) fn kind_of(e: &std::io::Error) -> ErrorKind {
         Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => ErrorKind::PermissionDenied,
         Some(libc::EEXIST) | Some(libc::ENOTEMPTY) | Some(libc::EISDIR) => ErrorKind::Conflict,
         Some(libc::EINVAL) | Some(libc::ENAMETOOLONG) | Some(libc::EXDEV) => ErrorKind::Invalid,
-        _ => ErrorKind::Internal,
+        Some(_) => ErrorKind::Internal,
+        // An error of the agent's own making: by what it says it is.
+        None => match e.kind() {
+            std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            std::io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+            std::io::ErrorKind::AlreadyExists => ErrorKind::Conflict,
+            std::io::ErrorKind::InvalidInput => ErrorKind::Invalid,
+            std::io::ErrorKind::TimedOut => ErrorKind::Timeout,
+            _ => ErrorKind::Internal,
+        },
     }
 }
 

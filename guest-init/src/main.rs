@@ -29,6 +29,7 @@ mod egress;
 mod exec;
 mod files;
 mod image;
+mod medium;
 mod ports;
 mod probe;
 mod process;

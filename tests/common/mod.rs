@@ -325,7 +325,12 @@ fn base_snapshot() -> &'static Path {
     SNAPSHOT.get_or_init(|| {
         let dir = scratch_dir();
         let (uds, api) = (dir.join("base.vsock"), dir.join("base.api"));
-        let mut cmd = agent_guest_command(&uds, &api, &[]);
+        // An empty drive, as a template's container slots are: a clone
+        // can put a medium in it.
+        let slot = dir.join("slot.img");
+        std::fs::File::create(&slot).expect("empty drive");
+        let slot = format!("path={},id={SLOT}", slot.display());
+        let mut cmd = agent_guest_command(&uds, &api, &["--drive", &slot]);
         cmd.stderr(Stdio::inherit());
         die_with_parent(&mut cmd);
         let mut base = cmd.spawn().expect("spawn husk-vmm");
@@ -351,6 +356,8 @@ pub struct Sandbox {
     pub name: String,
     /// The VMM's vsock socket.
     pub uds: PathBuf,
+    /// The VMM's control socket.
+    pub api: PathBuf,
     /// The guest's console.
     pub console: PathBuf,
     child: Child,
@@ -380,6 +387,9 @@ impl Drop for Sandbox {
     }
 }
 
+/// The id of the base guest's empty drive (its /dev/vda).
+pub const SLOT: &str = "slot";
+
 /// Restores a clone named `name` (also its hostname) and runs its
 /// post-restore step.
 pub fn sandbox(name: &str) -> Sandbox {
@@ -388,11 +398,16 @@ pub fn sandbox(name: &str) -> Sandbox {
     let dir = scratch_dir();
     let cid = NEXT_CID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let uds = dir.join(format!("{name}.vsock"));
+    let api = dir.join(format!("{name}.api"));
     let console = dir.join(format!("{name}.console"));
     let mut cmd = Command::new(vmm_binary());
     cmd.arg("--restore")
         .arg(snapshot)
         .args(["--id", name])
+        .arg("--overlay-dir")
+        .arg(dir)
+        .arg("--api-sock")
+        .arg(&api)
         .arg("--vsock")
         .arg(format!("cid={cid},path={}", uds.display()))
         .arg("--serial")
@@ -404,6 +419,7 @@ pub fn sandbox(name: &str) -> Sandbox {
     let sandbox = Sandbox {
         name: name.to_owned(),
         uds,
+        api,
         console,
         child,
     };

@@ -355,6 +355,44 @@ impl Vmm {
         }
     }
 
+    /// Puts a new medium in drive `drive`: `path`, copy-on-write into
+    /// `overlay` (which must not exist yet), or read-only without one.
+    /// Returns its size. The guest learns its capacity from a
+    /// configuration change interrupt; it must have stopped using the old
+    /// medium (unmounted it), which is closed.
+    fn change_medium(
+        &mut self,
+        drive: &str,
+        path: &std::path::Path,
+        overlay: Option<&std::path::Path>,
+    ) -> Result<u64, VmmError> {
+        use devices::virtio::block::{Disk, DiskError, DiskMode};
+        let disk_error = |e| VmmError::Disk(drive.to_owned(), e);
+        let attached = self
+            .devices
+            .iter()
+            .find(|a| matches!(&a.device, DeviceHandle::Block(d) if lock(d).name() == drive))
+            .ok_or_else(|| VmmError::Unsupported(format!("this VM has no drive `{drive}`")))?;
+        let DeviceHandle::Block(device) = &attached.device else {
+            unreachable!("found as a block device");
+        };
+        let mode = match overlay {
+            Some(o) if std::fs::symlink_metadata(o).is_ok() => {
+                return Err(disk_error(DiskError::OverlayExists(o.to_owned())))
+            }
+            Some(o) => DiskMode::CopyOnWrite {
+                overlay: o.to_owned(),
+            },
+            None => DiskMode::ReadOnly,
+        };
+        let disk = Disk::open(path, &mode).map_err(disk_error)?;
+        let size = disk.size();
+        drop(lock(device).replace_disk(disk));
+        lock(&attached.transport).config_changed();
+        tracing::info!(drive, path = %path.display(), size, "drive: a new medium");
+        Ok(size)
+    }
+
     /// Carries out one control request; returns the reply.
     fn serve_request(&mut self, request: api::Request) -> api::Reply {
         use std::time::Instant;
@@ -381,6 +419,13 @@ impl Vmm {
                 pause_us: started.elapsed().as_micros() as u64,
             }),
             api::Request::Resume => self.resume().map(|()| api::Reply::Resumed { id }),
+            api::Request::Medium {
+                drive,
+                path,
+                overlay,
+            } => self
+                .change_medium(&drive, &path, overlay.as_deref())
+                .map(|size| api::Reply::Medium { id, drive, size }),
             api::Request::Snapshot { dir, diff } => {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {

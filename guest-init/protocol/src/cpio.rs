@@ -155,6 +155,20 @@ pub fn write_tree_with<W: Write>(
     files: &[(String, std::path::PathBuf)],
     out: W,
 ) -> io::Result<W> {
+    write_with(Some(root), files, out)
+}
+
+/// An archive of `files` alone (as [`write_tree_with`] puts them in a
+/// tree): each a host file and its name (relative, `/`-separated).
+pub fn write_files<W: Write>(files: &[(String, std::path::PathBuf)], out: W) -> io::Result<W> {
+    write_with(None, files, out)
+}
+
+fn write_with<W: Write>(
+    root: Option<&Path>,
+    files: &[(String, std::path::PathBuf)],
+    out: W,
+) -> io::Result<W> {
     use std::os::unix::fs::MetadataExt;
     let mut writer = Writer::new(out);
     let mut walked = Walked {
@@ -164,7 +178,9 @@ pub fn write_tree_with<W: Write>(
             .collect(),
         dirs: std::collections::HashSet::new(),
     };
-    walk(root, &mut Vec::new(), &mut writer, &mut walked)?;
+    if let Some(root) = root {
+        walk(root, &mut Vec::new(), &mut writer, &mut walked)?;
+    }
     for (name, source) in files {
         let parts: Vec<&str> = name.split('/').collect();
         let mut parent = Vec::new();

@@ -69,7 +69,8 @@
 //! | `Container { root, memory_max, own_pids }` | host → guest | declares the container at `root` before its first `ExecIn`: the memory its programs may use together, whether they have a PID namespace of their own |
 //! | `ContainerLimits { root, memory_max }` | host → guest | sets a declared container's memory limit anew (none: unbounded); `Done` |
 //! | `ContainerCpu { root, quota_us, period_us }` | host → guest | sets a declared container's CPU limit: `quota_us` of CPU time per `period_us` (none: unbounded); `Done` |
-//! | `Mount { root, source, target, readonly }` | host → guest | binds directory `source` at `target` inside the container root `root` (a pod's volume); `Done` |
+//! | `Mount { root, source, target, readonly }` | host → guest | binds `source` (a directory, or a regular file) at `target` inside the container root `root` (a pod's volume, or a file such as `/etc/hosts`); `Done` |
+//! | `MountMedium { serial, size, root }` | host → guest | mounts the ext4 file system on the drive whose serial is `serial` at the new directory `root` (a container's root file system on a drive the host just gave a new medium of `size` bytes: it waits, bounded, until the drive has that size); `Done` |
 //! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
 //! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
@@ -353,6 +354,19 @@ pub enum Body {
         root: String,
         quota_us: Option<u64>,
         period_us: u64,
+    },
+    /// Mounts the ext4 file system on the drive with serial `serial` at
+    /// the new directory `root`, read-write (the host keeps the image
+    /// unchanged under a copy-on-write overlay): a container's root file
+    /// system. The host has just put a medium of `size` bytes in the
+    /// drive; the guest learns of it from a configuration change, so the
+    /// mount waits (bounded) until the drive has that size, and drops
+    /// what it had cached of an earlier medium. Unmounted when a tree it
+    /// is in is removed. `Done`.
+    MountMedium {
+        serial: String,
+        size: u64,
+        root: String,
     },
 }
 

@@ -808,6 +808,30 @@ impl AgentClient {
         tree: &std::path::Path,
         files: &[(String, std::path::PathBuf)],
     ) -> Result<u64, ClientError> {
+        self.unpack_archive(dir, |chunks| {
+            husk_protocol::cpio::write_tree_with(tree, files, chunks)
+        })
+    }
+
+    /// Lays out host `files` (each with its name below `dir`, relative)
+    /// under the new guest directory `dir`; returns the archive's size.
+    pub fn unpack_files(
+        &mut self,
+        dir: &str,
+        files: &[(String, std::path::PathBuf)],
+    ) -> Result<u64, ClientError> {
+        self.unpack_archive(dir, |chunks| {
+            husk_protocol::cpio::write_files(files, chunks)
+        })
+    }
+
+    /// `Unpack` of the archive `write` streams, under the new guest
+    /// directory `dir`.
+    fn unpack_archive(
+        &mut self,
+        dir: &str,
+        write: impl for<'a> FnOnce(Chunks<'a>) -> std::io::Result<Chunks<'a>>,
+    ) -> Result<u64, ClientError> {
         let id = self.send(Body::Unpack {
             dir: dir.to_owned(),
         })?;
@@ -816,7 +840,7 @@ impl AgentClient {
             id,
             buf: Vec::with_capacity(FILE_CHUNK),
         };
-        husk_protocol::cpio::write_tree_with(tree, files, chunks)?;
+        write(chunks)?;
         self.sender.send_as(id, Body::FileCommit)?;
         match self.reply(id)? {
             Body::Written { size } => Ok(size),
@@ -884,6 +908,17 @@ impl AgentClient {
             source: source.to_owned(),
             target: target.to_owned(),
             readonly,
+        })
+    }
+
+    /// Mounts the ext4 file system on the drive with serial `serial`, to
+    /// which the host has just given a medium of `size` bytes, at the new
+    /// guest directory `root` (a container's root file system).
+    pub fn mount_medium(&mut self, serial: &str, size: u64, root: &str) -> Result<(), ClientError> {
+        self.expect_done(Body::MountMedium {
+            serial: serial.to_owned(),
+            size,
+            root: root.to_owned(),
         })
     }
 

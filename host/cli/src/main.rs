@@ -362,6 +362,10 @@ enum TemplateCommand {
         /// Rate limit of each sandbox's network device, each way.
         #[arg(long)]
         net_limit: Option<String>,
+        /// Empty drives in its sandboxes, for container root file systems
+        /// put in at run time (a pod's containers; at most 8).
+        #[arg(long, default_value_t = 0)]
+        drive_slots: u8,
     },
     Ls {
         #[arg(long)]
@@ -957,11 +961,13 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             network,
             block_limit,
             net_limit,
+            drive_slots,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
             image,
             network,
             block_limit,
             net_limit,
+            drive_slots,
             name,
             vcpus,
             mem_mib,

@@ -279,6 +279,7 @@ pub struct BuildArgs {
     pub network: bool,
     pub block_limit: Option<String>,
     pub net_limit: Option<String>,
+    pub drive_slots: u8,
 }
 
 /// What `husk run` runs without a command: the entrypoint and command of
@@ -353,6 +354,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         network: a.network,
         block_limit: a.block_limit,
         net_limit: a.net_limit,
+        drive_slots: a.drive_slots,
     };
     let started = std::time::Instant::now();
     let template = client()

@@ -30,6 +30,7 @@ use husk_agent_client::readiness::WaitBudget;
 use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
 mod hibernate;
+mod media;
 mod ports;
 pub use ports::{PortStream, MAX_PORT_CONNS};
 
@@ -1003,6 +1004,7 @@ impl Daemon {
             hibernated_bytes: None,
             traffic_token: None,
             on_idle: None,
+            media: BTreeMap::new(),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.

@@ -142,6 +142,43 @@ fn stage_and_make(
     Ok((recorded, config))
 }
 
+/// Makes `image`, an ext4 file system holding the tree in tar archive
+/// `archive` as it is (a container's root file system: no guest-init, no
+/// mount points added) and `spare_mib` MiB of free space, staging the
+/// tree in `stage` (removed after). No journal: the file system lives as
+/// long as its sandbox, under an overlay of the sandbox's own. The image
+/// appears whole or not at all (made under a name of its own, renamed).
+pub fn make_medium(
+    archive: &Path,
+    image: &Path,
+    stage: &Path,
+    spare_mib: u64,
+) -> Result<(), RootfsError> {
+    let _ = std::fs::remove_dir_all(stage);
+    std::fs::create_dir_all(stage).map_err(io(stage))?;
+    let tmp = stage.with_extension("ext4");
+    let result = unpack(archive, stage)
+        .map_err(RootfsError::from)
+        .and_then(|()| {
+            let size_mib = tree_bytes(stage) / (1 << 20) * 3 / 2 + spare_mib;
+            run(Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-O", "^has_journal", "-L", "husk-medium", "-d"])
+                .arg(stage)
+                .arg(&tmp)
+                .arg(format!("{size_mib}M")))
+        })
+        .and_then(|()| {
+            use std::os::unix::fs::PermissionsExt;
+            // A jailed VMM reads it as its own uid.
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))
+                .and_then(|()| std::fs::rename(&tmp, image))
+                .map_err(io(image))
+        });
+    let _ = std::fs::remove_dir_all(stage);
+    let _ = std::fs::remove_file(&tmp);
+    result
+}
+
 /// The image config as guest-init reads it at boot, one setting a line:
 /// `user UID GID`, `cwd DIR`, `env KEY=VALUE`. The image's user is
 /// resolved here against its own /etc/passwd and /etc/group, and its

@@ -121,6 +121,10 @@ pub struct SandboxRecord {
     /// What happens when nobody uses it for a while.
     #[serde(default)]
     pub on_idle: Option<husk_types::IdlePolicy>,
+    /// Its drives that hold a medium in use: drive id -> the image's
+    /// SHA-256 (see `Daemon::insert_medium`).
+    #[serde(default)]
+    pub media: BTreeMap<String, String>,
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -347,6 +351,7 @@ mod tests {
             hibernated_bytes: None,
             traffic_token: None,
             on_idle: None,
+            media: BTreeMap::new(),
         }
     }
 
@@ -395,6 +400,7 @@ mod tests {
             block_limit: Some("bytes=1048576".to_owned()),
             net_limit: None,
             image: None,
+            drive_slots: 0,
         };
         store.put_template(&t).expect("put");
 

@@ -167,6 +167,25 @@ fn build_in(
             )
         }
     };
+    let mut drives = drives;
+    if spec.drive_slots > husk_types::MAX_DRIVE_SLOTS {
+        return Err(TemplateError::Invalid(format!(
+            "{} drive slots: at most {}",
+            spec.drive_slots,
+            husk_types::MAX_DRIVE_SLOTS
+        )));
+    }
+    // Its empty drives: raw images of no bytes, which the snapshot copies
+    // (as nothing) and each clone puts its own overlay over.
+    for index in 0..spec.drive_slots {
+        let slot = dir.join(format!("{}.img", husk_types::drive_slot_id(index)));
+        std::fs::File::create(&slot).map_err(io(&slot))?;
+        drives.push(format!(
+            "path={},id={}",
+            slot.display(),
+            husk_types::drive_slot_id(index)
+        ));
+    }
     let run = dir.join("build");
     std::fs::create_dir_all(&run).map_err(io(&run))?;
     progress(&format!(
@@ -269,6 +288,7 @@ fn build_in(
         block_limit: spec.block_limit,
         net_limit: spec.net_limit,
         image: image_config,
+        drive_slots: spec.drive_slots,
     })
 }
 
@@ -455,6 +475,7 @@ pub fn from_sandbox(
         block_limit: parent.and_then(|p| p.block_limit.clone()),
         net_limit: parent.and_then(|p| p.net_limit.clone()),
         image: parent.and_then(|p| p.image.clone()),
+        drive_slots: parent.map_or(0, |p| p.drive_slots),
     })
 }
 
@@ -661,6 +682,7 @@ mod tests {
             block_limit: None,
             net_limit: None,
             image: None,
+            drive_slots: 0,
         };
         assert!(verify(&t).is_ok());
 

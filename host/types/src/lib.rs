@@ -20,6 +20,6 @@ pub use sandbox::{
     SnapshotRequest,
 };
 pub use template::{
-    check_template_name, BuildEvent, ImageConfig, KernelSource, RootfsSource, TemplateRecord,
-    TemplateSpec, UploadInfo,
+    check_template_name, drive_slot_id, BuildEvent, ImageConfig, KernelSource, MediumInfo,
+    MediumRequest, RootfsSource, TemplateRecord, TemplateSpec, UploadInfo, MAX_DRIVE_SLOTS,
 };

@@ -137,6 +137,20 @@ pub struct TemplateSpec {
     /// `ops`).
     #[serde(default)]
     pub net_limit: Option<String>,
+    /// Empty drives its VMs have, each of which a sandbox can be given a
+    /// medium in at run time (a pod's container root file systems, see
+    /// `POST /v1/sandboxes/{id}/media`); at most [`MAX_DRIVE_SLOTS`].
+    #[serde(default)]
+    pub drive_slots: u8,
+}
+
+/// Most empty drives a template's VMs may have.
+pub const MAX_DRIVE_SLOTS: u8 = 8;
+
+/// The id (and serial, which the guest finds it by) of a template's
+/// empty drive `index`.
+pub fn drive_slot_id(index: u8) -> String {
+    format!("slot{index}")
 }
 
 impl TemplateSpec {
@@ -154,6 +168,7 @@ impl TemplateSpec {
             network: false,
             block_limit: None,
             net_limit: None,
+            drive_slots: 0,
         }
     }
 }
@@ -206,6 +221,9 @@ pub struct TemplateRecord {
     /// The config of the container image it was built from.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<ImageConfig>,
+    /// Its VMs' empty drives (see [`TemplateSpec::drive_slots`]).
+    #[serde(default)]
+    pub drive_slots: u8,
 }
 
 /// One line of a template build's progress stream.
@@ -229,6 +247,31 @@ pub enum BuildEvent {
         /// Why it failed.
         error: String,
     },
+}
+
+/// A medium for one of a sandbox's empty drives (`POST
+/// /v1/sandboxes/{id}/media`): an upload of a tar archive of a file tree
+/// (a container's root file system), made into an ext4 image (kept by the
+/// archive's hash, so the same tree is made once) and put in a free drive
+/// under a copy-on-write overlay of the sandbox's own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MediumRequest {
+    /// The upload (`POST /v1/uploads`); it is used up.
+    pub upload: String,
+}
+
+/// A drive's medium.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MediumInfo {
+    /// The drive's id, which is also the serial the guest finds it by.
+    pub drive: String,
+    /// The medium's size in bytes.
+    pub size: u64,
+    /// SHA-256 of the archive it was made from, in hex.
+    pub image: String,
+    /// How long making the image took (0: it was made before).
+    pub build_ms: u64,
 }
 
 /// A received upload.

@@ -12,6 +12,7 @@
 //! | `{"op":"pause"}` | [`Reply::Paused`]: every vCPU is out of KVM_RUN |
 //! | `{"op":"resume"}` | [`Reply::Resumed`] |
 //! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after |
+//! | `{"op":"medium","drive":ID,"path":FILE,"overlay":FILE}` | [`Reply::Medium`]: drive ID now reads FILE (copy-on-write into a new `overlay`, or read-only without one) and the guest is told its new capacity by a configuration change interrupt, as a CD drive takes a new disc; the guest must have stopped using the old one |
 //!
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.
@@ -43,6 +44,16 @@ pub enum Request {
         /// Only the pages written since the VM's last snapshot (or restore).
         #[serde(default)]
         diff: bool,
+    },
+    /// A new medium in a drive (see the table above).
+    Medium {
+        /// The drive's id (`--drive ...,id=ID`).
+        drive: String,
+        path: PathBuf,
+        /// Where the guest's writes go (must not exist yet); without it
+        /// the medium is read-only.
+        #[serde(default)]
+        overlay: Option<PathBuf>,
     },
 }
 
@@ -96,6 +107,12 @@ pub enum Reply {
         #[serde(flatten)]
         report: SnapshotReport,
     },
+    Medium {
+        id: String,
+        drive: String,
+        /// The new medium's size in bytes.
+        size: u64,
+    },
     Error {
         message: String,
     },
@@ -121,8 +138,9 @@ pub fn parse_request(line: &str) -> Result<Request, String> {
     serde_json::from_str(line.trim()).map_err(|e| {
         format!(
             "not a request ({e}); send one JSON line such as {{\"op\":\"status\"}}, \
-             {{\"op\":\"pause\"}}, {{\"op\":\"resume\"}} or \
-             {{\"op\":\"snapshot\",\"dir\":\"/path\",\"diff\":false}}"
+             {{\"op\":\"pause\"}}, {{\"op\":\"resume\"}}, \
+             {{\"op\":\"snapshot\",\"dir\":\"/path\",\"diff\":false}} or \
+             {{\"op\":\"medium\",\"drive\":\"id\",\"path\":\"/file\"}}"
         )
     })
 }
@@ -168,6 +186,11 @@ mod tests {
                 dir: "/tmp/s 1".into(),
                 diff: true,
             },
+            Request::Medium {
+                drive: "ctr0".into(),
+                path: "/images/a.ext4".into(),
+                overlay: Some("/run/a.overlay".into()),
+            },
         ] {
             let line = to_line(&request);
             assert_eq!(line.matches('\n').count(), 1, "{line}");
@@ -194,6 +217,7 @@ mod tests {
             r#"{"op":"reboot"}"#,
             r#"{"op":"snapshot"}"#,
             r#"{"op":"snapshot","dir":"/s","now":1}"#,
+            r#"{"op":"medium","drive":"ctr0"}"#,
         ] {
             let e = parse_request(bad).expect_err(bad);
             assert!(e.contains(r#"{"op":"status"}"#), "{e}");

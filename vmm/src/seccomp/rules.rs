@@ -130,7 +130,10 @@ pub const CONTROL: &[(i64, &str)] = &[
         libc::SYS_copy_file_range,
         "snapshots: copying disk clusters",
     ),
-    (libc::SYS_ftruncate, "snapshots: file sizes"),
+    (
+        libc::SYS_ftruncate,
+        "snapshots and a new medium's overlay: file sizes",
+    ),
     (libc::SYS_fallocate, "snapshots: file sizes"),
     (libc::SYS_fsync, "snapshots: durable files"),
     (libc::SYS_fdatasync, "snapshots: durable files"),

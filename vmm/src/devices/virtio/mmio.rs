@@ -327,6 +327,14 @@ impl MmioTransport {
         }
     }
 
+    /// The device's configuration space changed (a drive took a new
+    /// medium): a new generation, and a configuration change interrupt
+    /// (4.2.2.1) so the driver reads it again.
+    pub fn config_changed(&mut self) {
+        self.config_generation = self.config_generation.wrapping_add(1);
+        self.interrupt.trigger(super::INT_CONFIG);
+    }
+
     /// Marks the device as needing a reset and tells the driver (2.1.2).
     fn fail(&mut self) {
         self.status |= STATUS_DEVICE_NEEDS_RESET;

@@ -72,6 +72,18 @@ impl BlockDevice {
         self.disk
     }
 
+    /// Puts `disk` in the drive in place of its medium, which is returned;
+    /// the capacity the driver reads is the new one. The transport must
+    /// tell the driver ([`MmioTransport::config_changed`]). Requests are
+    /// served whole between events, so none is half done with the old
+    /// medium.
+    ///
+    /// [`MmioTransport::config_changed`]: crate::devices::virtio::mmio::MmioTransport::config_changed
+    pub fn replace_disk(&mut self, disk: Disk) -> Disk {
+        self.config = (disk.size() / SECTOR_SIZE).to_le_bytes();
+        std::mem::replace(&mut self.disk, disk)
+    }
+
     /// The drive's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -371,6 +383,35 @@ mod tests {
                 .read_obj::<u8>(GuestAddress(DATA + 511))
                 .expect("data"),
             0x5a
+        );
+    }
+
+    #[test]
+    fn a_new_medium_changes_the_capacity_and_what_reads_return() {
+        let mut rig = rig(&[(HEADER, 16, N, 1), (DATA, 512, W | N, 2), (STATUS, 1, W, 0)]);
+        let path = rig._dir.as_path().join("medium");
+        std::fs::write(&path, [0xa5; 8192]).expect("medium");
+        let medium = Disk::open(&path, &DiskMode::ReadOnly).expect("medium");
+        header(&rig.mem, VIRTIO_BLK_T_IN, 9);
+        make_available(&rig, 1);
+
+        let old = rig.device.replace_disk(medium);
+        rig.device.process_queue();
+
+        assert_eq!(old.size(), 4096);
+        let mut capacity = [0u8; 8];
+        rig.device.read_config(0, &mut capacity);
+        assert_eq!(u64::from_le_bytes(capacity), 16);
+        assert_ne!(rig.device.features() & VIRTIO_BLK_F_RO, 0);
+        assert_eq!(
+            rig.mem
+                .read_obj::<u8>(GuestAddress(STATUS))
+                .expect("status"),
+            VIRTIO_BLK_S_OK
+        );
+        assert_eq!(
+            rig.mem.read_obj::<u8>(GuestAddress(DATA)).expect("data"),
+            0xa5
         );
     }
 
