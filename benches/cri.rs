@@ -3,9 +3,14 @@
 //! first line in its log (containerd's FIFOs to the CRI log file), for
 //! - runc (the pause container and the container are processes on the
 //!   host);
-//! - husk, not pooled: the pod's VM is a restore of `base`'s snapshot;
+//! - husk, not pooled: the pod's VM is a restore of `base`'s snapshot,
+//!   and the container's root file system a medium in one of its empty
+//!   drives (an ext4 image the daemon makes once per tree);
 //! - husk, pooled: the pod names `base` (`io.husk.template`), whose warm
-//!   pool holds a parked clone.
+//!   pool holds a parked clone;
+//! - husk, not pooled, tree copied: the pod names `copied`, a template
+//!   without empty drives, so the container's tree is copied into the
+//!   VM's memory.
 //!
 //! And the pod VM's memory (PSS of its VMM) with 1 and with 3 containers.
 //!
@@ -112,18 +117,21 @@ fn main() {
         return;
     };
     let ctrd = Containerd::start_cri("bench");
-    ctrd.husk(&["template", "build", "base"]);
+    ctrd.husk(&["template", "build", "base", "--drive-slots", "3"]);
+    ctrd.husk(&["template", "build", "copied"]);
     let (image, pause) = images();
     import(&ctrd, &image, BUSYBOX);
     import(&ctrd, &pause, PAUSE_IMAGE);
     let logs = ctrd.dir.join("pod-logs");
     let pooled = HashMap::from([("io.husk.template".to_owned(), "base".to_owned())]);
+    let copied = HashMap::from([("io.husk.template".to_owned(), "copied".to_owned())]);
     let none = HashMap::new();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
         let mut runtime =
             RuntimeServiceClient::new(connect(ctrd.dir.join("containerd.sock")).await);
         let (mut runc, mut restored, mut claimed) = (Vec::new(), Vec::new(), Vec::new());
+        let mut restored_copy = Vec::new();
         let mut pss = Vec::new();
         // runc's pods need what the host's runc can do with the CRI's spec
         // (namespaces, cgroups): said and left out where it cannot.
@@ -154,6 +162,8 @@ fn main() {
             ctrd.pool("base", 1);
             ctrd.wait_for_pool("base", 1);
             claimed.push(pod(&mut runtime, "husk", &pooled, (run, 1), &ctrd).await.0);
+            ctrd.pool("base", 0);
+            restored_copy.push(pod(&mut runtime, "husk", &copied, (run, 1), &ctrd).await.0);
         }
         ctrd.pool("base", 0);
         let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3), &ctrd).await;
@@ -171,6 +181,7 @@ fn main() {
         }
         report("husk, not pooled (restore)", &restored);
         report("husk, pooled", &claimed);
+        report("husk, not pooled, copied", &restored_copy);
         let one: Vec<f64> = pss.iter().map(|(_, m)| *m as f64).collect();
         println!(
             "husk pod VM PSS: 1 container p50 {:.0} KiB; 3 containers {} KiB",

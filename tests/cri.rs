@@ -87,6 +87,22 @@ const FETCH: &[&str] = &[
 ];
 
 /// The husk shims running.
+/// Where the guest of pod VM `vm` has ext4 file systems mounted (the
+/// drives' media).
+fn media_roots(ctrd: &Containerd, vm: &str) -> std::collections::BTreeSet<String> {
+    let mounts = ctrd.husk(&["exec", vm, "--", "/bin/cat", "/proc/mounts"]);
+    String::from_utf8_lossy(&mounts.stdout)
+        .lines()
+        .filter(|l| l.split(' ').nth(2) == Some("ext4"))
+        .filter_map(|l| l.split(' ').nth(1).map(str::to_owned))
+        .collect()
+}
+
+/// The root file system of pod container `id` in its pod's VM.
+fn container_root(id: &str) -> String {
+    format!("/run/husk/containers/{id}/rootfs")
+}
+
 fn shims() -> usize {
     processes_with(&["containerd-shim-husk-v2"]).len()
 }
@@ -98,8 +114,10 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         return;
     }
     let ctrd = Containerd::start_cri("cri");
-    // The pods' VMs are clones of `base` (its first build boots it).
-    ctrd.husk(&["template", "build", "base"]);
+    // The pods' VMs are clones of `base` (its first build boots it). Its
+    // two empty drives take two containers' root file systems as media;
+    // a third container's tree is copied into the VM.
+    ctrd.husk(&["template", "build", "base", "--drive-slots", "2"]);
     let (image, pause) = images();
     import(&ctrd, &image, BUSYBOX);
     import(&ctrd, &pause, PAUSE_IMAGE);
@@ -283,6 +301,14 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 && String::from_utf8_lossy(&outside.stderr).contains("No such file"),
             "a volume was bound outside the root: {outside:?}"
         );
+        // The server's and the client's roots are the drives' media (the
+        // first two), the loner's a copy in the VM's memory.
+        assert_eq!(
+            media_roots(&ctrd, &vm),
+            [container_root(&client), container_root(&server)]
+                .into_iter()
+                .collect::<std::collections::BTreeSet<_>>(),
+        );
         let processes =
             "for p in /proc/[0-9]*; do echo \"${p#/proc/} $(tr '\\0' ' ' < $p/cmdline)\"; done";
         let seen_alone = exec_sync(&mut runtime, &loner, &["sh", "-c", processes]).await;
@@ -402,6 +428,14 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         again.stdin = true;
         again.mounts = vec![mount("/shared", true)];
         let client = start_container(&mut runtime, (&pod, &config), again).await;
+        // The restarted client's root is a medium again, in the drive the
+        // first one's removal freed.
+        assert_eq!(
+            media_roots(&ctrd, &vm),
+            [container_root(&client), container_root(&server)]
+                .into_iter()
+                .collect::<std::collections::BTreeSet<_>>(),
+        );
         // The volume is the pod's: what the loner wrote outlived its
         // removal, and comes read-only here.
         let read = exec_sync(

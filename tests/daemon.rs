@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use husk_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
 use husk_types::{
-    AuditEntry, Created, ExecEvent, PoolInfo, SandboxInfo, SandboxState, TemplateRecord,
+    AuditEntry, Created, ExecEvent, MediumInfo, PoolInfo, SandboxInfo, SandboxState, TemplateRecord,
 };
 use serde_json::{json, Value};
 
@@ -254,9 +254,15 @@ fn daemon() -> &'static TestDaemon {
             child: Mutex::new(None),
         };
         d.start(&[]);
+        // One empty drive: every test's sandboxes (forks and
+        // hibernations too) carry it; one test puts media in it.
         build_template(
             "base",
-            json!({ "name": "base", "warmup": [["/bin/sh", "-c", "echo warm > /etc/warm"]] }),
+            json!({
+                "name": "base",
+                "warmup": [["/bin/sh", "-c", "echo warm > /etc/warm"]],
+                "drive_slots": 1,
+            }),
         )
         .expect("the base template builds");
         d
@@ -848,6 +854,98 @@ fn every_vmm_runs_in_a_jail_of_its_own() {
     assert_eq!(sh(&a.id, "echo jailed").stdout, "jailed\n");
     destroy(&a.id);
     destroy(&b.id);
+}
+
+/// A tar archive of one file, `../escape`, that leaves the tree.
+fn escaping_tar() -> Vec<u8> {
+    let mut header = tar::Header::new_gnu();
+    header.set_size(1);
+    header.set_mode(0o644);
+    header.set_entry_type(tar::EntryType::Regular);
+    let name = b"../escape";
+    header.as_old_mut().name[..name.len()].copy_from_slice(name);
+    header.set_cksum();
+    let mut out = Vec::new();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(&[b'x'; 512]);
+    out.extend_from_slice(&[0; 1024]);
+    out
+}
+
+#[test]
+fn a_sandbox_drive_takes_an_uploaded_tree_as_a_medium_the_guest_mounts() {
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let tree = vmm_sys_util::tempdir::TempDir::new().expect("tree");
+    std::fs::create_dir(tree.as_path().join("etc")).expect("etc");
+    std::fs::write(tree.as_path().join("etc/motd"), "from-the-medium\n").expect("motd");
+    let media_dir = d.state_dir.join("media");
+    let hostile = api()
+        .upload(&mut escaping_tar().as_slice())
+        .expect("upload");
+    let medium = |upload: &str| -> Result<MediumInfo, ApiClientError> {
+        api().call(
+            "POST",
+            &format!("/v1/sandboxes/{}/media", s.id),
+            Some(&json!({ "upload": upload })),
+        )
+    };
+    let mount = |m: &MediumInfo, at: &str| {
+        let agent = s.agent_socket.as_deref().expect("the agent's socket");
+        husk_agent_client::AgentClient::connect(Path::new(agent), PATIENCE)
+            .and_then(|mut a| a.mount_medium(&m.drive, m.size, at))
+    };
+
+    let refused = status(medium(&hostile));
+    let malformed = status(api().send(
+        "POST",
+        &format!("/v1/sandboxes/{}/media", s.id),
+        Payload::Json(br#"{"upload":"up-x","path":"/etc"}"#.to_vec()),
+    ));
+    let first = api()
+        .insert_medium(&s.id, tree.as_path())
+        .expect("a medium");
+    let mounted = mount(&first, "/mnt/m");
+    let read = sh(
+        &s.id,
+        "cat /mnt/m/etc/motd && echo changed > /mnt/m/etc/motd",
+    );
+    let full = status(api().insert_medium(&s.id, tree.as_path()));
+    let no_snapshot = status(api().snapshot(&s.id, "with-media"));
+    let unmounted = sh(&s.id, "umount /mnt/m && rmdir /mnt/m");
+    let released = api().release_drive(&s.id, &first.drive);
+    let released_again = status(api().release_drive(&s.id, &first.drive));
+    let second = api()
+        .insert_medium(&s.id, tree.as_path())
+        .expect("the same tree again");
+    let mounted_again = mount(&second, "/mnt/again");
+    let read_again = sh(&s.id, "cat /mnt/again/etc/motd");
+    let images: Vec<_> = std::fs::read_dir(&media_dir)
+        .expect("media dir")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    destroy(&s.id);
+
+    assert_eq!(refused.0, 400, "{refused:?}");
+    assert!(refused.1.contains("../escape"), "{refused:?}");
+    assert_eq!(malformed.0, 400, "{malformed:?}");
+    // The refusals left the drive free.
+    assert_eq!(first.drive, "slot0");
+    assert!(mounted.is_ok(), "{mounted:?}");
+    assert_eq!(read.stdout, "from-the-medium\n", "{read:?}");
+    assert_eq!(full.0, 429, "{full:?}");
+    assert_eq!(no_snapshot.0, 409, "{no_snapshot:?}");
+    assert!(no_snapshot.1.contains("slot0"), "{no_snapshot:?}");
+    assert_eq!(unmounted.code, Some(0), "{unmounted:?}");
+    assert!(released.is_ok(), "{released:?}");
+    assert_eq!(released_again.0, 404, "{released_again:?}");
+    // The same tree: the same image, made once; the sandbox's writes
+    // went to its overlay, not the image.
+    assert_eq!(second.image, first.image);
+    assert!(mounted_again.is_ok(), "{mounted_again:?}");
+    assert_eq!(read_again.stdout, "from-the-medium\n", "{read_again:?}");
+    assert_eq!(images, [format!("{}.ext4", first.image)]);
 }
 
 #[test]

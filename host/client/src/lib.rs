@@ -518,7 +518,7 @@ impl ApiClient {
             let mut tar = tar::Builder::new(tx);
             tar.follow_symlinks(false);
             tar.mode(tar::HeaderMode::Complete);
-            tar.append_dir_all(".", &dir)
+            append_tree(&mut tar, &dir)
                 .and_then(|()| tar.into_inner().map(drop))
                 .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", dir.display())))
         });
@@ -650,6 +650,27 @@ impl ApiClient {
     pub fn kill_all(&self, id: &str) -> Result<Killed, ApiClientError> {
         self.send("POST", &Self::sandbox_path(id, "/kill-all"), Payload::None)?
             .json()
+    }
+
+    /// Puts host directory `tree` in a free empty drive of sandbox `id`
+    /// (uploaded as a tar archive, made an ext4 image by the daemon; `POST
+    /// /v1/sandboxes/{id}/media`); the guest can then mount it.
+    pub fn insert_medium(
+        &self,
+        id: &str,
+        tree: &std::path::Path,
+    ) -> Result<husk_types::MediumInfo, ApiClientError> {
+        let upload = self.upload_dir(tree)?;
+        let body = Self::json_body(&husk_types::MediumRequest { upload })?;
+        self.send("POST", &Self::sandbox_path(id, "/media"), body)?
+            .json()
+    }
+
+    /// Frees drive `drive` of sandbox `id` for another medium, once the
+    /// guest has unmounted it (`DELETE /v1/sandboxes/{id}/media/{drive}`).
+    pub fn release_drive(&self, id: &str, drive: &str) -> Result<(), ApiClientError> {
+        let path = Self::sandbox_path(id, &format!("/media/{}", encode(drive)));
+        self.send("DELETE", &path, Payload::None).map(drop)
     }
 
     /// Snapshots sandbox `id` into template `name`
@@ -825,6 +846,30 @@ impl ExecStream {
 }
 
 /// Percent-encodes a query value.
+/// Appends the tree at `dir` as `.` and what is below it. The top
+/// directory's modification time is left out (0): a container's root is
+/// a mount made for it, whose time says when, so that the same image's
+/// trees archive to the same bytes (the daemon keeps media by their hash).
+fn append_tree<W: std::io::Write>(
+    tar: &mut tar::Builder<W>,
+    dir: &std::path::Path,
+) -> std::io::Result<()> {
+    let mut top = tar::Header::new_gnu();
+    top.set_metadata_in_mode(&std::fs::metadata(dir)?, tar::HeaderMode::Complete);
+    top.set_mtime(0);
+    tar.append_data(&mut top, ".", std::io::empty())?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = std::path::Path::new(".").join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            tar.append_dir_all(&name, entry.path())?;
+        } else {
+            tar.append_path_with_name(entry.path(), &name)?;
+        }
+    }
+    Ok(())
+}
+
 pub fn encode(value: &str) -> String {
     value
         .bytes()

@@ -1411,6 +1411,7 @@ impl Daemon {
     pub fn snapshot(&self, id: &str, name: &str, who: &str) -> Result<TemplateRecord, DaemonError> {
         self.wake_if_hibernated(id, who)?;
         let rec = self.record(id)?;
+        media::refuse_with_media(&rec, "snapshotted (or forked)")?;
         if !matches!(rec.state, SandboxState::Running | SandboxState::Paused) {
             return Err(DaemonError::Conflict(format!(
                 "sandbox `{id}` is {}: it cannot be snapshotted",

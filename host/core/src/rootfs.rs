@@ -160,12 +160,16 @@ pub fn make_medium(
     let result = unpack(archive, stage)
         .map_err(RootfsError::from)
         .and_then(|()| {
-            let size_mib = tree_bytes(stage) / (1 << 20) * 3 / 2 + spare_mib;
+            // Every file and directory takes whole 4 KiB blocks and an
+            // inode; a quarter more for the file system's own blocks.
+            let (blocks, entries) = tree_blocks(stage);
+            let size_mib = (blocks * 4096 * 5 / 4) >> 20;
             run(Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-O", "^has_journal", "-L", "husk-medium", "-d"])
+                .args(["-q", "-F", "-O", "^has_journal", "-L", "husk-medium"])
+                .args(["-N", &(entries + 65536).to_string(), "-d"])
                 .arg(stage)
                 .arg(&tmp)
-                .arg(format!("{size_mib}M")))
+                .arg(format!("{}M", size_mib + spare_mib)))
         })
         .and_then(|()| {
             use std::os::unix::fs::PermissionsExt;
@@ -273,6 +277,24 @@ fn run(cmd: &mut Command) -> Result<(), RootfsError> {
             String::from_utf8_lossy(&out.stderr).trim()
         )))
     }
+}
+
+/// The 4 KiB blocks the files, links and directories under `dir` take at
+/// least, and how many there are.
+fn tree_blocks(dir: &Path) -> (u64, u64) {
+    let (mut blocks, mut entries) = (1, 1);
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            entries += 1;
+            let len = entry.metadata().map_or(0, |m| m.len());
+            blocks += len.div_ceil(4096).max(1);
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(entry.path());
+            }
+        }
+    }
+    (blocks, entries)
 }
 
 /// Bytes in regular files under `dir`.

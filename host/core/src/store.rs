@@ -309,6 +309,35 @@ impl Store {
     }
 }
 
+/// A sandbox record for tests.
+#[cfg(test)]
+pub(crate) fn test_record(id: &str) -> SandboxRecord {
+    SandboxRecord {
+        id: id.to_owned(),
+        template: "t1".to_owned(),
+        state: SandboxState::Running,
+        pid: 42,
+        pid_start: 7,
+        run_dir: PathBuf::from("/run/x"),
+        mem_mib: 128,
+        created_unix_ms: 1,
+        expires_unix_ms: Some(5),
+        on_expiry: ExpiryPolicy::Pause,
+        labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
+        uid: 0,
+        error: None,
+        tap: None,
+        mac: None,
+        egress_allow: vec!["*.example.com:443".to_owned()],
+        egress_secrets: Vec::new(),
+        hibernation: None,
+        hibernated_bytes: None,
+        traffic_token: None,
+        on_idle: None,
+        media: BTreeMap::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,30 +358,7 @@ mod tests {
     }
 
     fn sandbox(id: &str) -> SandboxRecord {
-        SandboxRecord {
-            id: id.to_owned(),
-            template: "t1".to_owned(),
-            state: SandboxState::Running,
-            pid: 42,
-            pid_start: 7,
-            run_dir: PathBuf::from("/run/x"),
-            mem_mib: 128,
-            created_unix_ms: 1,
-            expires_unix_ms: Some(5),
-            on_expiry: ExpiryPolicy::Pause,
-            labels: BTreeMap::from([("team".to_owned(), "a".to_owned())]),
-            uid: 0,
-            error: None,
-            tap: None,
-            mac: None,
-            egress_allow: vec!["*.example.com:443".to_owned()],
-            egress_secrets: Vec::new(),
-            hibernation: None,
-            hibernated_bytes: None,
-            traffic_token: None,
-            on_idle: None,
-            media: BTreeMap::new(),
-        }
+        test_record(id)
     }
 
     #[test]

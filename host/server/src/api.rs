@@ -179,6 +179,8 @@ routes! {
     post "/v1/sandboxes/{id}/hibernate" => hibernate,
     post "/v1/sandboxes/{id}/wake" => wake,
     post "/v1/sandboxes/{id}/kill-all" => kill_all,
+    post "/v1/sandboxes/{id}/media" => insert_medium,
+    delete "/v1/sandboxes/{id}/media/{drive}" => release_drive,
     get "/v1/sandboxes/{id}/ports/{port}" => port,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
@@ -534,6 +536,26 @@ async fn resume(
 ) -> ApiResult<Response> {
     let s = blocking(move || d.resume(&id, &who.0)).await?;
     Ok(ok(StatusCode::OK, s))
+}
+
+async fn insert_medium(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let req: husk_types::MediumRequest = json(&body)?;
+    let m = blocking(move || d.insert_medium(&id, req, &who.0)).await?;
+    Ok(ok(StatusCode::OK, m))
+}
+
+async fn release_drive(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path((id, drive)): Path<(String, String)>,
+) -> ApiResult<Response> {
+    blocking(move || d.release_drive(&id, &drive, &who.0)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn kill_all(

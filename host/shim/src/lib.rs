@@ -275,6 +275,9 @@ struct Inner {
 struct Vm {
     sandbox: SandboxInfo,
     agent: PathBuf,
+    /// Its template's empty drives, which its containers' root file
+    /// systems take as media (none: they are copied into its memory).
+    drive_slots: u8,
     paused: std::sync::atomic::AtomicBool,
     /// A pod's volumes copied into its VM so far, by host directory (held
     /// while one is copied, so that two containers copy it once).
@@ -286,10 +289,9 @@ struct Vm {
 struct Task {
     bundle: PathBuf,
     vm: Arc<Vm>,
-    /// A pod's container: the guest directory that holds its root file
-    /// system. Without one the task owns its VM (deleting it destroys the
-    /// VM).
-    guest_dir: Option<String>,
+    /// A pod's container: where it is in the pod's VM. Without it the
+    /// task owns its VM (deleting it destroys the VM).
+    guest_dir: Option<GuestDir>,
     init: Arc<GuestProcess>,
     execs: HashMap<String, Arc<GuestProcess>>,
 }
@@ -306,10 +308,41 @@ impl Task {
     /// Where its processes run.
     fn place(&self) -> Place {
         match &self.guest_dir {
-            Some(dir) => Place::Container(container_root(dir)),
+            Some(dir) => Place::Container(container_root(&dir.path)),
             None => Place::Guest,
         }
     }
+}
+
+/// A pod's container's place in the pod's VM.
+#[derive(Debug, Clone)]
+struct GuestDir {
+    /// The guest directory that holds its root file system (and what the
+    /// shim put in the VM for it).
+    path: String,
+    /// The VM's drive whose medium is its root file system, if it has
+    /// one: freed once its files are gone.
+    drive: Option<String>,
+}
+
+/// Binds the CRI's single files (`/etc/hosts`, ...) into a container's
+/// root on a medium: copied into the VM under `dir/files`, each bound at
+/// its place in `root` (the medium is shared by the pods of an image).
+fn bind_files(
+    agent: &mut husk_agent_client::AgentClient,
+    dir: &str,
+    root: &str,
+    files: &[(String, PathBuf)],
+) -> Result<(), husk_agent_client::ClientError> {
+    if files.is_empty() {
+        return Ok(());
+    }
+    let at = format!("{dir}/files");
+    agent.unpack_files(&at, files)?;
+    for (name, _) in files {
+        agent.mount(root, &format!("{at}/{name}"), name, false)?;
+    }
+    Ok(())
 }
 
 /// The root file system of the pod's container whose guest directory is
@@ -477,6 +510,7 @@ impl Inner {
                 network: record.network,
                 block_limit: record.block_limit.clone(),
                 net_limit: record.net_limit.clone(),
+                drive_slots: record.drive_slots,
                 ..husk_types::TemplateSpec::new(name.clone())
             })
         })
@@ -602,19 +636,24 @@ impl Inner {
         );
         let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let pid = sandbox.pid;
-        let place = match bundle.pod {
-            Some(bundle::Pod::Sandbox) => Place::Holder,
-            _ => Place::Guest,
-        };
+        let is_pod = matches!(bundle.pod, Some(bundle::Pod::Sandbox));
+        let place = if is_pod { Place::Holder } else { Place::Guest };
         let init = GuestProcess::new(
             bundle.workload,
             place,
             stdio,
             self.on_exit(&req.id, &req.id, Some(pid)),
         );
+        // A pod's containers take its template's empty drives.
+        let drive_slots = if is_pod {
+            self.daemon.template(&template).map_or(0, |t| t.drive_slots)
+        } else {
+            0
+        };
         let vm = Arc::new(Vm {
             sandbox,
             agent,
+            drive_slots,
             paused: Default::default(),
             volumes: Default::default(),
         });
@@ -657,39 +696,56 @@ impl Inner {
         let dir = format!("{CONTAINERS_DIR}/{}", req.id);
         let root = container_root(&dir);
         let started = std::time::Instant::now();
-        let mut unpacked_ms = 0;
-        let size = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
+        let medium = self.medium_for(&vm, rootfs, &req.id)?;
+        let mut placed_ms = 0;
+        let made = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(120))
             .and_then(|mut agent| {
-                let size = agent.unpack(&root, rootfs, &bundle.files)?;
-                unpacked_ms = started.elapsed().as_millis() as u64;
+                // Its root: the medium mounted, the CRI's files bound in;
+                // or its tree copied in, the files with it.
+                let size = match &medium {
+                    Some(m) => agent
+                        .mount_medium(&m.drive, m.size, &root)
+                        .and_then(|()| bind_files(&mut agent, &dir, &root, &bundle.files))
+                        .map(|()| m.size),
+                    None => agent.unpack(&root, rootfs, &bundle.files),
+                }?;
+                placed_ms = started.elapsed().as_millis() as u64;
                 // Its volumes, its memory and CPU limits (a cgroup of its
                 // own in the pod's VM) and its PID namespace.
-                let declared = bind_volumes(&vm, &mut agent, &root, &bundle.volumes).and_then(|_| {
-                    let asked = bundle.container_memory.is_some()
-                        || bundle.container_cpu.is_some()
-                        || bundle.own_pids;
-                    match agent.container(&root, bundle.container_memory, bundle.own_pids) {
-                        // Only its stats need the declaration: without it
-                        // they are the pod's.
-                        Err(e) if !asked => {
-                            tracing::warn!(task = %req.id, "the pod's VM keeps no cgroup for it: {e}");
-                            Ok(())
-                        }
-                        Ok(()) => bundle.container_cpu.map_or(Ok(()), |(quota, period)| {
-                            agent.container_cpu_max(&root, Some(quota), period)
-                        }),
-                        declared => declared,
+                bind_volumes(&vm, &mut agent, &root, &bundle.volumes)?;
+                let asked = bundle.container_memory.is_some()
+                    || bundle.container_cpu.is_some()
+                    || bundle.own_pids;
+                match agent.container(&root, bundle.container_memory, bundle.own_pids) {
+                    // Only its stats need the declaration: without it
+                    // they are the pod's.
+                    Err(e) if !asked => {
+                        tracing::warn!(task = %req.id, "the pod's VM keeps no cgroup for it: {e}");
+                        Ok(size)
                     }
-                });
-                if let Err(e) = declared {
-                    let _ = agent.remove(&dir, true);
-                    return Err(e);
+                    Ok(()) => bundle.container_cpu.map_or(Ok(size), |(quota, period)| {
+                        agent
+                            .container_cpu_max(&root, Some(quota), period)
+                            .map(|()| size)
+                    }),
+                    Err(e) => Err(e),
                 }
-                Ok(size)
-            })?;
+            });
+        let guest_dir = GuestDir {
+            path: dir,
+            drive: medium.map(|m| m.drive),
+        };
+        let size = match made {
+            Ok(size) => size,
+            Err(e) => {
+                self.remove_from_vm(&vm, &guest_dir);
+                return Err(e.into());
+            }
+        };
         tracing::info!(
-            task = %req.id, pod = %sandbox, bytes = size, unpack_ms = unpacked_ms,
-            ms = started.elapsed().as_millis() as u64, "container root file system in the pod's VM"
+            task = %req.id, pod = %sandbox, bytes = size, drive = ?guest_dir.drive,
+            root_ms = placed_ms, ms = started.elapsed().as_millis() as u64,
+            "container root file system in the pod's VM"
         );
         let stdio = Stdio::of(&req.stdin, &req.stdout, &req.stderr, req.terminal);
         let pid = vm.sandbox.pid;
@@ -699,8 +755,64 @@ impl Inner {
             stdio,
             self.on_exit(&req.id, &req.id, Some(pid)),
         );
-        self.add(req, bundle_dir, vm, Some(dir), init);
+        self.add(req, bundle_dir, vm, Some(guest_dir), init);
         Ok(pid)
+    }
+
+    /// A medium holding `rootfs` in a free drive of the pod's VM, or None
+    /// where its template has no empty drives or all hold media (the tree
+    /// is then copied into the VM's memory).
+    fn medium_for(
+        &self,
+        vm: &Vm,
+        rootfs: &Path,
+        task: &str,
+    ) -> Result<Option<husk_types::MediumInfo>, ShimError> {
+        if vm.drive_slots == 0 {
+            return Ok(None);
+        }
+        match self.daemon.insert_medium(&vm.sandbox.id, rootfs) {
+            Ok(m) => {
+                tracing::info!(
+                    task, drive = %m.drive, image = %m.image, build_ms = m.build_ms,
+                    "the container's root file system is a medium"
+                );
+                Ok(Some(m))
+            }
+            Err(ApiClientError::Status { status: 429, .. }) => {
+                tracing::warn!(
+                    task,
+                    slots = vm.drive_slots,
+                    "every drive of the pod's VM holds a medium: the container's tree is copied \
+                     into the VM's memory (give its template more --drive-slots)"
+                );
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Removes what the shim put in the pod's VM for a container (its
+    /// root, unmounted first, its files and volumes' binds) and frees its
+    /// drive. A drive whose file system may still be mounted is kept.
+    fn remove_from_vm(&self, vm: &Vm, dir: &GuestDir) {
+        let removed = husk_agent_client::AgentClient::connect(&vm.agent, Duration::from_secs(60))
+            .and_then(|mut agent| match agent.remove(&dir.path, true) {
+                Err(husk_agent_client::ClientError::Agent {
+                    kind: husk_protocol::ErrorKind::NotFound,
+                    ..
+                }) => Ok(()),
+                other => other,
+            });
+        if let Err(e) = removed {
+            tracing::warn!(sandbox = %vm.sandbox.id, "removing {} from the pod's VM: {e}", dir.path);
+            return;
+        }
+        if let Some(drive) = &dir.drive {
+            if let Err(e) = self.daemon.release_drive(&vm.sandbox.id, drive) {
+                tracing::warn!(sandbox = %vm.sandbox.id, drive, "freeing the drive: {e}");
+            }
+        }
     }
 
     /// Records a created task and tells containerd.
@@ -709,7 +821,7 @@ impl Inner {
         req: &api::CreateTaskRequest,
         bundle_dir: &Path,
         vm: Arc<Vm>,
-        guest_dir: Option<String>,
+        guest_dir: Option<GuestDir>,
         init: Arc<GuestProcess>,
     ) {
         let pid = vm.sandbox.pid;
@@ -801,16 +913,7 @@ impl Inner {
         match &task.guest_dir {
             None => self.destroy(&task.vm.sandbox.id),
             // A pod's container: its files go from the pod's VM.
-            Some(dir) => {
-                let removed = husk_agent_client::AgentClient::connect(
-                    &task.vm.agent,
-                    Duration::from_secs(60),
-                )
-                .and_then(|mut agent| agent.remove(dir, true));
-                if let Err(e) = removed {
-                    tracing::warn!(task = %id, "removing {dir} from the pod's VM: {e}");
-                }
-            }
+            Some(dir) => self.remove_from_vm(&task.vm, dir),
         }
         unmount_rootfs(&task.bundle);
         let pid = task.vm.sandbox.pid;
@@ -873,7 +976,7 @@ impl Inner {
     fn update(&self, id: &str, resources: Option<&Any>) -> Result<(), ShimError> {
         let (agent, root) =
             self.with_task(id, |t| Ok((t.vm.agent.clone(), t.guest_dir.clone())))?;
-        let Some(root) = root.as_deref().map(container_root) else {
+        let Some(root) = root.map(|dir| container_root(&dir.path)) else {
             return Err(ShimError::Conflict(format!(
                 "`{id}` is a VM, whose size is set when it starts: only a pod's container's \
                  memory limit changes"
@@ -900,7 +1003,7 @@ impl Inner {
 
     fn stats(&self, id: &str) -> Result<Any, ShimError> {
         let (pid, agent, root) = self.with_task(id, |t| {
-            let root = t.guest_dir.as_deref().map(container_root);
+            let root = t.guest_dir.as_ref().map(|dir| container_root(&dir.path));
             Ok((t.vm.sandbox.pid, t.vm.agent.clone(), root))
         })?;
         let mut client = husk_agent_client::AgentClient::connect(&agent, Duration::from_secs(60));

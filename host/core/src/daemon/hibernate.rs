@@ -30,6 +30,9 @@ fn over_budget(budget: u64, used: u64, needed: u64) -> String {
 
 /// A hibernation's directory in the run directory: `hibernation-<ms>`.
 const PREFIX: &str = "hibernation-";
+/// Most read-only layers husk-vmm stacks under a drive's overlay (its
+/// `MAX_LAYERS`): a snapshot that would stack more merges them.
+const MAX_LAYERS: usize = 8;
 
 /// Sandbox `id`'s hibernation or wake in progress: others of the same
 /// sandbox wait for it; other sandboxes' go on.
@@ -69,6 +72,7 @@ impl Daemon {
         let change = self.change(id);
         let started = Instant::now();
         let rec = self.record(id)?;
+        super::media::refuse_with_media(&rec, "hibernated")?;
         let was_running = match rec.state {
             SandboxState::Running => true,
             SandboxState::Paused => false,
@@ -408,23 +412,33 @@ fn clear_run_dir(run_dir: &Path, current: &Path) {
     let Ok(entries) = std::fs::read_dir(run_dir) else {
         return;
     };
+    let mut layered = Vec::new();
     for entry in entries.flatten() {
         let path = entry.path();
         let name = entry.file_name().to_string_lossy().into_owned();
         if path == current || name == vmm_process::CONSOLE {
             continue;
         }
-        if name.starts_with(PREFIX) && path.is_dir() {
+        if let Some(made) = name.strip_prefix(PREFIX).filter(|_| path.is_dir()) {
             for file in ["state", "memory"] {
                 let _ = std::fs::remove_file(path.join(file));
             }
             // Gone whole if it held no drive layer.
-            let _ = std::fs::remove_dir(&path);
+            if std::fs::remove_dir(&path).is_err() {
+                layered.push((made.parse::<u64>().unwrap_or(0), path));
+            }
             continue;
         }
         if path.is_file() || entry.file_type().is_ok_and(|t| t.is_socket()) {
             let _ = std::fs::remove_file(&path);
         }
+    }
+    // A drive's snapshot stacks at most MAX_LAYERS layers (more are merged
+    // into one, in the newest hibernation): older ones are no one's.
+    layered.sort();
+    let unused = layered.len().saturating_sub(MAX_LAYERS);
+    for (_, path) in layered.into_iter().take(unused) {
+        let _ = std::fs::remove_dir_all(&path);
     }
 }
 
@@ -441,4 +455,43 @@ fn disk_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_hibernations_whose_layers_a_drive_may_stack_are_kept() {
+        let run_dir = std::env::temp_dir().join(format!("husk-hib-test-{}", std::process::id()));
+        std::fs::create_dir_all(&run_dir).expect("run dir");
+        for made in 1..=19u64 {
+            let dir = run_dir.join(format!("{PREFIX}{made}"));
+            std::fs::create_dir_all(&dir).expect("hibernation");
+            std::fs::write(dir.join("state"), b"s").expect("state");
+            // All but one wrote a drive layer.
+            if made != 16 {
+                std::fs::write(dir.join("drive-0"), b"l").expect("layer");
+            }
+        }
+        std::fs::write(run_dir.join("vsock"), b"").expect("socket stand-in");
+        let current = run_dir.join(format!("{PREFIX}20"));
+        std::fs::create_dir_all(&current).expect("current");
+
+        clear_run_dir(&run_dir, &current);
+
+        let mut left: Vec<String> = std::fs::read_dir(&run_dir)
+            .expect("run dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort_by_key(|n| n.strip_prefix(PREFIX).and_then(|m| m.parse::<u64>().ok()));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        // The eight newest with a layer stay (without their state), and
+        // the current one; the rest go.
+        assert_eq!(
+            left,
+            [11, 12, 13, 14, 15, 17, 18, 19, 20].map(|m| format!("{PREFIX}{m}"))
+        );
+    }
 }

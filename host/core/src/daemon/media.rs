@@ -9,7 +9,9 @@
 //! Images are kept in `<state dir>/media/<sha256 of the archive>.ext4`, so
 //! the same tree is made into an image once. A sandbox's drive reads a
 //! hard link of its image in the sandbox's run directory, the only place
-//! its jailed VMM sees; the link and the overlay go with the sandbox.
+//! its jailed VMM sees; the link and the overlay go with the sandbox. An
+//! image no sandbox has linked for [`KEEP`] is removed (a link made or
+//! removed changes its ctime).
 
 use std::sync::atomic::AtomicU64;
 
@@ -23,6 +25,9 @@ const DIR: &str = "media";
 /// Room for a container's writes beyond its tree: the image's free
 /// space (sparse on the host: only what is written takes disk).
 const SPARE_MIB: u64 = 1024;
+
+/// How long an image no sandbox uses is kept.
+const KEEP: Duration = Duration::from_secs(3600);
 
 /// Numbers each medium put in a drive (its files' names).
 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -134,36 +139,35 @@ impl Daemon {
         drive: &str,
         upload: &str,
     ) -> Result<MediumInfo, DaemonError> {
-        let started = Instant::now();
         let dir = self.cfg.state_dir.join(DIR);
         create_private_dir(&dir)?;
+        sweep_unused(&dir, KEEP);
         // Unique across daemon restarts: a drive's files are never reused.
         let n = now_unix_ms() * 1000 + NEXT.fetch_add(1, Ordering::Relaxed) % 1000;
         let archive = dir.join(format!(".{}.{n}.tar", std::process::id()));
         crate::upload::take(&self.cfg.state_dir, upload, &archive)
             .map_err(|e| DaemonError::Invalid(e.to_string()))?;
-        let image = sha256_of(&archive).and_then(|sha| {
-            let image = dir.join(format!("{sha}.ext4"));
-            if !image.exists() {
-                let stage = archive.with_extension("stage");
-                crate::rootfs::make_medium(&archive, &image, &stage, SPARE_MIB)
-                    .map_err(|e| DaemonError::Invalid(format!("the medium's tree: {e}")))?;
-            }
-            Ok((sha, image))
-        });
-        let _ = std::fs::remove_file(&archive);
-        let (sha, image) = image?;
-        let build_ms = started.elapsed().as_millis() as u64;
         // What the jailed VMM reads: a link in its run directory.
         let link = rec.run_dir.join(format!("{drive}.{n}.ext4"));
         let overlay = rec.run_dir.join(format!("{drive}.{n}.overlay"));
-        std::fs::hard_link(&image, &link)
-            .or_else(|e| match e.raw_os_error() {
-                // Run directories on another file system: a copy.
-                Some(libc::EXDEV) => std::fs::copy(&image, &link).map(drop),
-                _ => Err(e),
-            })
-            .map_err(|e| DaemonError::Failed(format!("{}: {e}", link.display())))?;
+        let linked = sha256_of(&archive).and_then(|sha| {
+            let image = dir.join(format!("{sha}.ext4"));
+            // Made before (and linked: no sweep takes it now), or made now.
+            let mut build_ms = 0;
+            let mut made = link_image(&image, &link);
+            if matches!(&made, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+                let started = Instant::now();
+                let stage = archive.with_extension("stage");
+                crate::rootfs::make_medium(&archive, &image, &stage, SPARE_MIB)
+                    .map_err(|e| DaemonError::Invalid(format!("the medium's tree: {e}")))?;
+                build_ms = started.elapsed().as_millis() as u64;
+                made = link_image(&image, &link);
+            }
+            made.map_err(|e| DaemonError::Failed(format!("{}: {e}", link.display())))?;
+            Ok((sha, build_ms))
+        });
+        let _ = std::fs::remove_file(&archive);
+        let (sha, build_ms) = linked?;
         let request = husk_vmm_api::Request::Medium {
             drive: drive.to_owned(),
             path: link.clone(),
@@ -196,6 +200,30 @@ impl Daemon {
     }
 }
 
+/// Refuses what cannot be done to a sandbox while its drives hold media:
+/// a snapshot would name files of its run directory, which others cannot
+/// read and which go with it.
+pub(super) fn refuse_with_media(rec: &SandboxRecord, what: &str) -> Result<(), DaemonError> {
+    if rec.media.is_empty() {
+        return Ok(());
+    }
+    let drives: Vec<&str> = rec.media.keys().map(String::as_str).collect();
+    Err(DaemonError::Conflict(format!(
+        "sandbox `{}` cannot be {what} while its drives hold media ({}): release them first",
+        rec.id,
+        drives.join(", ")
+    )))
+}
+
+/// Links image `image` at `link` (copies it where they are on different
+/// file systems).
+fn link_image(image: &Path, link: &Path) -> std::io::Result<()> {
+    std::fs::hard_link(image, link).or_else(|e| match e.raw_os_error() {
+        Some(libc::EXDEV) => std::fs::copy(image, link).map(drop),
+        _ => Err(e),
+    })
+}
+
 /// The hex SHA-256 of the file at `path`.
 fn sha256_of(path: &Path) -> Result<String, DaemonError> {
     let mut file = std::fs::File::open(path)
@@ -220,6 +248,28 @@ fn create_private_dir(dir: &Path) -> Result<(), DaemonError> {
         .map_err(|e| DaemonError::Failed(format!("{}: {e}", dir.display())))
 }
 
+/// Removes the images in `dir` that no sandbox has linked for `age`.
+fn sweep_unused(dir: &Path, age: Duration) {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for entry in entries.flatten() {
+        let unused = entry.metadata().is_ok_and(|m| {
+            m.is_file()
+                && m.nlink() == 1
+                && entry.file_name().to_string_lossy().ends_with(".ext4")
+                && now.saturating_sub(m.ctime().max(0) as u64) >= age.as_secs()
+        });
+        if unused {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 /// Removes the files of the media `drive` held before medium `n` (the VMM
 /// has closed them).
 fn remove_earlier_media(run_dir: &Path, drive: &str, n: u64) {
@@ -238,5 +288,93 @@ fn remove_earlier_media(run_dir: &Path, drive: &str, n: u64) {
         if earlier {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_medium_removes_only_the_earlier_media_of_its_drive() {
+        let dir = vmm_dir();
+        let names = [
+            "slot0.7.ext4",
+            "slot0.7.overlay",
+            "slot0.9.ext4",
+            "slot0.9.overlay",
+            "slot1.8.ext4",
+            "sb-1.slot0.overlay",
+            "vsock",
+        ];
+        for name in names {
+            std::fs::write(dir.join(name), b"").expect("file");
+        }
+
+        remove_earlier_media(&dir, "slot0", 9);
+
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "sb-1.slot0.overlay",
+                "slot0.9.ext4",
+                "slot0.9.overlay",
+                "slot1.8.ext4",
+                "vsock"
+            ]
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_images_no_sandbox_links_are_swept() {
+        let dir = vmm_dir();
+        let run = vmm_dir();
+        for name in ["used.ext4", "unused.ext4", ".123.4.tar"] {
+            std::fs::write(dir.join(name), b"").expect("file");
+        }
+        std::fs::hard_link(dir.join("used.ext4"), run.join("slot0.1.ext4")).expect("link");
+
+        sweep_unused(&dir, Duration::ZERO);
+
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [".123.4.tar", "used.ext4"]);
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&run);
+    }
+
+    #[test]
+    fn a_sandbox_with_media_names_its_drives_when_refused() {
+        let mut rec = crate::store::test_record("sb-1");
+        let free = refuse_with_media(&rec, "hibernated");
+        rec.media.insert("slot1".into(), "ab".into());
+        rec.media.insert("slot0".into(), "cd".into());
+
+        let refused = refuse_with_media(&rec, "hibernated");
+
+        assert!(free.is_ok());
+        let message = refused.expect_err("media").to_string();
+        assert!(message.contains("(slot0, slot1)"), "{message}");
+    }
+
+    fn vmm_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "husk-media-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).expect("dir");
+        dir
     }
 }

@@ -324,7 +324,12 @@ impl Disk {
         let stamps =
             |layers: &[(FileStamp, Layer)]| layers.iter().map(|(s, _)| s.clone()).collect();
         let base_stamp = || FileStamp::of(&self.base_path, &self.base).map_err(save_err);
-        let (base, layers) = if self.read_only {
+        let unwritten = self
+            .overlay
+            .as_ref()
+            .is_some_and(|o| o.present.iter().all(|bits| *bits == 0));
+        let (base, layers) = if self.read_only || unwritten {
+            // Nothing above its layers: they are the snapshot's as they are.
             (base_stamp()?, stamps(&self.layers))
         } else {
             let file = File::create(&tmp).map_err(save_err)?;
@@ -773,6 +778,22 @@ mod tests {
         );
         assert_eq!(snapshot.layers.len(), 1);
         assert!(!a.is_read_only());
+    }
+
+    #[test]
+    fn a_clone_that_wrote_nothing_is_saved_with_its_layers_alone() {
+        let dir = TempDir::new().expect("tempdir");
+        let (_, snapshot, at_snapshot) = saved_cow_disk(&dir);
+        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("a"))).expect("clone");
+        let again = dir.as_path().join("again");
+        std::fs::create_dir(&again).expect("snapshot dir");
+
+        let resaved = clone.save(&again, "drive-0").expect("save");
+        let restored = Disk::restore(&resaved, Some(&dir.as_path().join("b"))).expect("restore");
+
+        assert_eq!(resaved, snapshot);
+        assert!(!again.join("drive-0").exists());
+        assert_eq!(read_all(&restored), at_snapshot);
     }
 
     #[test]
