@@ -1369,6 +1369,22 @@ impl Daemon {
         Ok(tasks)
     }
 
+    /// Changes sandbox `id`'s record with `f` under the lock; returns what
+    /// `f` returned and the changed record (for the store).
+    fn change_record<T>(
+        &self,
+        id: &str,
+        f: impl FnOnce(&mut SandboxRecord) -> Result<T, DaemonError>,
+    ) -> Result<(T, SandboxRecord), DaemonError> {
+        let mut inner = self.lock();
+        let live = inner
+            .sandboxes
+            .get_mut(id)
+            .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
+        let done = f(&mut live.rec)?;
+        Ok((done, live.rec.clone()))
+    }
+
     /// Changes a sandbox's time to live, expiry policy or labels.
     pub fn update(
         &self,
@@ -1378,29 +1394,24 @@ impl Daemon {
     ) -> Result<SandboxInfo, DaemonError> {
         check_labels(&update.labels)?;
         self.record(id)?;
-        let rec = {
-            let mut inner = self.lock();
-            let live = inner
-                .sandboxes
-                .get_mut(id)
-                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
+        let ((), rec) = self.change_record(id, |rec| {
             match update.ttl_s {
-                Some(0) => live.rec.expires_unix_ms = None,
-                Some(s) => live.rec.expires_unix_ms = Some(now_unix_ms() + s * 1000),
+                Some(0) => rec.expires_unix_ms = None,
+                Some(s) => rec.expires_unix_ms = Some(now_unix_ms() + s * 1000),
                 None => {}
             }
             if let Some(policy) = update.on_expiry {
-                live.rec.on_expiry = policy;
+                rec.on_expiry = policy;
             }
             for (k, v) in &update.labels {
                 if v.is_empty() {
-                    live.rec.labels.remove(k);
+                    rec.labels.remove(k);
                 } else {
-                    live.rec.labels.insert(k.clone(), v.clone());
+                    rec.labels.insert(k.clone(), v.clone());
                 }
             }
-            live.rec.clone()
-        };
+            Ok(())
+        })?;
         self.store.put_sandbox(&rec)?;
         self.store.audit(who, "update", Some(id), None, "")?;
         Ok(info(&rec))

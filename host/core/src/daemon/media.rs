@@ -54,31 +54,21 @@ impl Daemon {
             .template(&rec.template)?
             .map_or(0, |t| t.drive_slots);
         let drive = self.reserve_drive(id, slots)?;
-        let result = self.fill_drive(&rec, &drive, &req.upload);
-        let mut inner = self.lock();
-        let Some(live) = inner.sandboxes.get_mut(id) else {
-            return Err(DaemonError::NotFound(format!("sandbox `{id}` went away")));
-        };
-        match result {
+        let filled = self.fill_drive(&rec, &drive, &req.upload);
+        let (info, rec) = self.change_record(id, |rec| match filled {
             Ok(info) => {
-                live.rec.media.insert(drive.clone(), info.image.clone());
-                let rec = live.rec.clone();
-                drop(inner);
-                self.store.put_sandbox(&rec)?;
-                self.store.audit(
-                    who,
-                    "medium",
-                    Some(id),
-                    None,
-                    &format!("{drive}: sha256 {}", info.image),
-                )?;
+                rec.media.insert(drive.clone(), info.image.clone());
                 Ok(info)
             }
             Err(e) => {
-                live.rec.media.remove(&drive);
+                rec.media.remove(&drive);
                 Err(e)
             }
-        }
+        })?;
+        self.store.put_sandbox(&rec)?;
+        let what = format!("{drive}: sha256 {}", info.image);
+        self.store.audit(who, "medium", Some(id), None, &what)?;
+        Ok(info)
     }
 
     /// Frees drive `drive` of sandbox `id` for another medium; the guest
@@ -86,19 +76,12 @@ impl Daemon {
     /// until the next one replaces it.
     pub fn release_drive(&self, id: &str, drive: &str, who: &str) -> Result<(), DaemonError> {
         self.record(id)?;
-        let rec = {
-            let mut inner = self.lock();
-            let live = inner
-                .sandboxes
-                .get_mut(id)
-                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
-            if live.rec.media.remove(drive).is_none() {
-                return Err(DaemonError::NotFound(format!(
-                    "drive `{drive}` of sandbox `{id}` holds no medium"
-                )));
-            }
-            live.rec.clone()
-        };
+        let ((), rec) = self.change_record(id, |rec| match rec.media.remove(drive) {
+            Some(_) => Ok(()),
+            None => Err(DaemonError::NotFound(format!(
+                "drive `{drive}` of sandbox `{id}` holds no medium"
+            ))),
+        })?;
         self.store.put_sandbox(&rec)?;
         self.store
             .audit(who, "release-drive", Some(id), None, drive)?;
@@ -108,27 +91,25 @@ impl Daemon {
     /// Marks a free drive of sandbox `id` (of `slots`) taken; the caller
     /// fills it or gives it back.
     fn reserve_drive(&self, id: &str, slots: u8) -> Result<String, DaemonError> {
-        let mut inner = self.lock();
-        let live = inner
-            .sandboxes
-            .get_mut(id)
-            .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
         if slots == 0 {
             return Err(DaemonError::Invalid(format!(
                 "sandbox `{id}` has no empty drives: its template was built without drive slots \
                  (husk template build --drive-slots N)"
             )));
         }
-        let drive = (0..slots)
-            .map(husk_types::drive_slot_id)
-            .find(|d| !live.rec.media.contains_key(d))
-            .ok_or_else(|| {
-                DaemonError::Limit(format!(
-                    "all {slots} drives of sandbox `{id}` hold a medium in use"
-                ))
-            })?;
-        // Taken until filled or given back.
-        live.rec.media.insert(drive.clone(), String::new());
+        let (drive, _) = self.change_record(id, |rec| {
+            let drive = (0..slots)
+                .map(husk_types::drive_slot_id)
+                .find(|d| !rec.media.contains_key(d))
+                .ok_or_else(|| {
+                    DaemonError::Limit(format!(
+                        "all {slots} drives of sandbox `{id}` hold a medium in use"
+                    ))
+                })?;
+            // Taken until filled or given back.
+            rec.media.insert(drive.clone(), String::new());
+            Ok(drive)
+        })?;
         Ok(drive)
     }
 

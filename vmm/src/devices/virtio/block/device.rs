@@ -19,6 +19,12 @@ use crate::devices::virtio::{
 };
 use crate::rate_limiter::RateLimiter;
 
+/// VIRTIO_BLK_F_SEG_MAX: the driver may put up to `seg_max` data
+/// buffers in one request (without it Linux sends one page per request).
+const VIRTIO_BLK_F_SEG_MAX: u64 = 1 << 2;
+/// Data buffers per request offered (`seg_max`): a request's chain is
+/// these, its header and its status, within the queue.
+const SEG_MAX: u32 = 128;
 /// VIRTIO_BLK_F_RO: the device is read-only.
 const VIRTIO_BLK_F_RO: u64 = 1 << 5;
 /// VIRTIO_BLK_F_FLUSH: the device takes flush requests.
@@ -35,8 +41,9 @@ pub struct BlockDevice {
     /// What the guest reads as the serial.
     id: [u8; ID_LEN],
     queue_evt: [EventFd; 1],
-    /// Configuration space: capacity in sectors (le64).
-    config: [u8; 8],
+    /// Configuration space (5.2.4): capacity in sectors (le64), size_max
+    /// (le32, not offered) and seg_max (le32).
+    config: [u8; 16],
     active: Option<ActiveQueues>,
     /// Bytes and requests per second the guest may have (None: no limit).
     limiter: Option<RateLimiter>,
@@ -49,7 +56,9 @@ impl BlockDevice {
         let mut id_bytes = [0u8; ID_LEN];
         let n = id.len().min(ID_LEN);
         id_bytes[..n].copy_from_slice(&id.as_bytes()[..n]);
-        let config = (disk.size() / SECTOR_SIZE).to_le_bytes();
+        let mut config = [0u8; 16];
+        config[..8].copy_from_slice(&(disk.size() / SECTOR_SIZE).to_le_bytes());
+        config[12..].copy_from_slice(&SEG_MAX.to_le_bytes());
         BlockDevice {
             disk,
             name: id.to_owned(),
@@ -80,7 +89,7 @@ impl BlockDevice {
     ///
     /// [`MmioTransport::config_changed`]: crate::devices::virtio::mmio::MmioTransport::config_changed
     pub fn replace_disk(&mut self, disk: Disk) -> Disk {
-        self.config = (disk.size() / SECTOR_SIZE).to_le_bytes();
+        self.config[..8].copy_from_slice(&(disk.size() / SECTOR_SIZE).to_le_bytes());
         std::mem::replace(&mut self.disk, disk)
     }
 
@@ -210,7 +219,7 @@ impl VirtioDevice for BlockDevice {
         } else {
             0
         };
-        VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_FLUSH | ro
+        VIRTIO_F_VERSION_1 | VIRTIO_BLK_F_FLUSH | VIRTIO_BLK_F_SEG_MAX | ro
     }
 
     fn queue_events(&self) -> &[EventFd] {
@@ -384,6 +393,37 @@ mod tests {
                 .expect("data"),
             0x5a
         );
+    }
+
+    #[test]
+    fn a_read_fills_each_of_the_buffers_seg_max_lets_it_carry() {
+        let mut rig = rig(&[
+            (HEADER, 16, N, 1),
+            (DATA, 512, W | N, 2),
+            (DATA + 0x1000, 1024, W | N, 3),
+            (STATUS, 1, W, 0),
+        ]);
+        header(&rig.mem, VIRTIO_BLK_T_IN, 0);
+        make_available(&rig, 1);
+
+        rig.device.process_queue();
+
+        let mut seg_max = [0u8; 4];
+        rig.device.read_config(12, &mut seg_max);
+        assert_ne!(rig.device.features() & VIRTIO_BLK_F_SEG_MAX, 0);
+        assert_eq!(u32::from_le_bytes(seg_max), SEG_MAX);
+        assert_eq!(
+            rig.mem
+                .read_obj::<u8>(GuestAddress(STATUS))
+                .expect("status"),
+            VIRTIO_BLK_S_OK
+        );
+        for at in [DATA, DATA + 511, DATA + 0x1000, DATA + 0x1000 + 1023] {
+            assert_eq!(
+                rig.mem.read_obj::<u8>(GuestAddress(at)).expect("data"),
+                0x5a
+            );
+        }
     }
 
     #[test]
