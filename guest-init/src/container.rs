@@ -267,12 +267,14 @@ pub fn track_mount(path: &str) {
         .push(path.trim_end_matches('/').to_owned());
 }
 
-/// Binds directory `source` at `target` inside the container root `root`,
-/// read-only with `readonly` (a pod's volume). `target` is resolved as if
-/// `root` were `/` (a link in the container's tree stays inside it) and its
-/// missing directories are made. The bind is a detached clone of `source`
-/// attached at the resolved directory (`open_tree`, `move_mount`): nothing
-/// is looked up by path after the resolution.
+/// Binds directory (or regular file) `source` at `target` inside the
+/// container root `root`, read-only with `readonly` (a pod's volume, or a
+/// file such as `/etc/hosts`). `target` is resolved as if `root` were `/`
+/// (a link in the container's tree stays inside it) and its missing
+/// directories (and, for a file, the file) are made. The bind is a
+/// detached clone of `source` attached at the resolved target
+/// (`open_tree`, `move_mount`): nothing is looked up by path after the
+/// resolution.
 pub fn bind(root: &str, source: &str, target: &str, readonly: bool) -> io::Result<()> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let meta = std::fs::metadata(source)?;

@@ -368,14 +368,14 @@ impl Vmm {
     ) -> Result<u64, VmmError> {
         use devices::virtio::block::{Disk, DiskError, DiskMode};
         let disk_error = |e| VmmError::Disk(drive.to_owned(), e);
-        let attached = self
+        let (device, transport) = self
             .devices
             .iter()
-            .find(|a| matches!(&a.device, DeviceHandle::Block(d) if lock(d).name() == drive))
+            .find_map(|a| match &a.device {
+                DeviceHandle::Block(d) if lock(d).name() == drive => Some((d, &a.transport)),
+                _ => None,
+            })
             .ok_or_else(|| VmmError::Unsupported(format!("this VM has no drive `{drive}`")))?;
-        let DeviceHandle::Block(device) = &attached.device else {
-            unreachable!("found as a block device");
-        };
         let mode = match overlay {
             Some(o) if std::fs::symlink_metadata(o).is_ok() => {
                 return Err(disk_error(DiskError::OverlayExists(o.to_owned())))
@@ -388,7 +388,7 @@ impl Vmm {
         let disk = Disk::open(path, &mode).map_err(disk_error)?;
         let size = disk.size();
         drop(lock(device).replace_disk(disk));
-        lock(&attached.transport).config_changed();
+        lock(transport).config_changed();
         tracing::info!(drive, path = %path.display(), size, "drive: a new medium");
         Ok(size)
     }

@@ -322,12 +322,13 @@ pub enum Body {
         path: String,
     },
     DirAttrs(Vec<(String, Attributes)>),
-    /// Binds guest directory `source` at `target` inside the container
-    /// root `root` (resolved there: a link in the container's tree cannot
-    /// lead out of it; missing directories are made), read-only with
-    /// `readonly`: a pod's volume. Before the container's first `ExecIn`;
-    /// removing the container's tree unbinds it (the volume stays).
-    /// `Done`.
+    /// Binds guest directory (or regular file) `source` at `target`
+    /// inside the container root `root` (resolved there: a link in the
+    /// container's tree cannot lead out of it; missing directories, and a
+    /// missing file, are made), read-only with `readonly`: a pod's volume,
+    /// or a file such as `/etc/hosts`. Before the container's first
+    /// `ExecIn`; removing the container's tree unbinds it (the source
+    /// stays). `Done`.
     Mount {
         root: String,
         source: String,

@@ -893,9 +893,10 @@ impl AgentClient {
         })
     }
 
-    /// Binds guest directory `source` at `target` inside the container
-    /// root `root` (resolved there), read-only with `readonly`: a pod's
-    /// volume, before the container's first program.
+    /// Binds guest directory (or regular file) `source` at `target`
+    /// inside the container root `root` (resolved there), read-only with
+    /// `readonly`: a pod's volume or one of the CRI's files, before the
+    /// container's first program.
     pub fn mount(
         &mut self,
         root: &str,

@@ -294,12 +294,7 @@ mod tests {
 
         remove_earlier_media(&dir, "slot0", 9);
 
-        let mut left: Vec<String> = std::fs::read_dir(&dir)
-            .expect("dir")
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        left.sort();
+        let left = names_in(&dir);
         assert_eq!(
             left,
             [
@@ -324,12 +319,7 @@ mod tests {
 
         sweep_unused(&dir, Duration::ZERO);
 
-        let mut left: Vec<String> = std::fs::read_dir(&dir)
-            .expect("dir")
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect();
-        left.sort();
+        let left = names_in(&dir);
         assert_eq!(left, [".123.4.tar", "used.ext4"]);
         let _ = std::fs::remove_dir_all(&dir);
         let _ = std::fs::remove_dir_all(&run);
@@ -347,6 +337,17 @@ mod tests {
         assert!(free.is_ok());
         let message = refused.expect_err("media").to_string();
         assert!(message.contains("(slot0, slot1)"), "{message}");
+    }
+
+    /// The names in `dir`, sorted.
+    fn names_in(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .expect("dir")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
     }
 
     fn vmm_dir() -> PathBuf {

@@ -412,17 +412,9 @@ mod tests {
         rig.device.read_config(12, &mut seg_max);
         assert_ne!(rig.device.features() & VIRTIO_BLK_F_SEG_MAX, 0);
         assert_eq!(u32::from_le_bytes(seg_max), SEG_MAX);
-        assert_eq!(
-            rig.mem
-                .read_obj::<u8>(GuestAddress(STATUS))
-                .expect("status"),
-            VIRTIO_BLK_S_OK
-        );
+        assert_eq!(byte_at(&rig, STATUS), VIRTIO_BLK_S_OK);
         for at in [DATA, DATA + 511, DATA + 0x1000, DATA + 0x1000 + 1023] {
-            assert_eq!(
-                rig.mem.read_obj::<u8>(GuestAddress(at)).expect("data"),
-                0x5a
-            );
+            assert_eq!(byte_at(&rig, at), 0x5a);
         }
     }
 
@@ -443,16 +435,15 @@ mod tests {
         rig.device.read_config(0, &mut capacity);
         assert_eq!(u64::from_le_bytes(capacity), 16);
         assert_ne!(rig.device.features() & VIRTIO_BLK_F_RO, 0);
-        assert_eq!(
-            rig.mem
-                .read_obj::<u8>(GuestAddress(STATUS))
-                .expect("status"),
-            VIRTIO_BLK_S_OK
-        );
-        assert_eq!(
-            rig.mem.read_obj::<u8>(GuestAddress(DATA)).expect("data"),
-            0xa5
-        );
+        assert_eq!(byte_at(&rig, STATUS), VIRTIO_BLK_S_OK);
+        assert_eq!(byte_at(&rig, DATA), 0xa5);
+    }
+
+    /// The byte at guest address `at`.
+    fn byte_at(rig: &Rig, at: u64) -> u8 {
+        rig.mem
+            .read_obj::<u8>(GuestAddress(at))
+            .expect("guest byte")
     }
 
     #[test]
