@@ -845,7 +845,6 @@ impl ExecStream {
     }
 }
 
-/// Percent-encodes a query value.
 /// Appends the tree at `dir` as `.` and what is below it. The top
 /// directory's modification time is left out (0): a container's root is
 /// a mount made for it, whose time says when, so that the same image's
@@ -870,6 +869,7 @@ fn append_tree<W: std::io::Write>(
     Ok(())
 }
 
+/// Percent-encodes a query value.
 pub fn encode(value: &str) -> String {
     value
         .bytes()

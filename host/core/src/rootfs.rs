@@ -114,7 +114,7 @@ fn stage_and_make(
     let init = stage.join("init");
     let _ = std::fs::remove_file(&init);
     std::fs::copy(guest_init, &init).map_err(io(guest_init))?;
-    let size_mib = tree_bytes(stage) / (1 << 20) * 3 / 2 + 64;
+    let size_mib = tree_size(stage).file_bytes / (1 << 20) * 3 / 2 + 64;
     let tmp = image.with_extension("tmp");
     run(Command::new("mkfs.ext4")
         .args(["-q", "-F", "-L", "husk-root", "-E", "root_owner=0:0", "-d"])
@@ -162,11 +162,11 @@ pub fn make_medium(
         .and_then(|()| {
             // Every file and directory takes whole 4 KiB blocks and an
             // inode; a quarter more for the file system's own blocks.
-            let (blocks, entries) = tree_blocks(stage);
-            let size_mib = (blocks * 4096 * 5 / 4) >> 20;
+            let tree = tree_size(stage);
+            let size_mib = (tree.blocks * 4096 * 5 / 4) >> 20;
             run(Command::new("mkfs.ext4")
                 .args(["-q", "-F", "-O", "^has_journal", "-L", "husk-medium"])
-                .args(["-N", &(entries + 65536).to_string(), "-d"])
+                .args(["-N", &(tree.entries + 65536).to_string(), "-d"])
                 .arg(stage)
                 .arg(&tmp)
                 .arg(format!("{}M", size_mib + spare_mib)))
@@ -279,36 +279,34 @@ fn run(cmd: &mut Command) -> Result<(), RootfsError> {
     }
 }
 
-/// The 4 KiB blocks the files, links and directories under `dir` take at
-/// least, and how many there are.
-fn tree_blocks(dir: &Path) -> (u64, u64) {
-    let (mut blocks, mut entries) = (1, 1);
-    let mut stack = vec![dir.to_owned()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            entries += 1;
-            let len = entry.metadata().map_or(0, |m| m.len());
-            blocks += len.div_ceil(4096).max(1);
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(entry.path());
-            }
-        }
-    }
-    (blocks, entries)
+/// What the tree under `dir` holds: bytes in regular files, the 4 KiB
+/// blocks its files, links and directories take at least, and how many
+/// entries there are.
+#[derive(Debug, Default, Clone, Copy)]
+struct TreeSize {
+    file_bytes: u64,
+    blocks: u64,
+    entries: u64,
 }
 
-/// Bytes in regular files under `dir`.
-fn tree_bytes(dir: &Path) -> u64 {
-    let mut total = 0;
+fn tree_size(dir: &Path) -> TreeSize {
+    let mut size = TreeSize {
+        blocks: 1,
+        entries: 1,
+        ..TreeSize::default()
+    };
     let mut stack = vec![dir.to_owned()];
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let len = entry.metadata().map_or(0, |m| m.len());
+            size.entries += 1;
+            size.blocks += len.div_ceil(4096).max(1);
             match entry.file_type() {
                 Ok(t) if t.is_dir() => stack.push(entry.path()),
-                Ok(t) if t.is_file() => total += entry.metadata().map_or(0, |m| m.len()),
+                Ok(t) if t.is_file() => size.file_bytes += len,
                 _ => {}
             }
         }
     }
-    total
+    size
 }

@@ -63,7 +63,14 @@ pub fn receive(state_dir: &Path, body: &mut dyn Read, max: u64) -> Result<Upload
         }
     };
     let path = dir.join(&id);
-    std::fs::rename(&part, &path).map_err(io(&path))?;
+    // Its hash beside it, so that a taker need not read it again.
+    let hashed = hash_file(dir, &id);
+    let kept = std::fs::write(&hashed, &sha256).and_then(|()| std::fs::rename(&part, &path));
+    if let Err(e) = kept {
+        let _ = std::fs::remove_file(&part);
+        let _ = std::fs::remove_file(&hashed);
+        return Err(UploadError::Io(path, e));
+    }
     Ok(UploadInfo { id, bytes, sha256 })
 }
 
@@ -109,16 +116,39 @@ fn write_part(part: &Path, body: &mut dyn Read, max: u64) -> Result<(u64, String
 /// Moves upload `id` of the host whose state is in `state_dir` to `to`
 /// (the caller owns it then).
 pub fn take(state_dir: &Path, id: &str, to: &Path) -> Result<(), UploadError> {
+    take_with_hash(state_dir, id, to).map(drop)
+}
+
+/// [`take`], returning the upload's SHA-256 (hex) as it was received (an
+/// upload without one, from an older daemon, is not found).
+pub fn take_hashed(state_dir: &Path, id: &str, to: &Path) -> Result<String, UploadError> {
+    let hash = std::fs::read_to_string(hash_file(&state_dir.join(DIR), id)).unwrap_or_default();
+    if hash.len() != 64 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(UploadError::NotFound(id.to_owned()));
+    }
+    take_with_hash(state_dir, id, to).map(|()| hash)
+}
+
+fn take_with_hash(state_dir: &Path, id: &str, to: &Path) -> Result<(), UploadError> {
     if !is_id(id) {
         return Err(UploadError::NotFound(id.to_owned()));
     }
-    match std::fs::rename(state_dir.join(DIR).join(id), to) {
-        Ok(()) => Ok(()),
+    let dir = state_dir.join(DIR);
+    match std::fs::rename(dir.join(id), to) {
+        Ok(()) => {
+            let _ = std::fs::remove_file(hash_file(&dir, id));
+            Ok(())
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             Err(UploadError::NotFound(id.to_owned()))
         }
         Err(e) => Err(UploadError::Io(to.to_owned(), e)),
     }
+}
+
+/// Where upload `id`'s hash is kept, in the uploads' directory `dir`.
+fn hash_file(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!(".{id}.sha256"))
 }
 
 /// Removes uploads (and parts of broken ones) older than `age`.

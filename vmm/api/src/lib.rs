@@ -32,6 +32,11 @@ use serde::{Deserialize, Serialize};
 /// Longest request or reply line, in bytes.
 pub const MAX_LINE: u64 = 64 << 10;
 
+/// Most read-only layers husk-vmm stacks under a drive's overlay; a
+/// snapshot that would stack more merges them into one (so a host that
+/// keeps snapshots' layers knows which can still be read).
+pub const MAX_DRIVE_LAYERS: usize = 8;
+
 /// What a client asks of the VMM.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]

@@ -30,9 +30,6 @@ fn over_budget(budget: u64, used: u64, needed: u64) -> String {
 
 /// A hibernation's directory in the run directory: `hibernation-<ms>`.
 const PREFIX: &str = "hibernation-";
-/// Most read-only layers husk-vmm stacks under a drive's overlay (its
-/// `MAX_LAYERS`): a snapshot that would stack more merges them.
-const MAX_LAYERS: usize = 8;
 
 /// Sandbox `id`'s hibernation or wake in progress: others of the same
 /// sandbox wait for it; other sandboxes' go on.
@@ -156,7 +153,7 @@ impl Daemon {
         self.remove_cgroup(id);
         // What the next VMM makes anew (sockets, log, drive overlays: their
         // contents are in the hibernation's drive layers); the console's
-        // lines and earlier hibernations' drive layers stay.
+        // lines and the earlier drive layers a drive may still read stay.
         clear_run_dir(&rec.run_dir, &dir);
         let rec = {
             let mut inner = self.lock();
@@ -433,10 +430,10 @@ fn clear_run_dir(run_dir: &Path, current: &Path) {
             let _ = std::fs::remove_file(&path);
         }
     }
-    // A drive's snapshot stacks at most MAX_LAYERS layers (more are merged
-    // into one, in the newest hibernation): older ones are no one's.
+    // A drive's snapshot stacks at most MAX_DRIVE_LAYERS layers (more are
+    // merged into one, in the newest hibernation): older ones are no one's.
     layered.sort();
-    let unused = layered.len().saturating_sub(MAX_LAYERS);
+    let unused = layered.len().saturating_sub(husk_vmm_api::MAX_DRIVE_LAYERS);
     for (_, path) in layered.into_iter().take(unused) {
         let _ = std::fs::remove_dir_all(&path);
     }

@@ -16,7 +16,6 @@
 use std::sync::atomic::AtomicU64;
 
 use husk_types::{MediumInfo, MediumRequest};
-use sha2::{Digest, Sha256};
 
 use super::*;
 
@@ -126,29 +125,14 @@ impl Daemon {
         // Unique across daemon restarts: a drive's files are never reused.
         let n = now_unix_ms() * 1000 + NEXT.fetch_add(1, Ordering::Relaxed) % 1000;
         let archive = dir.join(format!(".{}.{n}.tar", std::process::id()));
-        crate::upload::take(&self.cfg.state_dir, upload, &archive)
+        let sha = crate::upload::take_hashed(&self.cfg.state_dir, upload, &archive)
             .map_err(|e| DaemonError::Invalid(e.to_string()))?;
         // What the jailed VMM reads: a link in its run directory.
         let link = rec.run_dir.join(format!("{drive}.{n}.ext4"));
         let overlay = rec.run_dir.join(format!("{drive}.{n}.overlay"));
-        let linked = sha256_of(&archive).and_then(|sha| {
-            let image = dir.join(format!("{sha}.ext4"));
-            // Made before (and linked: no sweep takes it now), or made now.
-            let mut build_ms = 0;
-            let mut made = link_image(&image, &link);
-            if matches!(&made, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
-                let started = Instant::now();
-                let stage = archive.with_extension("stage");
-                crate::rootfs::make_medium(&archive, &image, &stage, SPARE_MIB)
-                    .map_err(|e| DaemonError::Invalid(format!("the medium's tree: {e}")))?;
-                build_ms = started.elapsed().as_millis() as u64;
-                made = link_image(&image, &link);
-            }
-            made.map_err(|e| DaemonError::Failed(format!("{}: {e}", link.display())))?;
-            Ok((sha, build_ms))
-        });
+        let linked = link_or_make(&dir.join(format!("{sha}.ext4")), &link, &archive);
         let _ = std::fs::remove_file(&archive);
-        let (sha, build_ms) = linked?;
+        let build_ms = linked?;
         let request = husk_vmm_api::Request::Medium {
             drive: drive.to_owned(),
             path: link.clone(),
@@ -196,6 +180,23 @@ pub(super) fn refuse_with_media(rec: &SandboxRecord, what: &str) -> Result<(), D
     )))
 }
 
+/// Links image `image` at `link`, made first from tar archive `archive`
+/// unless it was before (once linked, no sweep takes it). Returns how long
+/// making it took (0: it was there).
+fn link_or_make(image: &Path, link: &Path, archive: &Path) -> Result<u64, DaemonError> {
+    let mut build_ms = 0;
+    let mut made = link_image(image, link);
+    if matches!(&made, Err(e) if e.kind() == std::io::ErrorKind::NotFound) {
+        let started = Instant::now();
+        crate::rootfs::make_medium(archive, image, &archive.with_extension("stage"), SPARE_MIB)
+            .map_err(|e| DaemonError::Invalid(format!("the medium's tree: {e}")))?;
+        build_ms = started.elapsed().as_millis() as u64;
+        made = link_image(image, link);
+    }
+    made.map_err(|e| DaemonError::Failed(format!("{}: {e}", link.display())))
+        .map(|()| build_ms)
+}
+
 /// Links image `image` at `link` (copies it where they are on different
 /// file systems).
 fn link_image(image: &Path, link: &Path) -> std::io::Result<()> {
@@ -203,20 +204,6 @@ fn link_image(image: &Path, link: &Path) -> std::io::Result<()> {
         Some(libc::EXDEV) => std::fs::copy(image, link).map(drop),
         _ => Err(e),
     })
-}
-
-/// The hex SHA-256 of the file at `path`.
-fn sha256_of(path: &Path) -> Result<String, DaemonError> {
-    let mut file = std::fs::File::open(path)
-        .map_err(|e| DaemonError::Failed(format!("{}: {e}", path.display())))?;
-    let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher)
-        .map_err(|e| DaemonError::Failed(format!("{}: {e}", path.display())))?;
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
 }
 
 /// Makes `dir` (root's alone) if it is missing.

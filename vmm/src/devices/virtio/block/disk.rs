@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 pub const CLUSTER_SIZE: u64 = 4096;
 /// Most read-only layers under a disk's overlay; a snapshot that would
 /// stack more merges them into one.
-pub const MAX_LAYERS: usize = 8;
+pub const MAX_LAYERS: usize = husk_vmm_api::MAX_DRIVE_LAYERS;
 
 /// How an image is used.
 #[derive(Debug, Clone, PartialEq, Eq)]
