@@ -36,6 +36,46 @@ struct Base {
     sleeper: i32,
     /// The data drive's base image (which nothing may change).
     disk_image: PathBuf,
+    /// The booted guest's TSC against its CLOCK_MONOTONIC (`husk-cpucheck
+    /// clock`): two samples.
+    clock: [(u64, u64); 2],
+}
+
+/// Where `husk-cpucheck` is uploaded in a guest.
+const CPUCHECK: &str = "/tmp/husk-cpucheck";
+
+/// Uploads `husk-cpucheck` (built with guest-init).
+fn upload_cpucheck(client: &mut AgentClient) {
+    let tool = repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-cpucheck");
+    let file = std::fs::File::open(&tool).expect("husk-cpucheck (built with guest-init)");
+    client
+        .write_file(CPUCHECK, 0o755, file)
+        .expect("upload husk-cpucheck");
+}
+
+/// `husk-cpucheck clock`'s samples and kernel log lines.
+fn clock_samples(client: &mut AgentClient) -> ([(u64, u64); 2], Vec<String>) {
+    let req = husk_protocol::ExecRequest {
+        argv: vec![CPUCHECK.into(), "clock".into(), "500".into()],
+        ..Default::default()
+    };
+    let out = text(&client.exec(req).expect("husk-cpucheck clock").stdout);
+    let samples: Vec<(u64, u64)> = out
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("sample ")?.split(' ');
+            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+        })
+        .collect();
+    let log = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("log "))
+        .map(str::to_owned)
+        .collect();
+    match samples[..] {
+        [a, b] => ([a, b], log),
+        _ => panic!("husk-cpucheck clock printed {out}"),
+    }
 }
 
 /// The data drive's name, which restores give overlays by.
@@ -86,6 +126,8 @@ fn base() -> &'static Base {
             "{}",
             text(&mounted.stderr)
         );
+        upload_cpucheck(&mut client);
+        let (clock, _) = clock_samples(&mut client);
         // One long sleep, not a `sleep 1` loop: every fork+exec costs seconds
         // of emulated guest kernel here, and a loop would keep each clone busy.
         let sleeper = client.spawn(sh("sleep 1000000")).expect("spawn");
@@ -99,6 +141,7 @@ fn base() -> &'static Base {
             taken: Instant::now(),
             sleeper,
             disk_image,
+            clock,
         }
     })
 }
@@ -349,6 +392,141 @@ fn every_kind_of_vmm_thread_dies_by_sigsys_on_a_forbidden_syscall() {
     }
 }
 
+/// How far (ns) `sample`'s TSC stands from where the booted guest's
+/// relation of TSC to CLOCK_MONOTONIC puts it, at the rate the booted
+/// guest's two samples show.
+fn tsc_drift_ns(booted: [(u64, u64); 2], sample: (u64, u64)) -> f64 {
+    let [(t0, n0), (t1, n1)] = booted;
+    let cycles_per_ns = (t1 - t0) as f64 / (n1 - n0) as f64;
+    let guest_ns = sample.1 as f64 - n0 as f64;
+    let tsc_ns = (sample.0 as f64 - t0 as f64) / cycles_per_ns;
+    tsc_ns - guest_ns
+}
+
+#[test]
+fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() {
+    // The booted guest's TSC against its clock (sampled before the base
+    // snapshot), then a clone's, then a clone of that clone's snapshot,
+    // taken while a program held patterns in every vector register.
+    let base = base();
+    let run = TempDir::new().expect("tempdir");
+    let (_first, first_uds, first_api) = restore(&base.snapshot, run.as_path(), "tsc-1", 61);
+    let mut first = connect(&first_uds);
+    let (first_clock, first_log) = clock_samples(&mut first);
+    let holder = husk_protocol::ExecRequest {
+        argv: vec![
+            CPUCHECK.into(),
+            "simd".into(),
+            "8".into(),
+            "/tmp/simd".into(),
+        ],
+        ..Default::default()
+    };
+    first.spawn(holder).expect("spawn husk-cpucheck simd");
+    // Until the holder holds (it says so in its file): a snapshot before
+    // that would check nothing.
+    let simd_file = |client: &mut AgentClient| {
+        let mut out = Vec::new();
+        client
+            .read_file("/tmp/simd", &mut out)
+            .map(|_| text(&out))
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + RESTORE_TIMEOUT;
+    while !simd_file(&mut first).contains("holding") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let snapshot = run.as_path().join("of-tsc-1");
+    common::snapshot(&first_api, &snapshot, false).expect("snapshot of a clone");
+    drop(first);
+    drop(_first);
+    let (_second, second_uds, _) = restore(&snapshot, run.as_path(), "tsc-2", 62);
+    let mut second = connect(&second_uds);
+    let (second_clock, second_log) = clock_samples(&mut second);
+    // The holder's 8 s of guest time end in the clone: a few seconds here.
+    let mut simd = String::new();
+    let deadline = Instant::now() + RESTORE_TIMEOUT;
+    while !simd.contains("rounds") && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_secs(1));
+        simd = simd_file(&mut second);
+    }
+
+    let drifts: Vec<f64> = [first_clock, second_clock]
+        .iter()
+        .flatten()
+        .map(|&sample| tsc_drift_ns(base.clock, sample))
+        .collect();
+    eprintln!("TSC against the booted guest's clock (ns): {drifts:?}");
+    // On a PVM host guest user space reads the host's TSC, which no write
+    // of IA32_TSC moves: there the clones' TSCs are off by the snapshots'
+    // age, whatever the VMM does.
+    if !husk_vmm_api::cmdline::is_pvm_host() {
+        for drift in &drifts {
+            assert!(
+                drift.abs() < 1_000_000.0,
+                "a clone's TSC is {drift:.0} ns off its clock's"
+            );
+        }
+    }
+    for log in [&first_log, &second_log] {
+        assert!(
+            !log.iter().any(|l| l.contains("unstable")),
+            "{}",
+            log.join("\n")
+        );
+    }
+    let bad = simd
+        .split_whitespace()
+        .skip_while(|w| *w != "bad")
+        .nth(1)
+        .and_then(|n| n.parse::<u64>().ok());
+    assert_eq!(bad, Some(0), "husk-cpucheck simd: {simd}");
+}
+
+/// A copy of the base snapshot whose first vCPU's CPUID has one more
+/// feature: the first of a few this host does not offer. Returns it with
+/// the feature's name.
+fn with_a_missing_feature(dir: &Path) -> (PathBuf, &'static str) {
+    let state = std::fs::read(base().snapshot.join("state")).expect("state");
+    let (_, bytes) = husk_snapshot::read_snapshot(&mut state.as_slice()).expect("framing");
+    let mut decoded: husk_vmm::persist::MicrovmState =
+        postcard::from_bytes(&bytes).expect("decode the state");
+    // (register, bit, name) in leaf 7: AVX-512, SHA, AMX.
+    let candidates = [
+        (1, 16, "avx512f"),
+        (1, 17, "avx512dq"),
+        (1, 29, "sha_ni"),
+        (1, 30, "avx512bw"),
+        (2, 1, "avx512vbmi"),
+        (2, 11, "avx512_vnni"),
+        (3, 24, "amx_tile"),
+        (3, 25, "amx_int8"),
+    ];
+    let leaf7 = decoded.vcpus[0]
+        .cpuid
+        .iter_mut()
+        .find(|e| e.function == 7 && e.index == 0)
+        .expect("CPUID leaf 7");
+    let (reg, bit, name) = candidates
+        .into_iter()
+        .find(|&(reg, bit, _)| {
+            let word = [leaf7.eax, leaf7.ebx, leaf7.ecx, leaf7.edx][reg];
+            word & (1 << bit) == 0
+        })
+        .expect("this host offers every feature the test could add");
+    match reg {
+        1 => leaf7.ebx |= 1 << bit,
+        2 => leaf7.ecx |= 1 << bit,
+        _ => leaf7.edx |= 1 << bit,
+    }
+    let encoded = postcard::to_stdvec(&decoded).expect("encode");
+    let variant = variant(dir, "cpuid", |s| {
+        s.clear();
+        husk_snapshot::write_snapshot(s, &encoded).expect("framing");
+    });
+    (variant, name)
+}
+
 #[test]
 fn bad_snapshots_are_refused_before_any_guest_runs() {
     let dir = TempDir::new().expect("tempdir");
@@ -383,6 +561,12 @@ fn bad_snapshots_are_refused_before_any_guest_runs() {
     let taken_arg = format!("{DRIVE}={}", taken.display());
     let shared_overlay = refused_with(&base().snapshot, Some(&uds), &["--overlay", &taken_arg]);
     let unknown_drive = refused_with(&base().snapshot, Some(&uds), &["--overlay", "nope=/tmp/x"]);
+    let (cpuid, feature) = with_a_missing_feature(d);
+    let cpuid = refused_with(
+        &cpuid,
+        Some(&uds),
+        &["--overlay-dir", &d.display().to_string()],
+    );
 
     assert!(truncated.contains("truncated"), "{truncated}");
     assert!(corrupt.contains("CRC64"), "{corrupt}");
@@ -416,6 +600,10 @@ fn bad_snapshots_are_refused_before_any_guest_runs() {
     assert!(
         unknown_drive.contains("no writable drive `nope`"),
         "{unknown_drive}"
+    );
+    assert!(
+        cpuid.contains("CPU features this host cannot offer") && cpuid.contains(feature),
+        "{cpuid}"
     );
 }
 
@@ -687,6 +875,14 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
             .expect("exec");
         seen.push(text(&out.stdout));
     }
+    // A drive that wrote nothing since its restore adds no layer to a
+    // snapshot (which then names its base's layers alone): whether reading
+    // /mnt/disk wrote back an access time before the snapshot was up to the
+    // guest's writeback. The clone writes (and fsyncs) a file, so its
+    // snapshot must hold a layer of its own.
+    connect(&run.as_path().join("cli-0.vsock"))
+        .write_file("/mnt/by-cli-0", 0o644, &b"cli-0"[..])
+        .expect("write to the drive");
     let snapshot = run.as_path().join("of-cli-0");
     let snapped = Command::new(husk)
         .arg("snapshot")

@@ -44,7 +44,8 @@ pub trait Persist: Sized {
 pub const MAGIC: [u8; 8] = *b"HUSKSNAP";
 /// Major version written by this build; files of other majors are refused.
 /// 2: the VM state has no PIT (husk-vmm creates none).
-pub const MAJOR: u16 = 2;
+/// 3: each vCPU's TSC and the VM's clock carry the host time they were read at.
+pub const MAJOR: u16 = 3;
 /// Minor version written by this build.
 pub const MINOR: u16 = 0;
 const HEADER_LEN: usize = 20;

@@ -11,6 +11,7 @@ use vm_memory::GuestAddress;
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::boot::{self, BootError, ZeroPage};
+use crate::arch::x86_64::cpuid::{self, CpuidPolicy};
 use crate::arch::x86_64::layout::{
     CMDLINE_MAX_SIZE, CMDLINE_START, I8042_DATA_PORT, SERIAL_IRQ, SERIAL_PORT,
 };
@@ -33,7 +34,7 @@ use crate::timeline::{Phase, Timeline};
 use crate::vstate::kvm::{self, KvmError};
 use crate::vstate::memory::{self, MemoryError};
 use crate::vstate::vcpu::{Vcpu, VcpuError, VcpuThread};
-use crate::vstate::vcpu_state::msrs_to_save;
+use crate::vstate::vcpu_state::{msrs_to_save, settle_tsc, MicrovmTsc, VcpuState};
 use crate::vstate::vm::{Vm, VmError};
 use crate::Vmm;
 use husk_snapshot::Persist;
@@ -148,7 +149,12 @@ pub fn build_vm(
     let supported = Vcpu::supported_cpuid(&kvm)?;
     let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
     for index in 0..config.vcpus {
-        let vcpu = Vcpu::new(&supported, &vm, (index, config.vcpus, pvm), buses.clone())?;
+        let policy = CpuidPolicy {
+            vcpus: config.vcpus,
+            pvm,
+            nested: config.nested_virt,
+        };
+        let vcpu = Vcpu::new(&supported, &vm, (index, policy), buses.clone())?;
         vcpu.configure_boot(loaded.entry.0)?;
         vcpus.push(vcpu);
     }
@@ -366,11 +372,6 @@ pub fn restore_vm(
         }
         .into());
     }
-    let mut created = CreatedFiles(Vec::new());
-    let restored_devices = restore_devices(config, &state.devices, &mut created, &timeline)?;
-    let console_out = config.serial.open()?;
-    timeline.mark(Phase::StateLoaded);
-
     let kvm = kvm::open_kvm(&config.kvm_device)?;
     let vcpu_count = u8::try_from(state.vcpus.len())
         .ok()
@@ -379,6 +380,12 @@ pub fn restore_vm(
             BuildError::Restore(format!("the snapshot has {} vCPUs", state.vcpus.len()))
         })?;
     kvm::check_vcpu_count(&kvm, vcpu_count)?;
+    check_cpu_features(&kvm, &state.vcpus, pvm)?;
+    let mut created = CreatedFiles(Vec::new());
+    let restored_devices = restore_devices(config, &state.devices, &mut created, &timeline)?;
+    let console_out = config.serial.open()?;
+    timeline.mark(Phase::StateLoaded);
+
     let threads = vcpu_threads(vcpu_count, &filters, pvm)?;
     let vm = Vm::new(&kvm)?;
     timeline.mark(Phase::VmCreated);
@@ -403,7 +410,8 @@ pub fn restore_vm(
     vm.create_devices()?;
     timeline.mark(Phase::MemoryReady);
 
-    vm.restore_state(&state.vm)
+    let tsc_sync = vm
+        .restore_state(&state.vm)
         .map_err(|e| BuildError::Restore(e.to_string()))?;
     let (mut platform, pio) = platform(&vm, console_out, &timeline, Some(&state.serial))?;
     let mut mmio = MmioDeviceManager::new();
@@ -416,8 +424,16 @@ pub fn restore_vm(
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
     timeline.mark(Phase::DevicesReady);
     let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    let mut scaled = false;
     for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-        vcpus.push(Vcpu::restore(&vm, index as u8, buses.clone(), vcpu_state)?);
+        let at = (index as u8, tsc_sync);
+        let (vcpu, rate_changed) = Vcpu::restore(&vm, at, buses.clone(), vcpu_state)?;
+        scaled |= rate_changed;
+        vcpus.push(vcpu);
+    }
+    if let Some(tsc) = MicrovmTsc::of(&state.vm, &state.vcpus, scaled) {
+        let fds: Vec<_> = vcpus.iter().map(Vcpu::fd).collect();
+        settle_tsc(vm.fd(), &fds, &tsc).map_err(BuildError::VcpuState)?;
     }
     for attached in &devices {
         attached
@@ -451,6 +467,43 @@ pub fn restore_vm(
     let mut vmm = machine.into_vmm(platform, last_snapshot, config.dirty_log);
     vmm.cow = cow;
     Ok(vmm)
+}
+
+/// Refuses a snapshot whose vCPUs were offered CPU features that this host
+/// cannot offer (a guest would fault on them later, or its XSAVE state not
+/// load), naming them. On a PVM host a guest sees the host's own CPUID
+/// whatever KVM is told, so that is what it is checked against there.
+fn check_cpu_features(
+    kvm: &kvm_ioctls::Kvm,
+    saved: &[VcpuState],
+    pvm: bool,
+) -> Result<(), BuildError> {
+    let supported = Vcpu::supported_cpuid(kvm)?;
+    let policy = CpuidPolicy {
+        vcpus: saved.len() as u8,
+        pvm,
+        // What the host has, not what a default guest gets.
+        nested: true,
+    };
+    let mut missing = Vec::new();
+    for (index, vcpu) in saved.iter().enumerate() {
+        let offered = if pvm {
+            cpuid::native(&vcpu.cpuid)
+        } else {
+            let mut offered = supported.clone();
+            cpuid::normalize(&mut offered, index as u8, policy);
+            offered.as_slice().to_vec()
+        };
+        for name in cpuid::missing_features(&vcpu.cpuid, &offered) {
+            if !missing.contains(&name) {
+                missing.push(name);
+            }
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(PersistError::CpuFeatures(missing.join(", ")).into())
 }
 
 /// The threads of `count` vCPUs, started now so that each installs its

@@ -175,6 +175,10 @@ pub struct VmConfig {
     pub extra_cmdline: Option<String>,
     pub memory: MemoryConfig,
     pub vcpus: u8,
+    /// Offer the host's VMX or SVM to the guest (hidden by default: a
+    /// sandbox that runs its own hypervisor reaches the host's
+    /// nested-virtualization code).
+    pub nested_virt: bool,
     pub serial: SerialOutput,
     pub kvm_device: PathBuf,
     pub drives: Vec<DriveConfig>,
@@ -332,6 +336,7 @@ mod tests {
                 hugepages: false,
             },
             vcpus: 1,
+            nested_virt: false,
             serial: SerialOutput::Null,
             kvm_device: "/dev/kvm".into(),
             drives: vec![],

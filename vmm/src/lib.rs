@@ -316,19 +316,21 @@ impl Vmm {
                 persist::MemoryLayout::Full
             }
         };
-        let vcpus = self
+        let mut vcpus = self
             .handles
             .iter()
             .map(|h| h.save())
             .collect::<Result<Vec<_>, _>>()?;
+        let vm = self
+            .vm
+            .save_state()
+            .map_err(|e| VmmError::Unsupported(e.to_string()))?;
+        vstate::vcpu_state::pin_to_clock(&mut vcpus, &vm);
         let state = persist::MicrovmState {
             id: self.id.clone(),
             mem_size_mib: self.mem_size_mib,
             pvm: self.pvm,
-            vm: self
-                .vm
-                .save_state()
-                .map_err(|e| VmmError::Unsupported(e.to_string()))?,
+            vm,
             vcpus,
             serial: lock(&self.serial).save(),
             memory,

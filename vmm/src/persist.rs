@@ -131,6 +131,11 @@ pub enum PersistError {
         base: PathBuf,
         problem: String,
     },
+    #[error(
+        "the snapshot's guest was offered CPU features this host cannot offer ({0}): restore it on \
+         a host that has them"
+    )]
+    CpuFeatures(String),
     #[error("the snapshot was taken on {taken} and cannot restore on {here}")]
     HostKind {
         taken: &'static str,

@@ -66,6 +66,11 @@ struct Args {
     /// Number of vCPUs.
     #[arg(long, default_value_t = 1)]
     vcpus: u8,
+    /// Offer the host's hardware virtualization (VMX or SVM) to the guest.
+    /// Off by default: a guest that runs a hypervisor of its own reaches
+    /// the host kernel's nested-virtualization code. Snapshots keep it.
+    #[arg(long, conflicts_with = "restore")]
+    nested_virt: bool,
     /// Serial console destination: `stdout`, `null`, or a file path.
     #[arg(long, default_value = "stdout")]
     serial: String,
@@ -171,6 +176,7 @@ impl Args {
                 hugepages: self.hugepages,
             },
             vcpus: self.vcpus,
+            nested_virt: self.nested_virt,
             serial,
             kvm_device: self.kvm_device,
             drives: self.drives,

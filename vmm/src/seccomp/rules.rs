@@ -6,9 +6,9 @@
 use std::collections::BTreeMap;
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_dirty_log, kvm_irqchip, kvm_lapic_state,
-    kvm_mp_state, kvm_msrs, kvm_regs, kvm_sregs, kvm_userspace_memory_region, kvm_vcpu_events,
-    kvm_xcrs, kvm_xsave,
+    kvm_clock_data, kvm_cpuid2, kvm_debugregs, kvm_device_attr, kvm_dirty_log, kvm_irqchip,
+    kvm_lapic_state, kvm_mp_state, kvm_msrs, kvm_regs, kvm_sregs, kvm_userspace_memory_region,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -32,6 +32,7 @@ ioctl_ior_nr!(KVM_GET_XCRS, KVMIO, 0xa6, kvm_xcrs);
 ioctl_io_nr!(KVM_KVMCLOCK_CTRL, KVMIO, 0xad);
 ioctl_ior_nr!(KVM_GET_XSAVE2, KVMIO, 0xcf, kvm_xsave);
 ioctl_ior_nr!(KVM_GET_CLOCK, KVMIO, 0x7c, kvm_clock_data);
+ioctl_iow_nr!(KVM_GET_DEVICE_ATTR, KVMIO, 0xe2, kvm_device_attr);
 ioctl_iowr_nr!(KVM_GET_IRQCHIP, KVMIO, 0x62, kvm_irqchip);
 ioctl_iow_nr!(
     KVM_SET_USER_MEMORY_REGION,
@@ -220,6 +221,7 @@ pub fn ioctls(kind: ThreadKind) -> Vec<(u64, &'static str)> {
             (KVM_GET_VCPU_EVENTS(), "snapshot: pending events"),
             (KVM_GET_DEBUGREGS(), "snapshot: debug registers"),
             (KVM_GET_TSC_KHZ(), "snapshot: TSC frequency"),
+            (KVM_GET_DEVICE_ATTR(), "snapshot: TSC offset"),
             (KVM_GET_XSAVE(), "snapshot: FPU state"),
             (KVM_GET_XSAVE2(), "snapshot: FPU state"),
             (KVM_GET_XCRS(), "snapshot: XCRs"),

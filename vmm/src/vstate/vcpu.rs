@@ -13,7 +13,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::arch::x86_64::{cpuid, regs};
 use crate::devices::bus::Bus;
 use crate::timeline::{Phase, Timeline};
-use crate::vstate::vcpu_state::VcpuState;
+use crate::vstate::vcpu_state::{TscSync, VcpuState};
 use crate::vstate::vm::Vm;
 
 /// VM exits that reached the VMM (KVM_RUN returned), over all vCPUs. One VM
@@ -297,13 +297,13 @@ pub struct Vcpu {
 }
 
 impl Vcpu {
-    /// Creates vCPU `index` of `count` with its CPUID, derived from what KVM
-    /// supports (fetched once per VM by the caller; `pvm`: see
-    /// [`cpuid::patch_cpuid`]).
+    /// Creates vCPU `index` with its CPUID, what KVM supports (fetched once
+    /// per VM by the caller) normalized under `policy` (see
+    /// [`cpuid::normalize`]).
     pub fn new(
         supported: &CpuId,
         vm: &Vm,
-        (index, count, pvm): (u8, u8, bool),
+        (index, policy): (u8, cpuid::CpuidPolicy),
         (pio, mmio): (Arc<Bus>, Arc<Bus>),
     ) -> Result<Self, VcpuError> {
         let fd = vm
@@ -311,7 +311,7 @@ impl Vcpu {
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
         let mut cpuid = supported.clone();
-        cpuid::patch_cpuid(&mut cpuid, index, count, pvm);
+        cpuid::normalize(&mut cpuid, index, policy);
         fd.set_cpuid2(&cpuid).map_err(VcpuError::SetCpuid)?;
         Ok(Vcpu {
             index,
@@ -336,26 +336,34 @@ impl Vcpu {
         })
     }
 
-    /// Creates vCPU `index` for a restore: its state comes from `state`.
+    /// Creates vCPU `index` for a restore: its state comes from `state`, its
+    /// TSC set against the VM's clock as `sync` says. Also returns whether
+    /// its TSC runs at another rate than this host's.
     pub fn restore(
         vm: &Vm,
-        index: u8,
+        (index, sync): (u8, TscSync),
         (pio, mmio): (Arc<Bus>, Arc<Bus>),
         state: &VcpuState,
-    ) -> Result<Self, VcpuError> {
+    ) -> Result<(Self, bool), VcpuError> {
         let fd = vm
             .fd()
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
-        state
-            .restore(&fd)
+        let scaled = state
+            .restore(&fd, sync)
             .map_err(|source| VcpuError::State { index, source })?;
-        Ok(Vcpu {
+        let vcpu = Vcpu {
             index,
             fd,
             pio,
             mmio,
-        })
+        };
+        Ok((vcpu, scaled))
+    }
+
+    /// The vCPU's KVM file descriptor (before it runs).
+    pub fn fd(&self) -> &VcpuFd {
+        &self.fd
     }
 
     /// Starts the vCPU on `thread`. The thread runs until the guest stops

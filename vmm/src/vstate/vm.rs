@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::arch::x86_64::layout::KVM_TSS_ADDRESS;
+use crate::timeline::monotonic_ns;
+use crate::vstate::vcpu_state::TscSync;
 
 /// Errors creating and configuring the VM.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +43,9 @@ pub struct VmState {
     /// kvmclock when saved: restored as is, so the guest's clock continues
     /// from the snapshot rather than jumping by the snapshot's age.
     pub clock: kvm_clock_data,
+    /// The host's CLOCK_MONOTONIC (ns) when `clock` was read (see
+    /// `vcpu_state::TscSync`).
+    pub clock_read_ns: u64,
 }
 
 /// A failed KVM call while saving or restoring the VM.
@@ -149,16 +154,21 @@ impl Vm {
             self.fd.get_irqchip(&mut chip).map(|()| chip)
         };
         let op = |op, source| VmStateError { op, source };
+        let before = monotonic_ns();
+        let clock = self.fd.get_clock().map_err(|e| op("KVM_GET_CLOCK", e))?;
+        let after = monotonic_ns();
         Ok(VmState {
             pic_master: chip(KVM_IRQCHIP_PIC_MASTER).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
             pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
             ioapic: chip(KVM_IRQCHIP_IOAPIC).map_err(|e| op("KVM_GET_IRQCHIP", e))?,
-            clock: self.fd.get_clock().map_err(|e| op("KVM_GET_CLOCK", e))?,
+            clock,
+            clock_read_ns: before + (after - before) / 2,
         })
     }
 
-    /// Restores the VM-wide state onto this (new) VM.
-    pub fn restore_state(&self, state: &VmState) -> Result<(), VmStateError> {
+    /// Restores the VM-wide state onto this (new) VM; returns where the
+    /// vCPUs' TSCs stand against the clock it set.
+    pub fn restore_state(&self, state: &VmState) -> Result<TscSync, VmStateError> {
         let op = |op, source| VmStateError { op, source };
         // Only the clock value: flags such as KVM_CLOCK_TSC_STABLE are
         // KVM's to report, not ours to set.
@@ -166,15 +176,20 @@ impl Vm {
             clock: state.clock.clock,
             ..Default::default()
         };
+        let before = monotonic_ns();
         self.fd
             .set_clock(&clock)
             .map_err(|e| op("KVM_SET_CLOCK", e))?;
+        let after = monotonic_ns();
         for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
             self.fd
                 .set_irqchip(chip)
                 .map_err(|e| op("KVM_SET_IRQCHIP", e))?;
         }
-        Ok(())
+        Ok(TscSync {
+            clock_read_ns: state.clock_read_ns,
+            clock_set_ns: before + (after - before) / 2,
+        })
     }
 
     /// The KVM VM file descriptor.
