@@ -11,7 +11,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 CMD ?= /bin/busybox uname -a
 
-.PHONY: run test test-hostile lint bench
+.PHONY: run test test-hostile test-kvm-amd lint bench
 
 run:
 	@kernel=$$(kernel-config/build.sh); initramfs=$$(guest-init/build-rootfs.sh); \
@@ -47,6 +47,26 @@ test:
 test-hostile:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
 	cargo test --locked -p husk-vmm --test agent -- --ignored floods_fork_bombs a_detached_fork_bomb a_guest_flooding
+
+# The real-guest tests again on a second KVM: kvm_amd (ordinary KVM with
+# nested paging, as on AMD hardware) in a Debian VM under QEMU's TCG
+# (tests/second-kvm/run.sh), with the binaries built here. Which binaries:
+# every one whose tests boot a guest (the VMM's, and the daemon's, which
+# covers hibernation, the REST API and the E2B SDK); those without a guest
+# run here only (everything in that VM is translated, 6-20x slower).
+KVM_AMD_TESTS ?= vmm:boot vmm:vsock vmm:block vmm:net vmm:agent vmm:snapshot host/cli:daemon
+test-kvm-amd:
+	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
+		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
+	cargo build --workspace --bins --locked; \
+	specs=(); for t in $(KVM_AMD_TESTS); do \
+		dir=$$PWD/$${t%%:*}; name=$${t#*:}; \
+		bin=$$(cargo test --locked --no-run --manifest-path $$dir/Cargo.toml --test $$name \
+			--message-format=json | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1); \
+		[ -n "$$bin" ] || { echo "no test binary for $$t" >&2; exit 1; }; \
+		specs+=("$$name=$$dir:$$bin"); \
+	done; \
+	tests/second-kvm/run.sh --timeout 2400 -- tests/second-kvm/suite.sh kvm_amd "$${specs[@]}"
 
 lint:
 	cargo fmt --all --check

@@ -443,6 +443,16 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
     let (_second, second_uds, _) = restore(&snapshot, run.as_path(), "tsc-2", 62);
     let mut second = connect(&second_uds);
     let (second_clock, second_log) = clock_samples(&mut second);
+    let mut cpuinfo = Vec::new();
+    second
+        .read_file("/proc/cpuinfo", &mut cpuinfo)
+        .expect("read /proc/cpuinfo");
+    let flags: Vec<String> = text(&cpuinfo)
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .flat_map(|l| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>())
+        .filter(|f| ["vmx", "svm", "hypervisor"].contains(&f.as_str()))
+        .collect();
     // The holder's 8 s of guest time end in the clone: a few seconds here.
     let mut simd = String::new();
     let deadline = Instant::now() + RESTORE_TIMEOUT;
@@ -475,6 +485,16 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
             log.join("\n")
         );
     }
+    // No nested virtualization unless asked for (the host's own VMX or SVM
+    // would be the guest's); told it runs under a hypervisor.
+    assert!(
+        flags.iter().all(|f| f == "hypervisor"),
+        "guest flags: {flags:?}"
+    );
+    assert!(
+        flags.iter().any(|f| f == "hypervisor"),
+        "guest flags: {flags:?}"
+    );
     let bad = simd
         .split_whitespace()
         .skip_while(|w| *w != "bad")
