@@ -478,7 +478,12 @@ fn check_cpu_features(
     saved: &[VcpuState],
     pvm: bool,
 ) -> Result<(), BuildError> {
-    let supported = Vcpu::supported_cpuid(kvm)?;
+    // KVM's list only where it is what the guest sees (not on PVM).
+    let supported = if pvm {
+        None
+    } else {
+        Some(Vcpu::supported_cpuid(kvm)?)
+    };
     let policy = CpuidPolicy {
         vcpus: saved.len() as u8,
         pvm,
@@ -487,12 +492,13 @@ fn check_cpu_features(
     };
     let mut missing = Vec::new();
     for (index, vcpu) in saved.iter().enumerate() {
-        let offered = if pvm {
-            cpuid::native(&vcpu.cpuid)
-        } else {
-            let mut offered = supported.clone();
-            cpuid::normalize(&mut offered, index as u8, policy);
-            offered.as_slice().to_vec()
+        let offered = match &supported {
+            None => cpuid::native(&vcpu.cpuid),
+            Some(supported) => {
+                let mut offered = supported.clone();
+                cpuid::normalize(&mut offered, index as u8, policy);
+                offered.as_slice().to_vec()
+            }
         };
         for name in cpuid::missing_features(&vcpu.cpuid, &offered) {
             if !missing.contains(&name) {

@@ -70,9 +70,10 @@ const MSR_IA32_TSC: u32 = 0x10;
 const KVMIO: u32 = 0xAE;
 ioctl_iow_nr!(KVM_HAS_DEVICE_ATTR, KVMIO, 0xe3, kvm_device_attr);
 
-/// `ns` nanoseconds of a TSC running at `khz`, signed.
-fn cycles(ns: i128, khz: u32) -> i128 {
-    ns * i128::from(khz) / 1_000_000
+/// `tsc` moved by `ns` nanoseconds (either way) of a TSC running at `khz`.
+fn moved(tsc: u64, ns: i128, khz: u32) -> u64 {
+    let tsc = i128::from(tsc) + ns * i128::from(khz) / 1_000_000;
+    u64::try_from(tsc.max(0)).unwrap_or(u64::MAX)
 }
 
 impl TscSync {
@@ -83,8 +84,7 @@ impl TscSync {
     pub fn tsc_at(&self, tsc: u64, read_ns: u64, khz: u32, now_ns: u64) -> u64 {
         let before = i128::from(self.clock_read_ns) - i128::from(read_ns);
         let after = i128::from(now_ns) - i128::from(self.clock_set_ns);
-        let tsc = i128::from(tsc) + cycles(before + after, khz);
-        u64::try_from(tsc.max(0)).unwrap_or(u64::MAX)
+        moved(tsc, before + after, khz)
     }
 }
 
@@ -257,8 +257,7 @@ pub fn settle_tsc(vm: &VmFd, vcpus: &[&VcpuFd], saved: &MicrovmTsc) -> Result<()
     }
     let elapsed_ns = i128::from(now.clock) - i128::from(saved.clock);
     for (fd, &(tsc_at_clock, khz)) in vcpus.iter().zip(&saved.vcpus) {
-        let tsc = i128::from(tsc_at_clock) + cycles(elapsed_ns, khz);
-        let mut offset = (tsc as u64).wrapping_sub(now.host_tsc);
+        let mut offset = moved(tsc_at_clock, elapsed_ns, khz).wrapping_sub(now.host_tsc);
         let attr = tsc_offset_attr(&mut offset);
         // SAFETY: as in `tsc_offset`; KVM reads only the u64.
         let rc = unsafe { ioctl_with_ref(*fd, KVM_SET_DEVICE_ATTR(), &attr) };
@@ -291,8 +290,7 @@ impl MicrovmTsc {
             .map(|v| {
                 let khz = v.tsc_khz?;
                 let before = i128::from(vm.clock_read_ns) - i128::from(v.tsc_read_ns);
-                let tsc = i128::from(v.tsc) + cycles(before, khz);
-                Some((u64::try_from(tsc.max(0)).unwrap_or(u64::MAX), khz))
+                Some((moved(v.tsc, before, khz), khz))
             })
             .collect::<Option<Vec<_>>>()?;
         Some(MicrovmTsc {
