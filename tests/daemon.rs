@@ -1335,6 +1335,47 @@ fn a_corrupt_hibernation_fails_the_sandbox_with_the_reason_and_runs_no_guest() {
     destroy(&s.id);
 }
 
+#[test]
+fn a_flipped_byte_in_a_hibernations_memory_fails_its_wake_with_the_reason() {
+    // The middle byte of the diff's pages: the state is intact, so only the
+    // checksum written with the pages can tell (issue 41).
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    api().hibernate(&s.id).expect("hibernate");
+    let memory = hibernations_with_memory(d, &s.id)
+        .pop()
+        .expect("its hibernation")
+        .join("memory");
+    let extents = common::data_extents(&memory);
+    let data: u64 = extents.iter().map(|e| e.1).sum();
+    let mut middle = data / 2;
+    let (offset, _) = extents
+        .iter()
+        .find(|&&(_, len)| {
+            let here = middle < len;
+            if !here {
+                middle -= len;
+            }
+            here
+        })
+        .copied()
+        .expect("the diff holds pages");
+    common::flip_byte(&memory, offset + middle);
+
+    let refused = status(exec(&s.id, &["true"]));
+    let failed = get(&s.id).expect("listed");
+
+    assert_eq!(refused.0, 500, "{}", refused.1);
+    assert!(refused.1.contains("wake failed"), "{}", refused.1);
+    assert!(
+        refused.1.contains("does not hold what was written there"),
+        "{}",
+        refused.1
+    );
+    assert_eq!(failed.state, SandboxState::Failed);
+    destroy(&s.id);
+}
+
 /// The guest-side test server (built with guest-init, not in the root
 /// file system), started in sandbox `id` on `port`.
 fn start_test_server(id: &str, port: u16) {

@@ -354,16 +354,13 @@ fn refused_with(snapshot: &Path, vsock: Option<&Path>, extra: &[&str]) -> String
         cmd.arg("--vsock")
             .arg(format!("cid=30,path={}", uds.display()));
     }
-    let started = Instant::now();
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .expect("husk-vmm --restore");
-    let log = text(&out.stderr);
+    // Bounded: a restore that is not refused runs its guest until killed.
+    let out = common::run(cmd, Duration::from_secs(60));
+    let log = out.stderr;
     assert_eq!(out.status.code(), Some(2), "{log}");
     // Refused while checking: no vCPU ran, so nothing took guest time.
-    assert!(started.elapsed() < Duration::from_secs(10), "{log}");
-    assert!(!text(&out.stdout).contains("first_kvm_run"));
+    assert!(out.wall < Duration::from_secs(10), "{log}");
+    assert!(!out.serial.contains("first_kvm_run"));
     log
 }
 
@@ -692,28 +689,6 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
     assert_eq!(text(&generation.stdout), "secondbase");
 }
 
-/// The data extents of a sparse file: (offset, length).
-fn data_extents(path: &Path) -> Vec<(u64, u64)> {
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::open(path).expect("open");
-    let size = file.metadata().expect("stat").len() as i64;
-    let fd = file.as_raw_fd();
-    let mut extents = Vec::new();
-    let mut at = 0i64;
-    while at < size {
-        // SAFETY: lseek on our own descriptor.
-        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
-        if data < 0 {
-            break;
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        extents.push((data as u64, (hole - data) as u64));
-        at = hole;
-    }
-    extents
-}
-
 #[test]
 fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     let base = base();
@@ -816,6 +791,26 @@ fn a_clone_without_dirty_tracking_diffs_against_the_memory_file_it_maps() {
     }
     let same = merged == std::fs::read(full.join("memory")).expect("full memory");
     drop((merged, diff_memory));
+    // A copy of the diff with one byte of its pages flipped: a restore
+    // asked to verify refuses it (its state is intact: only the pages'
+    // checksum can tell).
+    let corrupt = run.as_path().join("diff-flipped");
+    std::fs::create_dir(&corrupt).expect("mkdir");
+    for file in ["state", "memory"] {
+        std::fs::copy(diff.join(file), corrupt.join(file)).expect("copy the diff");
+    }
+    // (Where the pages are: the original's extents, the copy may be dense.)
+    let (offset, len) = data_extents(&diff.join("memory"))[0];
+    flip_byte(&corrupt.join("memory"), offset + len / 2);
+    let flipped = refused_with(
+        &corrupt,
+        Some(&run.as_path().join("flipped.vsock")),
+        &[
+            "--verify",
+            "--overlay-dir",
+            &run.as_path().display().to_string(),
+        ],
+    );
 
     // A clone of the diff (its pages laid over the base's file) diffs
     // against the base's file again, not against the diff: the memory chain
@@ -848,6 +843,10 @@ fn a_clone_without_dirty_tracking_diffs_against_the_memory_file_it_maps() {
         "a diff of {diff_bytes} bytes against {full_bytes}"
     );
     assert!(same, "base + diff differs from the full snapshot");
+    assert!(
+        flipped.contains("does not hold what was written there"),
+        "{flipped}"
+    );
     assert!(again_reply.is_ok(), "{again_reply:?}");
     assert_eq!(text(&seen.stdout), "onetwobase");
 }

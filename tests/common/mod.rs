@@ -533,3 +533,40 @@ pub fn remove_cgroups_of(dir: &Path) {
         }
     }
 }
+
+/// The data extents of a sparse file: (offset, length).
+pub fn data_extents(path: &Path) -> Vec<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(path).expect("open");
+    let size = file.metadata().expect("stat").len() as i64;
+    let fd = file.as_raw_fd();
+    let mut extents = Vec::new();
+    let mut at = 0i64;
+    while at < size {
+        // SAFETY: lseek on our own descriptor.
+        let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+        if data < 0 {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        extents.push((data as u64, (hole - data) as u64));
+        at = hole;
+    }
+    extents
+}
+
+/// Flips the bits of the byte at `offset` of `path` in place.
+pub fn flip_byte(path: &Path, offset: u64) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open to flip a byte");
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset)
+        .expect("read the byte");
+    file.write_all_at(&[!byte[0]], offset)
+        .expect("flip the byte");
+}

@@ -98,8 +98,9 @@ key=$( { echo "$kver"; cat "$here/init"; } | sha256sum | cut -c1-16)
 cpio="$cache/l1-$key.cpio"
 if [[ ! -f $cpio ]]; then
     stage="$(mktemp -d)"
-    mkdir -p "$stage"/{bin,dev,proc,sys,host,root,out,modules}
+    mkdir -p "$stage"/{bin,sbin,dev,proc,sys,host,root,out,modules,lib/modules}
     cp /bin/busybox "$stage/bin/busybox"
+    ln -s ../bin/busybox "$stage/sbin/modprobe"
     for m in "${boot_modules[@]}"; do
         find "$modules/kernel" -name "$m.ko*" -exec cp {} "$stage/modules/" \;
     done

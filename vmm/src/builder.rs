@@ -198,6 +198,10 @@ pub struct RestoreConfig {
     /// Track the pages the clone writes (KVM dirty log), so its snapshots
     /// can be diffs against the one it came from.
     pub dirty_log: bool,
+    /// Check what the snapshot itself wrote (a diff's pages, its drive
+    /// layers) against the checksums it wrote with them: reads them, so
+    /// the cost grows with what the snapshot holds (a hibernation's wake).
+    pub verify: bool,
     pub serial: crate::config::SerialOutput,
     pub kvm_device: std::path::PathBuf,
     pub limits: crate::config::DeviceLimits,
@@ -321,7 +325,8 @@ fn restore_devices(
                     )));
                 }
                 let disk = disk.clone().resolved(&config.snapshot);
-                let opened = Disk::restore(&disk, overlay.as_deref())
+                let verify_in = config.verify.then_some(config.snapshot.as_path());
+                let opened = Disk::restore(&disk, overlay.as_deref(), verify_in)
                     .map_err(|e| restore_err(format!("drive `{id}`: {e}")))?;
                 created.0.extend(overlay);
                 let queue_evt = EventFd::new(libc::EFD_NONBLOCK).map_err(BuildError::EventFd)?;
@@ -352,11 +357,15 @@ pub fn restore_vm(
     timeline: Arc<Timeline>,
     filters: Arc<Filters>,
 ) -> Result<Vmm, BuildError> {
+    let restorable = persist::read(&config.snapshot)?;
+    if config.verify {
+        persist::verify_memory(&config.snapshot, &restorable)?;
+    }
     let persist::Restorable {
         state,
         layers,
         root,
-    } = persist::read(&config.snapshot)?;
+    } = restorable;
     let pvm = kvm::is_pvm_host();
     if state.pvm != pvm {
         let kind = |p| {

@@ -294,6 +294,7 @@ impl Vmm {
                 persist::MemoryLayout::Diff {
                     base,
                     runs: vstate::memory::take_dirty(&self.mem, &kvm_dirty),
+                    crc64: 0,
                 }
             }
             Some(DiffBase::Cow(cow)) => {
@@ -305,6 +306,7 @@ impl Vmm {
                         VmmError::Unsupported(format!("{}: {e}", cow.root.display()))
                     })?,
                     runs: vstate::memory::merge_runs(&written, &cow.overlaid),
+                    crc64: 0,
                 }
             }
             None => {
@@ -326,7 +328,7 @@ impl Vmm {
             .save_state()
             .map_err(|e| VmmError::Unsupported(e.to_string()))?;
         vstate::vcpu_state::pin_to_clock(&mut vcpus, &vm);
-        let state = persist::MicrovmState {
+        let mut state = persist::MicrovmState {
             id: self.id.clone(),
             mem_size_mib: self.mem_size_mib,
             pvm: self.pvm,
@@ -336,7 +338,8 @@ impl Vmm {
             memory,
             devices,
         };
-        match persist::write(dir, &state, &self.mem) {
+        // (write fills in a diff's checksum as it writes the pages.)
+        match persist::write(dir, &mut state, &self.mem) {
             Ok(times) => {
                 self.last_snapshot = std::fs::canonicalize(dir).ok();
                 self.cow = None;

@@ -913,6 +913,7 @@ impl Daemon {
         std::fs::create_dir_all(&run_dir)?;
         let launch = Launch::Restore {
             snapshot: t.snapshot_dir.clone(),
+            verify: false,
         };
         let cgroup = match &self.cfg.cgroups {
             Some(h) => match Cgroup::create(h, &id, Limits::for_vm(t.vcpus, t.mem_mib)) {

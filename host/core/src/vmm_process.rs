@@ -113,6 +113,10 @@ pub enum Launch {
     Restore {
         /// The snapshot's directory.
         snapshot: PathBuf,
+        /// Check the snapshot's own pages and drive layers against the
+        /// checksums written with them first (husk-vmm --verify): for a
+        /// hibernation's wake, not for a template's clones.
+        verify: bool,
     },
 }
 
@@ -198,8 +202,11 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             args.extend(["--vcpus".into(), vcpus.to_string().into()]);
             args.extend(["--mem-mib".into(), mem_mib.to_string().into()]);
         }
-        Launch::Restore { snapshot } => {
+        Launch::Restore { snapshot, verify } => {
             args.extend(["--restore".into(), snapshot.into()]);
+            if *verify {
+                args.push("--verify".into());
+            }
             args.extend(["--overlay-dir".into(), run_dir.into()]);
             binds.push(read(snapshot));
             if let Some(jail) = vm.jail {

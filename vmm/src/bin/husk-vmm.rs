@@ -49,6 +49,13 @@ struct Args {
     /// has taken a full one.
     #[arg(long, requires = "restore")]
     dirty_log: bool,
+    /// With --restore: check what the snapshot itself wrote (a diff's
+    /// pages, its drive layers) against the checksums written with them
+    /// before any guest runs. Reads them: the cost grows with what the
+    /// snapshot holds, not with the guest's size (the daemon wakes
+    /// hibernated sandboxes so).
+    #[arg(long, requires = "restore")]
+    verify: bool,
     /// Serve the control socket here (status, pause, resume, snapshot: see
     /// the husk-vmm-api crate).
     #[arg(long)]
@@ -152,6 +159,7 @@ impl Args {
                 overlays: self.overlays,
                 overlay_dir: self.overlay_dir,
                 dirty_log: self.dirty_log,
+                verify: self.verify,
                 serial,
                 kvm_device: self.kvm_device,
                 limits: DeviceLimits {

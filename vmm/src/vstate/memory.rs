@@ -96,7 +96,7 @@ pub fn create_guest_memory(config: &MemoryConfig) -> Result<GuestMemoryMmap, Mem
 /// zero as holes: memory the guest never used costs neither write time nor
 /// disk, and reads back as zeros. The vCPUs must be paused.
 pub fn dump(mem: &GuestMemoryMmap, file: &File) -> std::io::Result<()> {
-    dump_runs(mem, file, &nonzero_runs(mem))
+    write_runs(mem, file, &nonzero_runs(mem), |_| {})
 }
 
 /// The runs (file offset, length) of pages holding anything but zeros.
@@ -316,8 +316,22 @@ pub fn clear_dirty(mem: &GuestMemoryMmap) {
 }
 
 /// Writes the runs of guest memory into `file` at their offsets (the file
-/// is sized to the whole memory; everything else stays a hole).
-pub fn dump_runs(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> std::io::Result<()> {
+/// is sized to the whole memory; everything else stays a hole); returns
+/// their bytes' CRC-64, in order.
+pub fn dump_runs(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> std::io::Result<u64> {
+    let mut crc = husk_snapshot::Crc64::new();
+    write_runs(mem, file, runs, |bytes| crc.update(bytes))?;
+    Ok(crc.finish())
+}
+
+/// Writes `runs` of guest memory at their offsets in `file` (sized to the
+/// whole memory), showing each run's bytes to `each`.
+fn write_runs(
+    mem: &GuestMemoryMmap,
+    file: &File,
+    runs: &[(u64, u64)],
+    mut each: impl FnMut(&[u8]),
+) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     let total: u64 = mem.iter().map(|r| r.len()).sum();
     file.set_len(total)?;
@@ -328,8 +342,27 @@ pub fn dump_runs(mem: &GuestMemoryMmap, file: &File, runs: &[(u64, u64)]) -> std
         // and the devices parked, so nothing writes it meanwhile.
         let bytes = unsafe { std::slice::from_raw_parts(host, len as usize) };
         file.write_all_at(bytes, offset)?;
+        each(bytes);
     }
     Ok(())
+}
+
+/// CRC-64 of `runs` of `file`, in order: what [`dump_runs`] returned for
+/// the memory it wrote there.
+pub fn runs_crc(file: &File, runs: &[(u64, u64)]) -> std::io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut crc = husk_snapshot::Crc64::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for &(offset, len) in runs {
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            file.read_exact_at(&mut buf[..n], offset + done)?;
+            crc.update(&buf[..n]);
+            done += n as u64;
+        }
+    }
+    Ok(crc.finish())
 }
 
 #[cfg(test)]

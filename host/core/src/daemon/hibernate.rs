@@ -336,6 +336,7 @@ impl Daemon {
             run_dir: &rec.run_dir,
             launch: &Launch::Restore {
                 snapshot: dir.clone(),
+                verify: true,
             },
             cgroup: cgroup.as_ref(),
             nic: nic.as_ref(),

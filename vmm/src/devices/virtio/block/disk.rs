@@ -68,6 +68,8 @@ pub enum DiskError {
     Save(PathBuf, #[source] std::io::Error),
     #[error("{path} changed since the snapshot was taken ({what}); clones of it would see a corrupt disk")]
     Changed { path: PathBuf, what: String },
+    #[error("{0} does not hold what its snapshot wrote there (its clusters' CRC-64 differs): the snapshot is corrupt")]
+    Checksum(PathBuf),
     #[error("overlay {0} already exists: each clone needs a new overlay of its own")]
     OverlayExists(PathBuf),
     #[error("the drive is writable: give the clone its own overlay file")]
@@ -84,6 +86,9 @@ pub struct FileStamp {
     pub path: PathBuf,
     pub len: u64,
     pub mtime_ns: i128,
+    /// For a layer a snapshot wrote: the CRC-64 of its clusters (see
+    /// `Layer::crc64`), which a restore asked to verify checks.
+    pub crc64: Option<u64>,
 }
 
 impl FileStamp {
@@ -93,6 +98,7 @@ impl FileStamp {
             path: std::fs::canonicalize(path)?,
             len,
             mtime_ns,
+            crc64: None,
         })
     }
 
@@ -189,6 +195,25 @@ impl Layer {
         }
     }
 
+    /// CRC-64 of the layer's clusters, run after run, each run's offset
+    /// (8 bytes, little-endian) before its bytes: what it holds and where.
+    fn crc64(&self, size: u64) -> std::io::Result<u64> {
+        let mut crc = husk_snapshot::Crc64::new();
+        let mut buf = Vec::new();
+        copy_clusters(
+            size,
+            |c| self.has(c),
+            |at, len| {
+                buf.resize(len as usize, 0);
+                self.file.read_exact_at(&mut buf, at)?;
+                crc.update(&at.to_le_bytes());
+                crc.update(&buf);
+                Ok(())
+            },
+        )?;
+        Ok(crc.finish())
+    }
+
     fn has(&self, cluster: u64) -> bool {
         self.present[(cluster / 64) as usize] & (1 << (cluster % 64)) != 0
     }
@@ -253,8 +278,14 @@ impl Disk {
 
     /// Opens a snapshot's disk: its base and layers, each checked against
     /// its stamp, under a new `overlay` (which must not exist yet) when the
-    /// disk is writable.
-    pub fn restore(snapshot: &DiskSnapshot, overlay: Option<&Path>) -> Result<Self, DiskError> {
+    /// disk is writable. The layers inside `verify_in` (a snapshot's own,
+    /// when a restore is asked to verify) are checked against their
+    /// checksums too, which reads them.
+    pub fn restore(
+        snapshot: &DiskSnapshot,
+        overlay: Option<&Path>,
+        verify_in: Option<&Path>,
+    ) -> Result<Self, DiskError> {
         let base = snapshot.base.open_unchanged()?;
         if snapshot.size % super::SECTOR_SIZE != 0 {
             return Err(DiskError::Size(snapshot.base.path.clone(), snapshot.size));
@@ -278,6 +309,16 @@ impl Disk {
             }
             let layer = Layer::index(file, snapshot.size)
                 .map_err(|e| DiskError::Open(stamp.path.clone(), e))?;
+            if let (Some(want), Some(dir)) = (stamp.crc64, verify_in) {
+                if stamp.path.starts_with(dir) {
+                    let found = layer
+                        .crc64(snapshot.size)
+                        .map_err(|e| DiskError::Open(stamp.path.clone(), e))?;
+                    if found != want {
+                        return Err(DiskError::Checksum(stamp.path.clone()));
+                    }
+                }
+            }
             layers.push((stamp.clone(), layer));
         }
         let overlay = match (snapshot.read_only, overlay) {
@@ -332,7 +373,14 @@ impl Disk {
             // Nothing above its layers: they are the snapshot's as they are.
             (base_stamp()?, stamps(&self.layers))
         } else {
-            let file = File::create(&tmp).map_err(save_err)?;
+            // Read too: its checksum is taken from what it holds.
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)
+                .map_err(save_err)?;
             let result = match &self.overlay {
                 Some(overlay) if self.layers.len() < MAX_LAYERS => copy_clusters(
                     self.size,
@@ -369,7 +417,13 @@ impl Disk {
                 let _ = std::fs::remove_file(&tmp);
                 return Err(save_err(e));
             }
-            let stamp = FileStamp::of(&path, &file).map_err(save_err)?;
+            let mut stamp = FileStamp::of(&path, &file).map_err(save_err)?;
+            let written = file
+                .try_clone()
+                .and_then(|f| Layer::index(f, self.size))
+                .and_then(|layer| layer.crc64(self.size))
+                .map_err(save_err)?;
+            stamp.crc64 = Some(written);
             match &self.overlay {
                 Some(_) if self.layers.len() < MAX_LAYERS => {
                     let mut layers: Vec<_> = stamps(&self.layers);
@@ -759,8 +813,10 @@ mod tests {
         let dir = TempDir::new().expect("tempdir");
         let (mut original, snapshot, at_snapshot) = saved_cow_disk(&dir);
         let layer_bytes = std::fs::read(&snapshot.layers[0].path).expect("layer");
-        let mut a = Disk::restore(&snapshot, Some(&dir.as_path().join("a"))).expect("clone a");
-        let mut b = Disk::restore(&snapshot, Some(&dir.as_path().join("b"))).expect("clone b");
+        let mut a =
+            Disk::restore(&snapshot, Some(&dir.as_path().join("a")), None).expect("clone a");
+        let mut b =
+            Disk::restore(&snapshot, Some(&dir.as_path().join("b")), None).expect("clone b");
 
         original.write_at(&[1; 512], 0).expect("write original");
         a.write_at(&[0xaa; 100], 5 * 4096 + 4000).expect("write a");
@@ -784,12 +840,13 @@ mod tests {
     fn a_clone_that_wrote_nothing_is_saved_with_its_layers_alone() {
         let dir = TempDir::new().expect("tempdir");
         let (_, snapshot, at_snapshot) = saved_cow_disk(&dir);
-        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("a"))).expect("clone");
+        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("a")), None).expect("clone");
         let again = dir.as_path().join("again");
         std::fs::create_dir(&again).expect("snapshot dir");
 
         let resaved = clone.save(&again, "drive-0").expect("save");
-        let restored = Disk::restore(&resaved, Some(&dir.as_path().join("b"))).expect("restore");
+        let restored =
+            Disk::restore(&resaved, Some(&dir.as_path().join("b")), None).expect("restore");
 
         assert_eq!(resaved, snapshot);
         assert!(!again.join("drive-0").exists());
@@ -809,7 +866,7 @@ mod tests {
         std::fs::create_dir(&snap_dir).expect("snapshot dir");
 
         let snapshot = disk.save(&snap_dir, "drive-0").expect("save");
-        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("o"))).expect("clone");
+        let clone = Disk::restore(&snapshot, Some(&dir.as_path().join("o")), None).expect("clone");
 
         let mut back = [0u8; 14];
         clone.read_at(&mut back, 40 << 20).expect("read");
@@ -832,13 +889,13 @@ mod tests {
         let disk = Disk::open(&path, &DiskMode::ReadOnly).expect("open");
 
         let snapshot = disk.save(dir.as_path(), "unused").expect("save");
-        let clone = Disk::restore(&snapshot, None).expect("clone");
+        let clone = Disk::restore(&snapshot, None, None).expect("clone");
 
         assert!(clone.is_read_only());
         assert_eq!(read_all(&clone), pattern(4096));
         assert!(!dir.as_path().join("unused").exists());
         assert!(matches!(
-            Disk::restore(&snapshot, Some(&dir.as_path().join("o"))),
+            Disk::restore(&snapshot, Some(&dir.as_path().join("o")), None),
             Err(DiskError::UnwantedOverlay)
         ));
     }
@@ -852,7 +909,7 @@ mod tests {
         let portable = snapshot.relative_to(&dir.as_path().join("snap"));
         std::fs::rename(dir.as_path().join("snap"), dir.as_path().join("moved")).expect("move");
         let resolved = portable.clone().resolved(&dir.as_path().join("moved"));
-        let clone = Disk::restore(&resolved, Some(&dir.as_path().join("o"))).expect("clone");
+        let clone = Disk::restore(&resolved, Some(&dir.as_path().join("o")), None).expect("clone");
 
         assert_eq!(portable.layers[0].path, Path::new("drive-0"));
         assert_eq!(portable.base.path, base, "files outside stay absolute");
@@ -866,8 +923,8 @@ mod tests {
         let taken = dir.as_path().join("taken");
         std::fs::write(&taken, b"").expect("existing overlay");
 
-        let existing = Disk::restore(&snapshot, Some(&taken));
-        let missing = Disk::restore(&snapshot, None);
+        let existing = Disk::restore(&snapshot, Some(&taken), None);
+        let missing = Disk::restore(&snapshot, None, None);
         let layer = OpenOptions::new()
             .write(true)
             .open(&snapshot.layers[0].path)
@@ -876,7 +933,7 @@ mod tests {
         // mtime ticks coarsely: make the change visible whatever the clock.
         let past = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000);
         layer.set_modified(past).expect("set mtime");
-        let tampered = Disk::restore(&snapshot, Some(&dir.as_path().join("c")));
+        let tampered = Disk::restore(&snapshot, Some(&dir.as_path().join("c")), None);
 
         assert!(matches!(existing, Err(DiskError::OverlayExists(_))));
         assert!(matches!(missing, Err(DiskError::NoOverlay)));
@@ -888,13 +945,57 @@ mod tests {
     }
 
     #[test]
+    fn a_verified_restore_refuses_a_layer_whose_bytes_changed_under_its_stamp() {
+        let dir = TempDir::new().expect("tempdir");
+        let (_original, snapshot, _) = saved_cow_disk(&dir);
+        let path = snapshot.layers[0].path.clone();
+        let snapshot_dir = path.parent().expect("the snapshot's directory").to_owned();
+        let intact = Disk::restore(
+            &snapshot,
+            Some(&dir.as_path().join("a")),
+            Some(&snapshot_dir),
+        );
+        // A byte flipped inside a cluster the layer holds, its length and
+        // modification time as they were (what a stamp cannot see).
+        let layer = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .expect("open layer");
+        let mut byte = [0u8];
+        layer.read_exact_at(&mut byte, 3 * 4096 + 10).expect("read");
+        layer
+            .write_all_at(&[byte[0] ^ 0x20], 3 * 4096 + 10)
+            .expect("flip");
+        let stamped = std::time::UNIX_EPOCH + std::time::Duration::new(0, 0);
+        let mtime = snapshot.layers[0].mtime_ns;
+        layer
+            .set_modified(stamped + std::time::Duration::from_nanos(mtime as u64))
+            .expect("mtime back");
+        let unverified = Disk::restore(&snapshot, Some(&dir.as_path().join("b")), None);
+        let verified = Disk::restore(
+            &snapshot,
+            Some(&dir.as_path().join("c")),
+            Some(&snapshot_dir),
+        );
+
+        assert!(snapshot.layers[0].crc64.is_some());
+        assert!(intact.is_ok(), "{intact:?}");
+        assert!(unverified.is_ok(), "{unverified:?}");
+        assert!(
+            matches!(&verified, Err(DiskError::Checksum(p)) if *p == path),
+            "{verified:?}"
+        );
+    }
+
+    #[test]
     fn generations_of_snapshots_merge_layers_beyond_the_limit() {
         let dir = TempDir::new().expect("tempdir");
         let (_original, mut snapshot, mut expected) = saved_cow_disk(&dir);
 
         for generation in 0..(MAX_LAYERS as u64 + 3) {
             let overlay = dir.as_path().join(format!("overlay-{generation}"));
-            let mut disk = Disk::restore(&snapshot, Some(&overlay)).expect("restore");
+            let mut disk = Disk::restore(&snapshot, Some(&overlay), None).expect("restore");
             let at = (generation % 16) * 4096 + generation;
             disk.write_at(&[generation as u8 + 100; 10], at)
                 .expect("write");
@@ -906,7 +1007,8 @@ mod tests {
             assert!(snapshot.layers.len() <= MAX_LAYERS);
         }
 
-        let last = Disk::restore(&snapshot, Some(&dir.as_path().join("last"))).expect("restore");
+        let last =
+            Disk::restore(&snapshot, Some(&dir.as_path().join("last")), None).expect("restore");
         assert_eq!(read_all(&last), expected);
     }
 }
