@@ -51,12 +51,12 @@ test-hostile:
 # The real-guest tests again on a second KVM: kvm_amd (ordinary KVM with
 # nested paging, as on AMD hardware) in a Debian VM under QEMU's TCG
 # (tests/second-kvm/run.sh), with the binaries built here. Which binaries:
-# the VMM's real-guest tests (boot, agent, files, vsock, block, net,
-# snapshot / restore / diff, clones, TSC and CPUID); those without a guest run
-# here only (everything in that VM is translated, 6-20x slower). Not yet the
-# daemon's (hibernation, REST, the E2B SDK): two of its tests fail there
-# (issue "ordinary KVM"'s note); `make test-kvm-amd KVM_AMD_TESTS=host/cli:daemon`.
-KVM_AMD_TESTS ?= vmm:boot vmm:vsock vmm:block vmm:net vmm:agent vmm:snapshot
+# every one whose tests boot a guest: the VMM's (boot, agent, files, vsock,
+# block, net, snapshot / restore / diff, clones, TSC and CPUID) and the
+# daemon's (templates, pools, hibernation, the REST API, the E2B SDKs);
+# those without a guest run here only (everything in that VM is translated,
+# 6-20x slower).
+KVM_AMD_TESTS ?= vmm:boot vmm:vsock vmm:block vmm:net vmm:agent vmm:snapshot host/cli:daemon
 test-kvm-amd:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
 		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
