@@ -60,18 +60,32 @@ fn guest_init_reports_ready_runs_a_command_and_powers_off() {
     }
 }
 
+/// The hardware virtualization this host's CPU shows (`svm`, `vmx`), if any.
+fn host_virtualization() -> Option<String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+    let flags = cpuinfo.lines().find(|l| l.starts_with("flags"))?.to_owned();
+    flags
+        .split_whitespace()
+        .find(|f| *f == "svm" || *f == "vmx")
+        .map(str::to_owned)
+}
+
 #[test]
 fn two_vcpus_come_up_console_goes_to_a_file_and_poweroff_ends_the_vm() {
     // busybox poweroff signals PID 1 (SIGUSR2); the trailing sleep would keep
-    // the guest up if guest-init ignored it.
+    // the guest up if guest-init ignored it. The guest is offered nested
+    // virtualization (off by default: tests/snapshot.rs checks a clone has
+    // none): it sees the host's VMX or SVM where the host has one (kvm_amd:
+    // svm; a PVM host has neither to offer).
     let console = vmm_sys_util::tempfile::TempFile::new().expect("tempfile");
     let cmd = guest_command(&[
         "--vcpus",
         "2",
+        "--nested-virt",
         "--serial",
         console.as_path().to_str().expect("utf-8"),
         "--cmdline",
-        "-- /bin/sh -c \"echo cpus=$(grep -c ^processor /proc/cpuinfo); poweroff; sleep 100000\"",
+        "-- /bin/sh -c \"echo cpus=$(grep -c ^processor /proc/cpuinfo) virt=$(grep -m1 -o -w -e svm -e vmx /proc/cpuinfo).; poweroff; sleep 100000\"",
     ]);
 
     let run = run(cmd, BOOT_TIMEOUT);
@@ -84,6 +98,11 @@ fn two_vcpus_come_up_console_goes_to_a_file_and_poweroff_ends_the_vm() {
         run.serial
     );
     assert!(serial.contains("cpus=2"), "{serial}");
+    let virt = host_virtualization().unwrap_or_default();
+    assert!(
+        serial.contains(&format!("virt={virt}.")),
+        "host: {virt:?}\n{serial}"
+    );
     assert!(serial.contains("husk-guest-init: shutdown"), "{serial}");
 }
 

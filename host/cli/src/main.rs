@@ -366,6 +366,11 @@ enum TemplateCommand {
         /// put in at run time (a pod's containers; at most 8).
         #[arg(long, default_value_t = 0)]
         drive_slots: u8,
+        /// Offer the host's hardware virtualization (VMX/SVM) to its
+        /// sandboxes, so they can run hypervisors of their own (off by
+        /// default: it exposes the host's nested-virtualization code).
+        #[arg(long)]
+        nested_virt: bool,
     },
     Ls {
         #[arg(long)]
@@ -962,7 +967,9 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             block_limit,
             net_limit,
             drive_slots,
+            nested_virt,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
+            nested_virt,
             image,
             network,
             block_limit,

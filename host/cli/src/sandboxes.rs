@@ -280,6 +280,7 @@ pub struct BuildArgs {
     pub block_limit: Option<String>,
     pub net_limit: Option<String>,
     pub drive_slots: u8,
+    pub nested_virt: bool,
 }
 
 /// What `husk run` runs without a command: the entrypoint and command of
@@ -355,6 +356,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         block_limit: a.block_limit,
         net_limit: a.net_limit,
         drive_slots: a.drive_slots,
+        nested_virt: a.nested_virt,
     };
     let started = std::time::Instant::now();
     let template = client()

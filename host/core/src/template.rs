@@ -206,6 +206,7 @@ fn build_in(
         cmdline,
         vcpus: spec.vcpus,
         mem_mib: spec.mem_mib,
+        nested_virt: spec.nested_virt,
     };
     let cgroup = match &cfg.cgroups {
         Some(h) => Some(

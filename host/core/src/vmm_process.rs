@@ -107,6 +107,8 @@ pub enum Launch {
         vcpus: u8,
         /// Guest memory, in MiB.
         mem_mib: u32,
+        /// Offer the host's VMX or SVM to the guest (husk-vmm --nested-virt).
+        nested_virt: bool,
     },
     /// Restore a snapshot; each writable drive gets an overlay in the run
     /// directory.
@@ -185,6 +187,7 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             cmdline,
             vcpus,
             mem_mib,
+            nested_virt,
         } => {
             args.extend(["--kernel".into(), kernel.into()]);
             binds.push(read(kernel));
@@ -201,6 +204,9 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             }
             args.extend(["--vcpus".into(), vcpus.to_string().into()]);
             args.extend(["--mem-mib".into(), mem_mib.to_string().into()]);
+            if *nested_virt {
+                args.push("--nested-virt".into());
+            }
         }
         Launch::Restore { snapshot, verify } => {
             args.extend(["--restore".into(), snapshot.into()]);

@@ -142,6 +142,12 @@ pub struct TemplateSpec {
     /// `POST /v1/sandboxes/{id}/media`); at most [`MAX_DRIVE_SLOTS`].
     #[serde(default)]
     pub drive_slots: u8,
+    /// Offer the host's hardware virtualization (VMX or SVM) to its VMs,
+    /// so they can run hypervisors of their own. Off by default: a guest
+    /// with it reaches the host kernel's nested-virtualization code. The
+    /// template's snapshot keeps it for every sandbox.
+    #[serde(default)]
+    pub nested_virt: bool,
 }
 
 /// Most empty drives a template's VMs may have.
@@ -169,6 +175,7 @@ impl TemplateSpec {
             block_limit: None,
             net_limit: None,
             drive_slots: 0,
+            nested_virt: false,
         }
     }
 }
