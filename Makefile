@@ -50,24 +50,25 @@ test-hostile:
 
 # The real-guest tests again on a second KVM: kvm_amd (ordinary KVM with
 # nested paging, as on AMD hardware) in a Debian VM under QEMU's TCG
-# (tests/second-kvm/run.sh), with the binaries built here. Which binaries:
+# (tests/second-kvm/run.sh), with the very binaries `make test` built (the
+# workspace's, found by name). Which binaries:
 # every one whose tests boot a guest: the VMM's (boot, agent, files, vsock,
 # block, net, snapshot / restore / diff, clones, TSC and CPUID) and the
 # daemon's (templates, pools, hibernation, the REST API, the E2B SDKs);
 # those without a guest run here only (everything in that VM is translated,
 # 6-20x slower).
-KVM_AMD_TESTS ?= vmm:boot vmm:vsock vmm:block vmm:net vmm:agent vmm:snapshot host/cli:daemon
+KVM_AMD_TESTS ?= boot vsock block net agent snapshot daemon
 test-kvm-amd:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
 		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
 	cargo build --workspace --bins --locked; \
-	specs=(); for t in $(KVM_AMD_TESTS); do \
-		dir=$$PWD/$${t%%:*}; name=$${t#*:}; \
-		bin=$$(cargo test --locked --no-run --manifest-path $$dir/Cargo.toml --test $$name \
-			--message-format=json | grep '"kind":\["test"\]' | grep "\"name\":\"$$name\"" \
-			| sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -n 1); \
-		[ -n "$$bin" ] || { echo "no test binary for $$t" >&2; exit 1; }; \
-		specs+=("$$name=$$dir:$$bin"); \
+	built=$$(cargo test --workspace --locked --no-run --message-format=json | grep '"kind":\["test"\]'); \
+	specs=(); for name in $(KVM_AMD_TESTS); do \
+		line=$$(grep "\"name\":\"$$name\"" <<<"$$built" | tail -n 1); \
+		bin=$$(sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' <<<"$$line"); \
+		manifest=$$(sed -n 's/.*"manifest_path":"\([^"]*\)".*/\1/p' <<<"$$line"); \
+		[ -n "$$bin" ] && [ -n "$$manifest" ] || { echo "no test binary named $$name" >&2; exit 1; }; \
+		specs+=("$$name=$${manifest%/Cargo.toml}:$$bin"); \
 	done; \
 	tests/second-kvm/run.sh --timeout 2400 -- tests/second-kvm/suite.sh kvm_amd "$${specs[@]}"
 
