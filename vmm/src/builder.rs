@@ -487,11 +487,12 @@ fn check_cpu_features(
     saved: &[VcpuState],
     pvm: bool,
 ) -> Result<(), BuildError> {
-    // KVM's list only where it is what the guest sees (not on PVM).
-    let supported = if pvm {
-        None
+    // On PVM the CPU's own CPUID is what the guest sees; elsewhere KVM's
+    // list, normalized as a new vCPU's would be.
+    let (supported, native) = if pvm {
+        (None, cpuid::native_features())
     } else {
-        Some(Vcpu::supported_cpuid(kvm)?)
+        (Some(Vcpu::supported_cpuid(kvm)?), Vec::new())
     };
     let policy = CpuidPolicy {
         vcpus: saved.len() as u8,
@@ -502,7 +503,7 @@ fn check_cpu_features(
     let mut missing = Vec::new();
     for (index, vcpu) in saved.iter().enumerate() {
         let offered = match &supported {
-            None => cpuid::native(&vcpu.cpuid),
+            None => native.clone(),
             Some(supported) => {
                 let mut offered = supported.clone();
                 cpuid::normalize(&mut offered, index as u8, policy);

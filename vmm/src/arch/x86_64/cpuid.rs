@@ -311,25 +311,29 @@ const FEATURE_WORDS: &[FeatureWord] = &[
     },
 ];
 
-/// What this CPU's own CPUID instruction returns for each leaf of `leaves`:
-/// what a guest sees on a PVM host, where KVM_SET_CPUID2 filters nothing
-/// (and KVM_GET_CPUID2 reports the host's CPUID, not the one set).
-pub fn native(leaves: &[kvm_cpuid_entry2]) -> Vec<kvm_cpuid_entry2> {
-    leaves
-        .iter()
-        .map(|l| {
-            let r = std::arch::x86_64::__cpuid_count(l.function, l.index);
-            kvm_cpuid_entry2 {
-                function: l.function,
-                index: l.index,
-                eax: r.eax,
-                ebx: r.ebx,
-                ecx: r.ecx,
-                edx: r.edx,
-                ..Default::default()
-            }
-        })
-        .collect()
+/// What this CPU's own CPUID instruction returns for the leaves
+/// [`missing_features`] checks: what a guest sees on a PVM host, where
+/// KVM_SET_CPUID2 filters nothing (and KVM_GET_CPUID2 reports the host's
+/// CPUID, not the one set). Only those leaves: each CPUID traps to the
+/// hypervisor below a PVM host (tens of microseconds on a restore's path).
+pub fn native_features() -> Vec<kvm_cpuid_entry2> {
+    let mut entries: Vec<kvm_cpuid_entry2> = Vec::new();
+    for word in FEATURE_WORDS {
+        if find(&entries, word.leaf, word.subleaf).is_some() {
+            continue;
+        }
+        let r = std::arch::x86_64::__cpuid_count(word.leaf, word.subleaf);
+        entries.push(kvm_cpuid_entry2 {
+            function: word.leaf,
+            index: word.subleaf,
+            eax: r.eax,
+            ebx: r.ebx,
+            ecx: r.ecx,
+            edx: r.edx,
+            ..Default::default()
+        });
+    }
+    entries
 }
 
 fn find(entries: &[kvm_cpuid_entry2], leaf: u32, subleaf: u32) -> Option<&kvm_cpuid_entry2> {
