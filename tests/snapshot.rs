@@ -55,8 +55,18 @@ fn upload_cpucheck(client: &mut AgentClient) {
 
 /// `husk-cpucheck clock`'s samples and kernel log lines.
 fn clock_samples(client: &mut AgentClient) -> ([(u64, u64); 2], Vec<String>) {
+    clock_samples_on(client, None)
+}
+
+/// As [`clock_samples`], taken on vCPU `cpu` if given.
+fn clock_samples_on(
+    client: &mut AgentClient,
+    cpu: Option<usize>,
+) -> ([(u64, u64); 2], Vec<String>) {
+    let mut argv = vec![CPUCHECK.to_owned(), "clock".into(), "500".into()];
+    argv.extend(cpu.map(|c| c.to_string()));
     let req = husk_protocol::ExecRequest {
-        argv: vec![CPUCHECK.into(), "clock".into(), "500".into()],
+        argv,
         ..Default::default()
     };
     let out = text(&client.exec(req).expect("husk-cpucheck clock").stdout);
@@ -498,6 +508,63 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
         .nth(1)
         .and_then(|n| n.parse::<u64>().ok());
     assert_eq!(bad, Some(0), "husk-cpucheck simd: {simd}");
+}
+
+#[test]
+fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
+    // A guest of its own with 2 vCPUs: each vCPU's TSC against the clock,
+    // booted and after a restore, on either vCPU (the TSCs are one clock:
+    // vCPU 1's sample is held against vCPU 0's booted relation too).
+    let run = TempDir::new().expect("tempdir");
+    let uds = run.as_path().join("smp.vsock");
+    let api = run.as_path().join("smp.api");
+    let booted_vmm = Vmm(agent_guest_command(&uds, &api, &["--vcpus", "2"])
+        .spawn()
+        .expect("husk-vmm"));
+    let mut booted =
+        AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, READ_TIMEOUT).expect("agent");
+    upload_cpucheck(&mut booted);
+    let relation = [0, 1].map(|cpu| clock_samples_on(&mut booted, Some(cpu)).0);
+    drop(booted);
+    let snapshot = run.as_path().join("snap");
+    common::snapshot(&api, &snapshot, false).expect("snapshot");
+    drop(booted_vmm);
+    let clone_uds = run.as_path().join("smp-clone.vsock");
+    let _clone = Vmm(Command::new(vmm_binary())
+        .arg("--restore")
+        .arg(&snapshot)
+        .args(["--id", "smp-clone", "--serial", "null", "--vsock"])
+        .arg(format!("cid=70,path={}", clone_uds.display()))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("husk-vmm --restore"));
+    let mut clone = connect(&clone_uds);
+    let restored = [0, 1].map(|cpu| clock_samples_on(&mut clone, Some(cpu)));
+
+    let mut drifts = Vec::new();
+    for (cpu, (samples, _)) in restored.iter().enumerate() {
+        for &sample in samples {
+            drifts.push(tsc_drift_ns(relation[cpu], sample));
+            drifts.push(tsc_drift_ns(relation[0], sample));
+        }
+    }
+    eprintln!("2 vCPUs: TSC against the booted guest's clock (ns): {drifts:?}");
+    if !husk_vmm_api::cmdline::is_pvm_host() {
+        for drift in &drifts {
+            assert!(
+                drift.abs() < 1_000_000.0,
+                "a vCPU's TSC is {drift:.0} ns off the clock"
+            );
+        }
+    }
+    for (_, log) in &restored {
+        assert!(
+            !log.iter().any(|l| l.contains("unstable")),
+            "{}",
+            log.join("\n")
+        );
+    }
 }
 
 /// A copy of the base snapshot whose first vCPU's CPUID has one more

@@ -2,10 +2,11 @@
 //! across snapshots and restores (uploaded into a sandbox, not in the root
 //! file system).
 //!
-//!   husk-cpucheck clock MS        two samples MS milliseconds apart of the
-//!                                 TSC against CLOCK_MONOTONIC, one line each:
-//!                                 `sample TSC NS`; then every kernel log
-//!                                 line that names a clocksource: `log LINE`
+//!   husk-cpucheck clock MS [CPU]  two samples MS milliseconds apart of the
+//!                                 TSC against CLOCK_MONOTONIC (on vCPU CPU
+//!                                 if given), one line each: `sample TSC NS`;
+//!                                 then every kernel log line that names a
+//!                                 clocksource: `log LINE`
 //!   husk-cpucheck simd SECONDS FILE
 //!                                 holds patterns in all sixteen vector
 //!                                 registers (YMM where the guest kernel keeps
@@ -64,7 +65,29 @@ fn clocksource_log() -> Vec<String> {
         .collect()
 }
 
-fn clock(ms: u64) {
+/// Runs this thread on `cpu` alone.
+fn pin_to(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes
+    // inside it (`cpu` is checked against its size).
+    let ok = cpu < libc::CPU_SETSIZE as usize
+        && unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        };
+    if !ok {
+        eprintln!(
+            "husk-cpucheck: cannot run on CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+        std::process::exit(1);
+    }
+}
+
+fn clock(ms: u64, cpu: Option<usize>) {
+    if let Some(cpu) = cpu {
+        pin_to(cpu);
+    }
     let (tsc, ns) = sample();
     std::thread::sleep(Duration::from_millis(ms));
     let (tsc2, ns2) = sample();
@@ -207,10 +230,13 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let number = |i: usize| args.get(i).and_then(|a| a.parse::<u64>().ok());
     match (args.first().map(String::as_str), number(1), args.get(2)) {
-        (Some("clock"), Some(ms), None) => clock(ms),
+        (Some("clock"), Some(ms), None) => clock(ms, None),
+        (Some("clock"), Some(ms), Some(_)) if number(2).is_some() => {
+            clock(ms, number(2).map(|c| c as usize))
+        }
         (Some("simd"), Some(seconds), Some(file)) => simd(seconds, file),
         _ => {
-            eprintln!("usage: husk-cpucheck clock MS | simd SECONDS FILE");
+            eprintln!("usage: husk-cpucheck clock MS [CPU] | simd SECONDS FILE");
             std::process::exit(2);
         }
     }
