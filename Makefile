@@ -70,7 +70,7 @@ test-kvm-amd:
 		[ -n "$$bin" ] && [ -n "$$manifest" ] || { echo "no test binary named $$name" >&2; exit 1; }; \
 		specs+=("$$name=$${manifest%/Cargo.toml}:$$bin"); \
 	done; \
-	tests/second-kvm/run.sh --timeout 2400 -- tests/second-kvm/suite.sh kvm_amd "$${specs[@]}"
+	tests/second-kvm/suite.sh --l1 2400 kvm_amd "$${specs[@]}"
 
 lint:
 	cargo fmt --all --check

@@ -12,7 +12,9 @@
 #
 #   tests/second-kvm/run.sh [--timeout S] -- COMMAND [ARG]...
 #
-# Exits with the command's status (124 when L1 ran out of time). Needs root
+# Exits with the command's status; 124 when L1 ran out of time, 125 when it
+# powered off without a status (its kernel died or init gave up: the console
+# above says which). Needs root
 # (apt for QEMU >= 8.2 and Debian's kernel, both kept under
 # ~/.cache/husk/second-kvm). Why QEMU >= 8.2: older TCG never delivers the
 # SVM intercept of XSETBV, and the nested guest then loses AVX without a
@@ -138,7 +140,7 @@ qemu_rc=$?
 set -e
 if [[ ! -f $out/rc ]]; then
     log "L1 ended after $((SECONDS - started)) s without the command's status (QEMU: $qemu_rc)"
-    exit $((qemu_rc == 124 ? 124 : 1))
+    exit $((qemu_rc == 124 ? 124 : qemu_rc == 0 ? 125 : 1))
 fi
 rc=$(cat "$out/rc")
 log "L1 ran the command in $((SECONDS - started)) s: status $rc"
