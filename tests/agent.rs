@@ -1277,3 +1277,190 @@ fn a_guest_flooding_vsock_and_its_console_leaves_its_vmm_bounded() {
         "the neighbour missed pings"
     );
 }
+
+/// `script` in the guest as `user` (root if None): its stdout, or its
+/// stderr as the error.
+fn run_as(
+    client: &mut husk_agent_client::AgentClient,
+    user: Option<(u32, u32)>,
+    script: &str,
+) -> Result<String, String> {
+    let out = client
+        .exec(ExecRequest {
+            user: user.map(|(uid, gid)| User { uid, gid }),
+            ..sh(script)
+        })
+        .expect("exec");
+    match out.report.termination {
+        Termination::Code(0) => Ok(text(&out.stdout)),
+        other => Err(format!("{other:?}: {}", text(&out.stderr))),
+    }
+}
+
+#[test]
+fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let host = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let (work, src, outside) = (
+        host.as_path().join("work"),
+        host.as_path().join("src"),
+        host.as_path().join("outside"),
+    );
+    for dir in [&work, &src, &outside] {
+        std::fs::create_dir(dir).expect("mkdir");
+    }
+    std::fs::write(work.join("from-host"), "one").expect("write");
+    std::fs::write(src.join("code.rs"), "fn main() {}").expect("write");
+    std::fs::write(outside.join("secret"), "host only").expect("write");
+    std::os::unix::fs::symlink("/", work.join("to-root")).expect("symlink");
+    std::os::unix::fs::symlink("../outside/secret", work.join("to-secret")).expect("symlink");
+    // The workspace belongs to uid 1000 (the guest's `user`, too); what
+    // the guest creates there is 1000's on the host, whoever creates it.
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        std::os::unix::fs::chown(&work, Some(1000), Some(1000)).expect("chown");
+    } else {
+        std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    }
+    let work_spec = format!(
+        "tag={},path={},owner=1000:1000",
+        FS_SLOTS[0],
+        work.display()
+    );
+    let src_spec = format!("tag={},path={},ro", FS_SLOTS[1], src.display());
+    let vm = sandbox_with("shares", &["--fs", &work_spec, "--fs", &src_spec]);
+    let mut client = vm.client();
+    let user = Some((1000, 1000));
+
+    let mounted = run_as(
+        &mut client,
+        None,
+        &format!(
+            "mkdir -p /mnt/work /mnt/src && mount -t virtiofs {} /mnt/work && \
+             mount -t virtiofs {} /mnt/src && cat /mnt/work/from-host",
+            FS_SLOTS[0], FS_SLOTS[1]
+        ),
+    );
+    // Guest to host: root and `user` create and change files.
+    let by_root = run_as(
+        &mut client,
+        None,
+        "echo made-by-root > /mnt/work/by-root && \
+                                              mkdir /mnt/work/dir && echo inner > /mnt/work/dir/f",
+    );
+    let by_user = run_as(
+        &mut client,
+        user,
+        "echo made-by-user > /mnt/work/by-user && \
+                                              echo more >> /mnt/work/by-user && \
+                                              mv /mnt/work/by-user /mnt/work/dir/moved && \
+                                              rm /mnt/work/dir/f && id -u",
+    );
+    // Host to guest: an edit and a new file show at once.
+    std::fs::write(work.join("from-host"), "two, longer").expect("edit");
+    std::fs::write(work.join("later"), "new on the host").expect("write");
+    let seen = run_as(
+        &mut client,
+        user,
+        "cat /mnt/work/from-host; echo; cat /mnt/work/later; \
+                                           echo; ls /mnt/work | sort | tr '\\n' ' '",
+    );
+    // Read-only is refused as such; reading works. Symlinks resolve in the
+    // guest's own tree, never the host's; links and renames out of the
+    // share stay in the guest. One exec, a line each: `name=status:output`.
+    let checks = [
+        ("ro_write", "echo x > /mnt/src/new"),
+        ("ro_rm", "rm /mnt/src/code.rs"),
+        ("ro_read", "cat /mnt/src/code.rs"),
+        ("via_root", "cat /mnt/work/to-root/proc/sys/kernel/hostname"),
+        ("via_secret", "cat /mnt/work/to-secret"),
+        ("link_out", "ln /mnt/work/from-host /tmp/hard"),
+        (
+            "moved_out",
+            "mv /mnt/work/later /tmp/later && cat /tmp/later",
+        ),
+    ];
+    let script: String = checks
+        .iter()
+        .map(|(name, cmd)| format!("o=$( ({cmd}) 2>&1 ); echo \"{name}=$?:$o\"\n"))
+        .collect();
+    let checked = run_as(&mut client, None, &script).expect("the checks");
+    let check = |name: &str| -> (bool, String) {
+        let line = checked
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("no {name} in {checked}"));
+        let (status, out) = line.split_once(':').unwrap_or((line, ""));
+        (status == "0", out.to_owned())
+    };
+    // A mounted share is not in a snapshot: refused with the reason.
+    let paused = control(&vm.api, &husk_vmm_api::Request::Pause);
+    let snapshot_dir = host.as_path().join("snap");
+    let refused = common::snapshot(&vm.api, &snapshot_dir, false);
+    let resumed = control(&vm.api, &husk_vmm_api::Request::Resume);
+    let unmounted = run_as(
+        &mut client,
+        None,
+        "umount /mnt/work && umount /mnt/src && echo ok",
+    );
+    // Unmounted, the session is over (the guest said DESTROY): it snapshots.
+    let paused_again = control(&vm.api, &husk_vmm_api::Request::Pause);
+    let after = common::snapshot(&vm.api, &host.as_path().join("snap-after"), false);
+    let _ = control(&vm.api, &husk_vmm_api::Request::Resume);
+
+    assert_eq!(mounted.as_deref(), Ok("one"), "{}", vm.serial());
+    by_root.expect("root writes the workspace");
+    assert_eq!(by_user.as_deref(), Ok("1000\n"));
+    assert_eq!(
+        std::fs::read_to_string(work.join("dir/moved")).expect("moved file"),
+        "made-by-user\nmore\n"
+    );
+    assert!(!work.join("dir/f").exists() && !work.join("by-user").exists());
+    assert_eq!(
+        std::fs::read_to_string(work.join("by-root")).expect("by-root"),
+        "made-by-root\n"
+    );
+    if root {
+        for file in ["by-root", "dir", "dir/moved"] {
+            let meta = std::fs::symlink_metadata(work.join(file)).expect("metadata");
+            assert_eq!((meta.uid(), meta.gid()), (1000, 1000), "{file}");
+        }
+    }
+    assert_eq!(
+        seen.as_deref(),
+        Ok("two, longer\nnew on the host\nby-root dir from-host later to-root to-secret ")
+    );
+    for name in ["ro_write", "ro_rm"] {
+        let (ok, out) = check(name);
+        assert!(!ok && out.contains("Read-only"), "{name}: {out}");
+    }
+    assert_eq!(check("ro_read"), (true, "fn main() {}".to_owned()));
+    assert_eq!(std::fs::read_dir(&src).expect("src").count(), 1);
+    // The guest's own hostname, not the host's.
+    assert_eq!(check("via_root"), (true, "shares".to_owned()));
+    assert!(!check("via_secret").0, "{checked}");
+    assert!(!check("link_out").0, "{checked}");
+    assert_eq!(check("moved_out"), (true, "new on the host".to_owned()));
+    assert!(!work.join("later").exists());
+    assert_eq!(
+        std::fs::read_to_string(outside.join("secret")).expect("the secret"),
+        "host only"
+    );
+    assert!(
+        matches!(paused, Ok(husk_vmm_api::Reply::Paused { .. })),
+        "{paused:?}"
+    );
+    assert!(
+        refused.as_ref().is_err_and(|e| e.contains("mounted")),
+        "{refused:?}"
+    );
+    assert!(!snapshot_dir.join("state").exists());
+    assert!(
+        matches!(resumed, Ok(husk_vmm_api::Reply::Resumed { .. })),
+        "{resumed:?}"
+    );
+    assert_eq!(unmounted.as_deref(), Ok("ok\n"));
+    assert!(paused_again.is_ok(), "{paused_again:?}");
+    after.expect("a snapshot once the shares are unmounted");
+}

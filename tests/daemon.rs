@@ -1068,6 +1068,11 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
          </dev/null >/dev/null 2>&1 &",
     );
     wait_until("the counter to count", || count(&s.id) > 0);
+    // Its TSC against its clock before it sleeps.
+    let tool =
+        std::fs::read(common::cpucheck_tool()).expect("husk-cpucheck (built with guest-init)");
+    upload(&s.id, "/tmp/husk-cpucheck", &tool).expect("upload husk-cpucheck");
+    let (awake, _) = clock_of(&s.id);
 
     let slept = api().hibernate(&s.id).expect("hibernate");
     let listed = get(&s.id).expect("listed");
@@ -1082,6 +1087,7 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     let kept = download(&s.id, "/tmp/kept").expect("download");
     let woken = get(&s.id).expect("listed");
     assert_clock_is_now(&s.id);
+    let (first_wake, first_log) = clock_of(&s.id);
     let counted = count(&s.id);
     wait_until("the counter to go on", || count(&s.id) > counted);
     // A second cycle, woken explicitly: only its last hibernation keeps
@@ -1090,7 +1096,15 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     let hibernations = hibernations_with_memory(d, &s.id);
     let again = api().wake(&s.id).expect("wake");
     let kept_again = download(&s.id, "/tmp/kept").expect("download");
+    let (second_wake, second_log) = clock_of(&s.id);
     let audit = api().audit(Some(&s.id)).expect("audit");
+    // Each wake restores its TSC with its clock, as they stood awake.
+    let drifts: Vec<f64> = [first_wake, second_wake]
+        .iter()
+        .flatten()
+        .map(|&sample| common::tsc_drift_ns(awake, sample))
+        .collect();
+    eprintln!("woken: TSC against the awake guest's clock (ns): {drifts:?}");
 
     assert_eq!(slept.state, SandboxState::Hibernated);
     let bytes = slept.disk_bytes.expect("its size on disk");
@@ -1115,8 +1129,35 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
             "no {action} in {audit:?}"
         );
     }
+    // On a PVM host guest user space reads the host's TSC (snapshot.rs).
+    if !husk_vmm_api::cmdline::is_pvm_host() {
+        for drift in &drifts {
+            assert!(
+                drift.abs() < common::TSC_DRIFT_BOUND_NS,
+                "a woken sandbox's TSC is {drift:.0} ns off its clock's"
+            );
+        }
+    }
+    for log in [&first_log, &second_log] {
+        assert!(
+            !log.iter().any(|l| l.contains("unstable")),
+            "{}",
+            log.join("\n")
+        );
+    }
     destroy(&s.id);
     assert!(!d.state_dir.join("sandboxes").join(&s.id).exists());
+}
+
+/// `husk-cpucheck clock` (uploaded to /tmp) in sandbox `id`: its TSC
+/// against its CLOCK_MONOTONIC, and its clocksource log lines.
+fn clock_of(id: &str) -> ([(u64, u64); 2], Vec<String>) {
+    let ran = sh(
+        id,
+        "chmod 755 /tmp/husk-cpucheck && /tmp/husk-cpucheck clock 500",
+    );
+    assert_eq!(ran.code, Some(0), "husk-cpucheck clock: {ran:?}");
+    common::clock_report(&ran.stdout)
 }
 
 /// The daemon's open descriptors.

@@ -46,8 +46,7 @@ const CPUCHECK: &str = "/tmp/husk-cpucheck";
 
 /// Uploads `husk-cpucheck` (built with guest-init).
 fn upload_cpucheck(client: &mut AgentClient) {
-    let tool = repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-cpucheck");
-    let file = std::fs::File::open(&tool).expect("husk-cpucheck (built with guest-init)");
+    let file = std::fs::File::open(cpucheck_tool()).expect("husk-cpucheck (built with guest-init)");
     client
         .write_file(CPUCHECK, 0o755, file)
         .expect("upload husk-cpucheck");
@@ -69,23 +68,9 @@ fn clock_samples_on(
         argv,
         ..Default::default()
     };
-    let out = text(&client.exec(req).expect("husk-cpucheck clock").stdout);
-    let samples: Vec<(u64, u64)> = out
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.strip_prefix("sample ")?.split(' ');
-            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
-        })
-        .collect();
-    let log = out
-        .lines()
-        .filter_map(|l| l.strip_prefix("log "))
-        .map(str::to_owned)
-        .collect();
-    match samples[..] {
-        [a, b] => ([a, b], log),
-        _ => panic!("husk-cpucheck clock printed {out}"),
-    }
+    clock_report(&text(
+        &client.exec(req).expect("husk-cpucheck clock").stdout,
+    ))
 }
 
 /// The data drive's name, which restores give overlays by.
@@ -118,9 +103,13 @@ fn base() -> &'static Base {
             disk_image.display(),
             dir.as_path().join("base.overlay").display()
         );
-        let _vmm = Vmm(agent_guest_command(&uds, &api, &["--drive", &drive])
-            .spawn()
-            .expect("husk-vmm"));
+        // An empty shared-directory slot: its device (and its thread) in
+        // every clone.
+        let _vmm = Vmm(
+            agent_guest_command(&uds, &api, &["--drive", &drive, "--fs", "tag=fs0"])
+                .spawn()
+                .expect("husk-vmm"),
+        );
         let mut client =
             AgentClient::connect_when_ready(&uds, BOOT_TIMEOUT, READ_TIMEOUT).expect("agent");
         client
@@ -380,7 +369,7 @@ fn every_kind_of_vmm_thread_dies_by_sigsys_on_a_forbidden_syscall() {
     let base = base();
     let dir = TempDir::new().expect("tempdir");
 
-    let deaths: Vec<(&str, Option<i32>)> = ["control", "devices", "vcpu"]
+    let deaths: Vec<(&str, Option<i32>)> = ["control", "devices", "vcpu", "fs"]
         .into_iter()
         .map(|kind| {
             let (mut vmm, _, _) = restore_with(
@@ -397,17 +386,6 @@ fn every_kind_of_vmm_thread_dies_by_sigsys_on_a_forbidden_syscall() {
     for (kind, signal) in deaths {
         assert_eq!(signal, Some(libc::SIGSYS), "the {kind} thread");
     }
-}
-
-/// How far (ns) `sample`'s TSC stands from where the booted guest's
-/// relation of TSC to CLOCK_MONOTONIC puts it, at the rate the booted
-/// guest's two samples show.
-fn tsc_drift_ns(booted: [(u64, u64); 2], sample: (u64, u64)) -> f64 {
-    let [(t0, n0), (t1, n1)] = booted;
-    let cycles_per_ns = (t1 - t0) as f64 / (n1 - n0) as f64;
-    let guest_ns = sample.1 as f64 - n0 as f64;
-    let tsc_ns = (sample.0 as f64 - t0 as f64) / cycles_per_ns;
-    tsc_ns - guest_ns
 }
 
 #[test]
@@ -480,7 +458,7 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
     if !husk_vmm_api::cmdline::is_pvm_host() {
         for drift in &drifts {
             assert!(
-                drift.abs() < 1_000_000.0,
+                drift.abs() < TSC_DRIFT_BOUND_NS,
                 "a clone's TSC is {drift:.0} ns off its clock's"
             );
         }
@@ -553,7 +531,7 @@ fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
     if !husk_vmm_api::cmdline::is_pvm_host() {
         for drift in &drifts {
             assert!(
-                drift.abs() < 1_000_000.0,
+                drift.abs() < TSC_DRIFT_BOUND_NS,
                 "a vCPU's TSC is {drift:.0} ns off the clock"
             );
         }
@@ -801,6 +779,10 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
     let seen = restored
         .exec(sh("cat /tmp/after-base; echo; cat /tmp/file"))
         .expect("exec");
+    // The machine a diff restores keeps its TSC with its clock too.
+    let (clock, log) = clock_samples(&mut restored);
+    let drifts = clock.map(|sample| tsc_drift_ns(base.clock, sample));
+    eprintln!("a diff's clone: TSC against the booted guest's clock (ns): {drifts:?}");
 
     assert!(
         matches!(paused, Ok(husk_vmm_api::Reply::Paused { .. })),
@@ -830,6 +812,19 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
         "{empty_reply:?}"
     );
     assert_eq!(text(&seen.stdout), "written after the base\nbase");
+    if !husk_vmm_api::cmdline::is_pvm_host() {
+        for drift in drifts {
+            assert!(
+                drift.abs() < TSC_DRIFT_BOUND_NS,
+                "a diff's clone's TSC is {drift:.0} ns off its clock's"
+            );
+        }
+    }
+    assert!(
+        !log.iter().any(|l| l.contains("unstable")),
+        "{}",
+        log.join("\n")
+    );
 }
 
 #[test]

@@ -14,6 +14,7 @@ fn main() {
         (rules::ThreadKind::Control, "CONTROL"),
         (rules::ThreadKind::Devices, "DEVICES"),
         (rules::ThreadKind::Vcpu, "VCPU"),
+        (rules::ThreadKind::Fs, "FS"),
     ] {
         let program = rules::filter(kind).unwrap_or_else(|e| panic!("{e}"));
         let _ = writeln!(out, "pub(super) static {name}: &[sock_filter] = &[");

@@ -282,6 +282,47 @@ pub fn sh(script: &str) -> husk_protocol::ExecRequest {
     }
 }
 
+/// `husk-cpucheck` (built with guest-init), to upload into guests.
+pub fn cpucheck_tool() -> PathBuf {
+    repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-cpucheck")
+}
+
+/// What `husk-cpucheck clock` printed: its two samples of (TSC, CLOCK_MONOTONIC
+/// ns) and the kernel log lines that name a clocksource.
+pub fn clock_report(out: &str) -> ([(u64, u64); 2], Vec<String>) {
+    let samples: Vec<(u64, u64)> = out
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.strip_prefix("sample ")?.split(' ');
+            Some((w.next()?.parse().ok()?, w.next()?.parse().ok()?))
+        })
+        .collect();
+    let log = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("log "))
+        .map(str::to_owned)
+        .collect();
+    match samples[..] {
+        [a, b] => ([a, b], log),
+        _ => panic!("husk-cpucheck clock printed {out}"),
+    }
+}
+
+/// How far (ns) `sample`'s TSC stands from where an earlier relation of TSC
+/// to CLOCK_MONOTONIC (two samples) puts it, at the rate those samples show.
+pub fn tsc_drift_ns(relation: [(u64, u64); 2], sample: (u64, u64)) -> f64 {
+    let [(t0, n0), (t1, n1)] = relation;
+    let cycles_per_ns = (t1 - t0) as f64 / (n1 - n0) as f64;
+    let guest_ns = sample.1 as f64 - n0 as f64;
+    let tsc_ns = (sample.0 as f64 - t0 as f64) / cycles_per_ns;
+    tsc_ns - guest_ns
+}
+
+/// How far off its clock a guest's TSC may stand after a restore (1 ms):
+/// checked where guest user space reads the TSC the VMM restores (not on a
+/// PVM host, where it reads the host's: [`husk_vmm_api::cmdline::is_pvm_host`]).
+pub const TSC_DRIFT_BOUND_NS: f64 = 1_000_000.0;
+
 /// Bytes as (lossy) UTF-8.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
@@ -330,7 +371,13 @@ fn base_snapshot() -> &'static Path {
         let slot = dir.join("slot.img");
         std::fs::File::create(&slot).expect("empty drive");
         let slot = format!("path={},id={SLOT}", slot.display());
-        let mut cmd = agent_guest_command(&uds, &api, &["--drive", &slot]);
+        // And empty shared-directory slots, which a clone fills.
+        let mut args = vec!["--drive".to_owned(), slot];
+        for tag in FS_SLOTS {
+            args.extend(["--fs".to_owned(), format!("tag={tag}")]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut cmd = agent_guest_command(&uds, &api, &args);
         cmd.stderr(Stdio::inherit());
         die_with_parent(&mut cmd);
         let mut base = cmd.spawn().expect("spawn husk-vmm");
@@ -389,10 +436,18 @@ impl Drop for Sandbox {
 
 /// The id of the base guest's empty drive (its /dev/vda).
 pub const SLOT: &str = "slot";
+/// The tags of the base guest's empty shared-directory slots.
+pub const FS_SLOTS: [&str; 2] = ["fs0", "fs1"];
 
 /// Restores a clone named `name` (also its hostname) and runs its
 /// post-restore step.
 pub fn sandbox(name: &str) -> Sandbox {
+    sandbox_with(name, &[])
+}
+
+/// As [`sandbox`], with more `husk-vmm --restore` arguments (directories
+/// for the shared-directory slots: `--fs tag=fs0,path=DIR`).
+pub fn sandbox_with(name: &str, extra: &[&str]) -> Sandbox {
     static NEXT_CID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(10);
     let snapshot = base_snapshot();
     let dir = scratch_dir();
@@ -412,6 +467,7 @@ pub fn sandbox(name: &str) -> Sandbox {
         .arg(format!("cid={cid},path={}", uds.display()))
         .arg("--serial")
         .arg(&console)
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null());
     die_with_parent(&mut cmd);

@@ -24,6 +24,7 @@ use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice, SerialSnapshot};
 use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
+use crate::devices::virtio::fs::{FsDevice, Share};
 use crate::devices::virtio::net::{NetDevice, Tap, TapError};
 use crate::devices::virtio::vsock::muxer::MuxerError;
 use crate::devices::virtio::vsock::VsockDevice;
@@ -54,6 +55,8 @@ pub enum BuildError {
     Boot(#[from] BootError),
     #[error("cannot write the kernel command line: {0}")]
     Cmdline(linux_loader::loader::Error),
+    #[error("{0}")]
+    Share(String),
     #[error(transparent)]
     Mptable(#[from] MptableError),
     #[error("cannot create an eventfd: {0}")]
@@ -128,6 +131,12 @@ pub fn build_vm(
         let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
+    for share in &config.shares {
+        let device = FsDevice::new(&share.0).map_err(|e| share_error(&share.0, e))?;
+        let device = DeviceHandle::Fs(Arc::new(Mutex::new(device)));
+        let parts = (vm.fd(), &mem, platform.fs_events()?);
+        mmio.attach_virtio(parts, Some(&mut cmdline), device, None)?;
+    }
     if let Some(vsock) = &config.vsock {
         let device = VsockDevice::new(vsock.cid, &vsock.uds_path)?.with_timeline(timeline.clone());
         let device = Arc::new(Mutex::new(device));
@@ -195,6 +204,9 @@ pub struct RestoreConfig {
     /// `overlays`: `DIR/<id>.<drive>.overlay` (the drive name made
     /// file-safe), so a caller need not know the snapshot's drives.
     pub overlay_dir: Option<PathBuf>,
+    /// Directories for the snapshot's empty shared-directory slots, by tag
+    /// (a slot not given one stays empty).
+    pub shares: Vec<crate::config::FsConfig>,
     /// Track the pages the clone writes (KVM dirty log), so its snapshots
     /// can be diffs against the one it came from.
     pub dirty_log: bool,
@@ -278,6 +290,17 @@ fn restore_devices(
             _ => {}
         }
     }
+    for share in &config.shares {
+        let slot = saved
+            .iter()
+            .any(|d| matches!(&d.device, SavedDevice::Fs { tag } if *tag == share.0.tag));
+        if !slot {
+            return Err(restore_err(format!(
+                "the snapshot has no shared-directory slot tagged `{}`",
+                share.0.tag
+            )));
+        }
+    }
     for (name, _) in &config.overlays {
         let writable = saved.iter().any(|d| {
             matches!(&d.device, SavedDevice::Block { id, disk } if id == name && !disk.read_only)
@@ -309,6 +332,20 @@ fn restore_devices(
                 let device = net_device(tap, net.mac, config.limits.net)?;
                 DeviceHandle::Net(Arc::new(Mutex::new(device)))
             }
+            SavedDevice::Fs { tag } => {
+                let share = config
+                    .shares
+                    .iter()
+                    .find(|s| s.0.tag == *tag)
+                    .map(|s| s.0.clone())
+                    .unwrap_or_else(|| Share {
+                        tag: tag.clone(),
+                        path: None,
+                        options: Default::default(),
+                    });
+                let device = FsDevice::new(&share).map_err(|e| share_error(&share, e))?;
+                DeviceHandle::Fs(Arc::new(Mutex::new(device)))
+            }
             SavedDevice::Block { id, disk } => {
                 let overlay = config
                     .overlays
@@ -338,6 +375,15 @@ fn restore_devices(
         devices.push(handle);
     }
     Ok(devices)
+}
+
+/// Why a shared directory cannot be served.
+fn share_error(share: &Share, e: std::io::Error) -> BuildError {
+    let what = share
+        .path
+        .as_ref()
+        .map_or_else(|| "an empty slot".to_owned(), |p| p.display().to_string());
+    BuildError::Share(format!("shared directory `{}` ({what}): {e}", share.tag))
 }
 
 /// A net device with its TX and RX limiters (`limits` each way).
@@ -425,7 +471,11 @@ pub fn restore_vm(
     let (mut platform, pio) = platform(&vm, console_out, &timeline, Some(&state.serial))?;
     let mut mmio = MmioDeviceManager::new();
     for (saved, handle) in state.devices.iter().zip(restored_devices) {
-        let parts = (vm.fd(), &mem, &mut platform.events);
+        let events = match handle {
+            DeviceHandle::Fs(_) => platform.fs_events()?,
+            _ => &mut platform.events,
+        };
+        let parts = (vm.fd(), &mem, events);
         mmio.attach_virtio(parts, None, handle, Some(&saved.transport))
             .map_err(|e| BuildError::Restore(format!("{:?}: {e}", saved.device)))?;
     }
@@ -537,8 +587,11 @@ fn vcpu_threads(
 
 /// What every VM has besides its memory, vCPUs and virtio devices.
 struct Platform {
-    /// Every device's event subscription.
+    /// Every device's event subscription but the shared directories'.
     events: EventLoop,
+    /// The shared directories' (their own thread, see `Vmm::run`), made
+    /// for the first.
+    fs_events: Option<EventLoop>,
     /// Signalled by the i8042 when the guest resets.
     reset_evt: EventFd,
     facts: Arc<Mutex<ConsoleFacts>>,
@@ -567,11 +620,23 @@ fn platform(
     let pio = legacy_devices(serial.clone(), &reset_evt)?;
     let platform = Platform {
         events,
+        fs_events: None,
         reset_evt,
         facts,
         serial,
     };
     Ok((platform, pio))
+}
+
+impl Platform {
+    /// The shared directories' event loop (made for the first).
+    fn fs_events(&mut self) -> Result<&mut EventLoop, BuildError> {
+        if self.fs_events.is_none() {
+            let events = EventLoop::new().map_err(|e| BuildError::EventLoop(format!("{e:?}")))?;
+            self.fs_events = Some(events);
+        }
+        Ok(self.fs_events.as_mut().expect("made above"))
+    }
 }
 
 /// A VM's wired parts, before it runs.
@@ -620,10 +685,12 @@ impl Machine {
             facts: platform.facts,
             timeline: self.timeline,
             events: platform.events,
+            fs_events: platform.fs_events,
             buses: self.buses,
             api: None,
             api_server: None,
             device_thread: None,
+            fs_thread: None,
             cow: None,
         }
     }

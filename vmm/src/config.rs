@@ -77,6 +77,42 @@ impl std::str::FromStr for DriveConfig {
     }
 }
 
+/// A shared host directory (virtio-fs), or an empty slot for one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsConfig(pub crate::devices::virtio::fs::Share);
+
+impl std::str::FromStr for FsConfig {
+    type Err = ConfigError;
+
+    /// `tag=TAG[,path=DIR][,ro][,owner=UID:GID]`: without a path, an empty
+    /// slot (a restore gives it a directory by its tag).
+    fn from_str(spec: &str) -> Result<Self, Self::Err> {
+        let bad = |why: String| ConfigError::Fs(spec.to_owned(), why);
+        let (mut tag, mut path, mut read_only, mut owner) = (None, None, false, None);
+        for part in spec.split(',') {
+            match part.split_once('=') {
+                Some(("tag", v)) => tag = Some(v.to_owned()),
+                Some(("path", v)) if !v.is_empty() => path = Some(PathBuf::from(v)),
+                Some(("owner", v)) => {
+                    let ids = v
+                        .split_once(':')
+                        .and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)));
+                    owner = Some(ids.ok_or_else(|| bad(format!("owner `{v}` is not UID:GID")))?);
+                }
+                None if part == "ro" || part == "readonly" => read_only = true,
+                _ => return Err(bad(format!("unknown option `{part}`"))),
+            }
+        }
+        let tag = tag.ok_or_else(|| bad("no tag".into()))?;
+        crate::devices::virtio::fs::check_tag(&tag).map_err(bad)?;
+        Ok(FsConfig(crate::devices::virtio::fs::Share {
+            tag,
+            path,
+            options: crate::devices::virtio::fs::ShareOptions { read_only, owner },
+        }))
+    }
+}
+
 /// The vsock device: the guest's CID and the host Unix socket it is
 /// bridged to (see `devices::virtio::vsock::muxer`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,6 +218,8 @@ pub struct VmConfig {
     pub serial: SerialOutput,
     pub kvm_device: PathBuf,
     pub drives: Vec<DriveConfig>,
+    /// Shared directories (and empty slots for them), in order.
+    pub shares: Vec<FsConfig>,
     pub vsock: Option<VsockConfig>,
     pub net: Option<NetConfig>,
     pub limits: DeviceLimits,
@@ -219,6 +257,12 @@ pub enum ConfigError {
     Drive(String, String),
     #[error("two drives are named `{0}`; give each its own id=NAME")]
     DuplicateDrive(String),
+    #[error(
+        "invalid shared directory `{0}`: {1}; expected tag=TAG[,path=DIR][,ro][,owner=UID:GID]"
+    )]
+    Fs(String, String),
+    #[error("two shared directories are tagged `{0}`")]
+    DuplicateShare(String),
     #[error("invalid vsock `{0}`: {1}; expected cid=N,path=SOCKET")]
     Vsock(String, String),
     #[error("invalid net `{0}`: {1}; expected tap=NAME[,mac=XX:XX:XX:XX:XX:XX]")]
@@ -238,6 +282,11 @@ impl VmConfig {
         for (i, drive) in self.drives.iter().enumerate() {
             if self.drives[..i].iter().any(|d| d.id == drive.id) {
                 return Err(ConfigError::DuplicateDrive(drive.id.clone()));
+            }
+        }
+        for (i, share) in self.shares.iter().enumerate() {
+            if self.shares[..i].iter().any(|s| s.0.tag == share.0.tag) {
+                return Err(ConfigError::DuplicateShare(share.0.tag.clone()));
             }
         }
         match self.memory.size_mib {
@@ -340,6 +389,7 @@ mod tests {
             serial: SerialOutput::Null,
             kvm_device: "/dev/kvm".into(),
             drives: vec![],
+            shares: vec![],
             vsock: None,
             net: None,
             limits: DeviceLimits::default(),
@@ -422,6 +472,37 @@ mod tests {
                 overlay: "/run/o".into()
             }
         );
+    }
+
+    #[test]
+    fn share_specs_parse_and_bad_ones_are_refused() {
+        let share: FsConfig = "tag=work,path=/srv/w,ro,owner=1000:100"
+            .parse()
+            .expect("a share");
+        assert_eq!(share.0.tag, "work");
+        assert_eq!(
+            share.0.path.as_deref(),
+            Some(std::path::Path::new("/srv/w"))
+        );
+        assert!(share.0.options.read_only);
+        assert_eq!(share.0.options.owner, Some((1000, 100)));
+        let slot: FsConfig = "tag=fs0".parse().expect("a slot");
+        assert_eq!(slot.0.path, None);
+        for bad in [
+            "path=/srv",
+            "tag=",
+            "tag=a-tag-that-is-longer-than-thirty-six-bytes",
+            "tag=w,owner=me",
+            "tag=w,rw",
+        ] {
+            assert!(bad.parse::<FsConfig>().is_err(), "{bad}");
+        }
+        let mut config = config();
+        config.shares = vec![slot.clone(), slot];
+        assert!(matches!(
+            config.validate(),
+            Err(ConfigError::DuplicateShare(_))
+        ));
     }
 
     #[test]

@@ -15,6 +15,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::virtio::block::BlockDevice;
+use crate::devices::virtio::fs::FsDevice;
 use crate::devices::virtio::mmio::{MmioTransport, TransportArgs, TransportSnapshot, MMIO_LEN};
 use crate::devices::virtio::net::NetDevice;
 use crate::devices::virtio::vsock::VsockDevice;
@@ -53,6 +54,7 @@ pub enum DeviceHandle {
     Block(Arc<Mutex<BlockDevice>>),
     Net(Arc<Mutex<NetDevice>>),
     Vsock(Arc<Mutex<VsockDevice>>),
+    Fs(Arc<Mutex<FsDevice>>),
 }
 
 impl DeviceHandle {
@@ -61,6 +63,7 @@ impl DeviceHandle {
             DeviceHandle::Block(d) => d.clone(),
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
+            DeviceHandle::Fs(d) => d.clone(),
         }
     }
 
@@ -69,6 +72,7 @@ impl DeviceHandle {
             DeviceHandle::Block(d) => d.clone(),
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
+            DeviceHandle::Fs(d) => d.clone(),
         }
     }
 }

@@ -157,6 +157,11 @@ pub struct Vmm {
     pub(crate) api_server: Option<Arc<Mutex<api::ApiServer>>>,
     /// The devices' event loop once the VM runs (see [`DeviceThread`]).
     pub(crate) device_thread: Option<DeviceThread>,
+    /// The shared directories' event loop, if the VM has any: their file
+    /// system calls run on a thread of their own, under a filter of its
+    /// own ([`seccomp::ThreadKind::Fs`]), so the devices thread's stays small.
+    pub(crate) fs_events: Option<EventLoop>,
+    pub(crate) fs_thread: Option<DeviceThread>,
 }
 
 impl Drop for Vmm {
@@ -227,6 +232,14 @@ impl Vmm {
             if let Some(devices) = &self.device_thread {
                 devices.stop()?;
             }
+            if let Some(fs) = &self.fs_thread {
+                if let Err(e) = fs.stop() {
+                    if let Some(devices) = &self.device_thread {
+                        devices.go();
+                    }
+                    return Err(e);
+                }
+            }
             self.paused = true;
         }
         Ok(())
@@ -236,6 +249,9 @@ impl Vmm {
         if self.paused {
             if let Some(devices) = &self.device_thread {
                 devices.go();
+            }
+            if let Some(fs) = &self.fs_thread {
+                fs.go();
             }
             for handle in &self.handles {
                 handle.resume()?;
@@ -267,12 +283,24 @@ impl Vmm {
                 ))
             }
         };
+        // A mounted share's FUSE session (the guest's inodes and open
+        // files) is not saved: refused before anything is written.
+        for attached in &self.devices {
+            if let DeviceHandle::Fs(d) = &attached.device {
+                if let Some(why) = lock(d).session_blocks_snapshot() {
+                    return Err(VmmError::Unsupported(why));
+                }
+            }
+        }
         persist::prepare(dir)?;
         let mut devices = Vec::with_capacity(self.devices.len());
         for (index, attached) in self.devices.iter().enumerate() {
             let device = match &attached.device {
                 DeviceHandle::Vsock(d) => persist::SavedDevice::Vsock { cid: lock(d).cid() },
                 DeviceHandle::Net(d) => persist::SavedDevice::Net { mac: lock(d).mac() },
+                DeviceHandle::Fs(d) => persist::SavedDevice::Fs {
+                    tag: lock(d).tag().to_owned(),
+                },
                 DeviceHandle::Block(d) => {
                     let d = lock(d);
                     let disk = d
@@ -489,7 +517,18 @@ impl Vmm {
         // Devices get their own thread; this one keeps the control loop.
         let control = EventLoop::new().map_err(|e| VmmError::EventLoop(format!("{e:?}")))?;
         let devices = std::mem::replace(&mut self.events, control);
-        self.device_thread = Some(DeviceThread::start(devices, filters.clone())?);
+        self.device_thread = Some(DeviceThread::start(
+            devices,
+            filters.clone(),
+            seccomp::ThreadKind::Devices,
+        )?);
+        if let Some(fs) = self.fs_events.take() {
+            self.fs_thread = Some(DeviceThread::start(
+                fs,
+                filters.clone(),
+                seccomp::ThreadKind::Fs,
+            )?);
+        }
         // Last: threads inherit their creator's filter.
         filters.enter(seccomp::ThreadKind::Control);
         if let Some(server) = self.api_server.take() {
@@ -557,16 +596,20 @@ impl MutEventSubscriber for Waker {
 }
 
 impl DeviceThread {
-    fn start(mut events: EventLoop, filters: Arc<seccomp::Filters>) -> Result<Self, VmmError> {
+    fn start(
+        mut events: EventLoop,
+        filters: Arc<seccomp::Filters>,
+        kind: seccomp::ThreadKind,
+    ) -> Result<Self, VmmError> {
         let wake = EventFd::new(libc::EFD_NONBLOCK).map_err(VmmError::EventFd)?;
         let waker = Waker(wake.try_clone().map_err(VmmError::EventFd)?);
         events.add_subscriber(Arc::new(Mutex::new(waker)));
         let gate = Arc::new((Mutex::new(Gate::default()), std::sync::Condvar::new()));
         let thread_gate = gate.clone();
         std::thread::Builder::new()
-            .name("devices".into())
+            .name(kind.name().into())
             .spawn(move || {
-                filters.enter(seccomp::ThreadKind::Devices);
+                filters.enter(kind);
                 loop {
                     {
                         let (state, changed) = &*thread_gate;

@@ -74,6 +74,9 @@ pub enum SavedDevice {
     /// virtio-net; the MAC is the snapshotted VM's (a clone gets its own,
     /// and its own TAP).
     Net { mac: [u8; 6] },
+    /// virtio-fs: the share's tag. Its directory is the clone's to give
+    /// (the guest had none mounted: a mounted share does not snapshot).
+    Fs { tag: String },
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -14,7 +14,9 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 use clap::Parser;
 use husk_vmm::builder::{build_vm, restore_vm, RestoreConfig};
-use husk_vmm::config::{DeviceLimits, DriveConfig, NetConfig, SerialOutput, VmConfig, VsockConfig};
+use husk_vmm::config::{
+    DeviceLimits, DriveConfig, FsConfig, NetConfig, SerialOutput, VmConfig, VsockConfig,
+};
 use husk_vmm::rate_limiter::{parse_limits, Limits};
 use husk_vmm::seccomp::{SeccompPolicy, ThreadKind};
 use husk_vmm::timeline::Timeline;
@@ -93,6 +95,14 @@ struct Args {
     /// are /dev/vda, /dev/vdb, ... in order.
     #[arg(long = "drive")]
     drives: Vec<DriveConfig>,
+    /// A shared host directory (virtio-fs): `tag=TAG[,path=DIR][,ro][,owner=UID:GID]`.
+    /// The guest mounts it with `mount -t virtiofs TAG DIR`; it follows the
+    /// host live. Without a path, an empty slot that a restore fills (give
+    /// `--fs tag=TAG,path=DIR` with --restore). `owner`: the host owner of
+    /// what the guest creates (else the creating guest user's ids, when the
+    /// VMM may set them). Repeatable.
+    #[arg(long = "fs")]
+    shares: Vec<FsConfig>,
     /// A virtio-vsock device: `cid=N,path=SOCKET`. Host programs connect to
     /// SOCKET and write `CONNECT <port>\n`; guest connections to host port P
     /// reach SOCKET_P.
@@ -131,7 +141,7 @@ struct Args {
 }
 
 fn parse_thread_kind(name: &str) -> Result<ThreadKind, String> {
-    ThreadKind::parse(name).ok_or_else(|| format!("`{name}`: control, devices or vcpu"))
+    ThreadKind::parse(name).ok_or_else(|| format!("`{name}`: control, devices, vcpu or fs"))
 }
 
 /// What to start: a boot or a restore.
@@ -158,6 +168,7 @@ impl Args {
                 net: self.net,
                 overlays: self.overlays,
                 overlay_dir: self.overlay_dir,
+                shares: self.shares,
                 dirty_log: self.dirty_log,
                 verify: self.verify,
                 serial,
@@ -188,6 +199,7 @@ impl Args {
             serial,
             kvm_device: self.kvm_device,
             drives: self.drives,
+            shares: self.shares,
             vsock: self.vsock,
             net: self.net,
             limits: DeviceLimits {

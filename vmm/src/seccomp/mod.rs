@@ -58,16 +58,19 @@ impl Default for SeccompPolicy {
 /// The filters of every thread kind (compiled at build time).
 #[derive(Debug, Clone)]
 pub struct Filters {
-    programs: Option<[&'static [sock_filter]; 3]>,
+    programs: Option<[&'static [sock_filter]; 4]>,
     selftest: Option<ThreadKind>,
 }
 
 impl Filters {
     pub fn new(policy: SeccompPolicy) -> Self {
         Filters {
-            programs: policy
-                .enabled
-                .then_some([built::CONTROL, built::DEVICES, built::VCPU]),
+            programs: policy.enabled.then_some([
+                built::CONTROL,
+                built::DEVICES,
+                built::VCPU,
+                built::FS,
+            ]),
             selftest: policy.selftest,
         }
     }
@@ -114,6 +117,7 @@ extern "C" fn report(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut l
         1 => ThreadKind::Control.name(),
         2 => ThreadKind::Devices.name(),
         3 => ThreadKind::Vcpu.name(),
+        4 => ThreadKind::Fs.name(),
         _ => "unknown",
     };
     let mut line = [0u8; 96];

@@ -54,6 +54,7 @@ pub enum ThreadKind {
     Devices = 2,
     /// A vCPU: `KVM_RUN` and the port and MMIO exits it serves.
     Vcpu = 3,
+    Fs = 4,
 }
 
 impl ThreadKind {
@@ -62,14 +63,20 @@ impl ThreadKind {
             ThreadKind::Control => "control",
             ThreadKind::Devices => "devices",
             ThreadKind::Vcpu => "vcpu",
+            ThreadKind::Fs => "fs",
         }
     }
 
     /// `control`, `devices` or `vcpu`.
     pub fn parse(name: &str) -> Option<Self> {
-        [ThreadKind::Control, ThreadKind::Devices, ThreadKind::Vcpu]
-            .into_iter()
-            .find(|k| k.name() == name)
+        [
+            ThreadKind::Control,
+            ThreadKind::Devices,
+            ThreadKind::Vcpu,
+            ThreadKind::Fs,
+        ]
+        .into_iter()
+        .find(|k| k.name() == name)
     }
 }
 
@@ -158,6 +165,43 @@ pub const CONTROL: &[(i64, &str)] = &[
 ];
 
 /// The device loop's syscalls beyond [`COMMON`].
+/// The shared directories' thread (virtio-fs): file system calls beneath
+/// the shares' descriptors, which no other thread makes.
+pub const FS: &[(i64, &str)] = &[
+    (libc::SYS_epoll_wait, "its event loop"),
+    (libc::SYS_epoll_pwait, "its event loop"),
+    (libc::SYS_epoll_ctl, "its event loop"),
+    (
+        libc::SYS_openat2,
+        "lookups beneath a share (RESOLVE_BENEATH)",
+    ),
+    (
+        libc::SYS_open,
+        "reopening a looked-up file through /proc/self/fd",
+    ),
+    (libc::SYS_pread64, "reads"),
+    (libc::SYS_pwrite64, "writes"),
+    (libc::SYS_getdents64, "directory listings"),
+    (libc::SYS_mkdirat, "mkdir"),
+    (libc::SYS_mknodat, "FIFOs and sockets (never device nodes)"),
+    (libc::SYS_symlinkat, "symlink"),
+    (libc::SYS_linkat, "hard links within a share"),
+    (libc::SYS_unlinkat, "unlink, rmdir"),
+    (libc::SYS_renameat2, "rename within a share"),
+    (libc::SYS_readlinkat, "readlink"),
+    (libc::SYS_fchmodat, "chmod"),
+    (
+        libc::SYS_fchownat,
+        "chown; the owner of what the guest creates",
+    ),
+    (libc::SYS_utimensat, "timestamps"),
+    (libc::SYS_ftruncate, "truncate"),
+    (libc::SYS_fallocate, "fallocate"),
+    (libc::SYS_fsync, "fsync"),
+    (libc::SYS_fdatasync, "fdatasync"),
+    (libc::SYS_fstatfs, "statfs"),
+];
+
 pub const DEVICES: &[(i64, &str)] = &[
     (libc::SYS_epoll_wait, "its event loop"),
     (libc::SYS_epoll_pwait, "its event loop"),
@@ -208,7 +252,7 @@ pub fn ioctls(kind: ThreadKind) -> Vec<(u64, &'static str)> {
                 "diff snapshots: turning dirty logging on",
             ),
         ]),
-        ThreadKind::Devices => {}
+        ThreadKind::Devices | ThreadKind::Fs => {}
         ThreadKind::Vcpu => list.extend([
             (KVM_RUN(), "running the guest"),
             (KVM_KVMCLOCK_CTRL(), "telling the guest it was paused"),
@@ -237,6 +281,7 @@ pub fn filter(kind: ThreadKind) -> Result<BpfProgram, String> {
         ThreadKind::Control => CONTROL,
         ThreadKind::Devices => DEVICES,
         ThreadKind::Vcpu => VCPU,
+        ThreadKind::Fs => FS,
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = COMMON
         .iter()

@@ -6,6 +6,7 @@
 //! notifications arrive through ioeventfds, interrupts leave through irqfds.
 
 pub mod block;
+pub mod fs;
 pub mod mmio;
 pub mod net;
 pub mod queue;
@@ -23,6 +24,7 @@ pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
 pub const TYPE_VSOCK: u32 = 19;
+pub const TYPE_FS: u32 = 26;
 /// Interrupt status bits (4.2.2): a used buffer, a configuration change.
 pub const INT_VRING: u32 = 1;
 pub const INT_CONFIG: u32 = 2;

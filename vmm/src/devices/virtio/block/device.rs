@@ -5,14 +5,14 @@ use std::os::fd::AsRawFd;
 use crate::vstate::memory::GuestMemoryMmap;
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{QueueOwnedT, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::Bytes;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::disk::{Disk, DiskError, DiskSnapshot};
 use super::request::{self, ID_LEN};
 use super::SECTOR_SIZE;
-use crate::devices::virtio::queue::{pop_chain, return_chain};
+use crate::devices::virtio::queue::{serve_queue, Served};
 use crate::devices::virtio::{
     read_config_bytes, ActivateError, ActiveQueues, VirtioDevice, INT_VRING, TYPE_BLOCK,
     VIRTIO_F_VERSION_1,
@@ -114,59 +114,23 @@ impl BlockDevice {
         };
         let mem = active.mem.clone();
         let queue = &mut active.queues[0];
-        let mut used_any = false;
-        let broken = loop {
-            if queue.disable_notification(&mem).is_err() {
-                break true;
-            }
-            let mut served = 0;
-            let mut throttled = false;
-            let pass = loop {
-                match pop_chain(queue, &mem) {
-                    Ok(Some((head, descriptors))) => {
-                        if let Some(limiter) = self.limiter.as_mut() {
-                            // What the request moves: its descriptors but
-                            // the 16-byte header and the status byte.
-                            let bytes = descriptors
-                                .iter()
-                                .map(|d| u64::from(d.len()))
-                                .sum::<u64>()
-                                .saturating_sub(17);
-                            if !limiter.consume(bytes) {
-                                // It stays available; the limiter's timer
-                                // brings the device back for it.
-                                queue.go_to_previous_position();
-                                throttled = true;
-                                break Ok(());
-                            }
-                        }
-                        let used = serve(&mem, &descriptors, &mut self.disk, &self.id);
-                        if let Err(e) = return_chain(queue, &mem, head, used) {
-                            break Err(e);
-                        }
-                        used_any = true;
-                        served += 1;
-                    }
-                    Ok(None) => break Ok(()),
-                    Err(e) => break Err(e),
+        let (limiter, disk, id) = (&mut self.limiter, &mut self.disk, &self.id);
+        let Served { used_any, broken } = serve_queue(queue, &mem, "virtio-block", |descriptors| {
+            if let Some(limiter) = limiter.as_mut() {
+                // What the request moves: its descriptors but the 16-byte
+                // header and the status byte. Over the limit it stays
+                // available; the limiter's timer brings the device back.
+                let bytes = descriptors
+                    .iter()
+                    .map(|d| u64::from(d.len()))
+                    .sum::<u64>()
+                    .saturating_sub(17);
+                if !limiter.consume(bytes) {
+                    return None;
                 }
-            };
-            if let Err(e) = pass {
-                tracing::warn!("virtio-block: {e}");
-                break true;
             }
-            if throttled {
-                // No kicks are needed until the timer fires.
-                break false;
-            }
-            match queue.enable_notification(&mem) {
-                // More arrived while we were serving: go again, unless this
-                // pass made no progress, which means the ring is unusable.
-                Ok(true) if served > 0 => continue,
-                Ok(true) | Err(_) => break true,
-                Ok(false) => break false,
-            }
-        };
+            Some(serve(&mem, descriptors, disk, id))
+        });
         if used_any && queue.needs_notification(&mem).unwrap_or(true) {
             active.interrupt.trigger(INT_VRING);
         }
