@@ -1312,6 +1312,7 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     std::fs::write(work.join("from-host"), "one").expect("write");
     std::fs::write(src.join("code.rs"), "fn main() {}").expect("write");
     std::fs::write(outside.join("secret"), "host only").expect("write");
+    std::fs::write(work.join(".env"), "TOKEN=host-only").expect("write");
     std::os::unix::fs::symlink("/", work.join("to-root")).expect("symlink");
     std::os::unix::fs::symlink("../outside/secret", work.join("to-secret")).expect("symlink");
     // The workspace belongs to uid 1000 (the guest's `user`, too); what
@@ -1324,7 +1325,7 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
         std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o777)).expect("chmod");
     }
     let work_spec = format!(
-        "tag={},path={},owner=1000:1000",
+        "tag={},path={},owner=1000:1000,hide=.env",
         FS_SLOTS[0],
         work.display()
     );
@@ -1380,6 +1381,10 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
             "moved_out",
             "mv /mnt/work/later /tmp/later && cat /tmp/later",
         ),
+        // A hidden name is absent: not read, listed or written.
+        ("env_read", "cat /mnt/work/.env"),
+        ("env_listed", "ls -a /mnt/work | grep -c '^.env$'"),
+        ("env_write", "echo TOKEN=guest > /mnt/work/.env"),
     ];
     let script: String = checks
         .iter()
@@ -1442,6 +1447,13 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     assert!(!check("via_secret").0, "{checked}");
     assert!(!check("link_out").0, "{checked}");
     assert_eq!(check("moved_out"), (true, "new on the host".to_owned()));
+    assert!(!check("env_read").0, "{checked}");
+    assert_eq!(check("env_listed"), (false, "0".to_owned()));
+    assert!(!check("env_write").0, "{checked}");
+    assert_eq!(
+        std::fs::read_to_string(work.join(".env")).expect(".env"),
+        "TOKEN=host-only"
+    );
     assert!(!work.join("later").exists());
     assert_eq!(
         std::fs::read_to_string(outside.join("secret")).expect("the secret"),

@@ -84,11 +84,12 @@ pub struct FsConfig(pub crate::devices::virtio::fs::Share);
 impl std::str::FromStr for FsConfig {
     type Err = ConfigError;
 
-    /// `tag=TAG[,path=DIR][,ro][,owner=UID:GID]`: without a path, an empty
-    /// slot (a restore gives it a directory by its tag).
+    /// `tag=TAG[,path=DIR][,ro][,owner=UID:GID][,hide=PATTERN]...`: without
+    /// a path, an empty slot (a restore gives it a directory by its tag).
     fn from_str(spec: &str) -> Result<Self, Self::Err> {
         let bad = |why: String| ConfigError::Fs(spec.to_owned(), why);
         let (mut tag, mut path, mut read_only, mut owner) = (None, None, false, None);
+        let mut hidden = Vec::new();
         for part in spec.split(',') {
             match part.split_once('=') {
                 Some(("tag", v)) => tag = Some(v.to_owned()),
@@ -99,6 +100,7 @@ impl std::str::FromStr for FsConfig {
                         .and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)));
                     owner = Some(ids.ok_or_else(|| bad(format!("owner `{v}` is not UID:GID")))?);
                 }
+                Some(("hide", v)) if !v.is_empty() => hidden.push(v.to_owned()),
                 None if part == "ro" || part == "readonly" => read_only = true,
                 _ => return Err(bad(format!("unknown option `{part}`"))),
             }
@@ -108,7 +110,11 @@ impl std::str::FromStr for FsConfig {
         Ok(FsConfig(crate::devices::virtio::fs::Share {
             tag,
             path,
-            options: crate::devices::virtio::fs::ShareOptions { read_only, owner },
+            options: crate::devices::virtio::fs::ShareOptions {
+                read_only,
+                owner,
+                hidden,
+            },
         }))
     }
 }
@@ -258,7 +264,7 @@ pub enum ConfigError {
     #[error("two drives are named `{0}`; give each its own id=NAME")]
     DuplicateDrive(String),
     #[error(
-        "invalid shared directory `{0}`: {1}; expected tag=TAG[,path=DIR][,ro][,owner=UID:GID]"
+        "invalid shared directory `{0}`: {1}; expected tag=TAG[,path=DIR][,ro][,owner=UID:GID][,hide=PATTERN]..."
     )]
     Fs(String, String),
     #[error("two shared directories are tagged `{0}`")]
@@ -476,7 +482,7 @@ mod tests {
 
     #[test]
     fn share_specs_parse_and_bad_ones_are_refused() {
-        let share: FsConfig = "tag=work,path=/srv/w,ro,owner=1000:100"
+        let share: FsConfig = "tag=work,path=/srv/w,ro,owner=1000:100,hide=.env,hide=.git/hooks"
             .parse()
             .expect("a share");
         assert_eq!(share.0.tag, "work");
@@ -486,6 +492,7 @@ mod tests {
         );
         assert!(share.0.options.read_only);
         assert_eq!(share.0.options.owner, Some((1000, 100)));
+        assert_eq!(share.0.options.hidden, [".env", ".git/hooks"]);
         let slot: FsConfig = "tag=fs0".parse().expect("a slot");
         assert_eq!(slot.0.path, None);
         for bad in [

@@ -43,6 +43,26 @@ pub struct ShareOptions {
     /// creates; `None`: the creating guest user's ids (as root; otherwise
     /// the VMM's own).
     pub owner: Option<(u32, u32)>,
+    /// What the guest must not see (secrets, hooks): a pattern without `/`
+    /// matches a name at any depth (`.env`, `*.pem`), one with `/` a path
+    /// from the share's root (`.git/hooks`); `*` and `?` match within one
+    /// name. A hidden entry is absent to the guest: not found, not listed,
+    /// not to be created, replaced or renamed over.
+    pub hidden: Vec<String>,
+}
+
+/// Whether `text` matches glob `pattern` (`*`, `?`; neither matches `/`).
+pub fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    match (pattern.first(), text.first()) {
+        (None, None) => true,
+        (Some(b'*'), _) => {
+            glob(&pattern[1..], text)
+                || (text.first().is_some_and(|&c| c != b'/') && glob(pattern, &text[1..]))
+        }
+        (Some(b'?'), Some(&c)) if c != b'/' => glob(&pattern[1..], &text[1..]),
+        (Some(p), Some(c)) if p == c => glob(&pattern[1..], &text[1..]),
+        _ => false,
+    }
 }
 
 #[derive(Debug)]
@@ -59,6 +79,8 @@ struct Inode {
 #[derive(Debug)]
 pub struct Server {
     root: Option<OwnedFd>,
+    /// The root's path in this process's mount namespace (for hidden paths).
+    root_path: Vec<u8>,
     options: ShareOptions,
     inodes: HashMap<u64, Inode>,
     by_key: HashMap<(u64, u64), u64>,
@@ -232,8 +254,14 @@ impl Server {
             }
             None => None,
         };
+        let root_path = dir.map(|d| d.as_os_str().as_encoded_bytes().to_vec());
+        let root_path = match (&root, root_path) {
+            (Some(fd), Some(given)) => fd_path(fd.as_raw_fd()).unwrap_or(given),
+            _ => Vec::new(),
+        };
         Ok(Server {
             root,
+            root_path,
             options,
             inodes: HashMap::new(),
             by_key: HashMap::new(),
@@ -319,6 +347,7 @@ impl Server {
         match h.opcode {
             op::LOOKUP => {
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::ENOENT)?;
                 self.lookup(node, &name).map(|e| bytes(&e))
             }
             op::GETATTR => self.getattr(node),
@@ -327,6 +356,7 @@ impl Server {
             op::SYMLINK => {
                 let name = body.name()?;
                 let target = body.cstr()?;
+                self.unhidden(node, &name, libc::EACCES)?;
                 let dir = self.fd(node)?;
                 // SAFETY: valid C strings and descriptor.
                 check(unsafe { libc::symlinkat(target.as_ptr(), dir, name.as_ptr()) })?;
@@ -335,6 +365,7 @@ impl Server {
             op::MKNOD => {
                 let arg: abi::MknodIn = body.take()?;
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::EACCES)?;
                 // Regular files, FIFOs and sockets; never a device node.
                 let kind = arg.mode & libc::S_IFMT;
                 if ![libc::S_IFREG, libc::S_IFIFO, libc::S_IFSOCK].contains(&kind) {
@@ -348,6 +379,7 @@ impl Server {
             op::MKDIR => {
                 let arg: abi::MkdirIn = body.take()?;
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::EACCES)?;
                 let dir = self.fd(node)?;
                 // SAFETY: valid C string and descriptor.
                 check(unsafe { libc::mkdirat(dir, name.as_ptr(), arg.mode & 0o7777) })?;
@@ -355,6 +387,7 @@ impl Server {
             }
             op::UNLINK | op::RMDIR => {
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::ENOENT)?;
                 let dir = self.fd(node)?;
                 let flags = if h.opcode == op::RMDIR {
                     libc::AT_REMOVEDIR
@@ -376,6 +409,7 @@ impl Server {
             op::LINK => {
                 let arg: abi::LinkIn = body.take()?;
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::EACCES)?;
                 let old = self.fd(arg.oldnodeid)?;
                 let dir = self.fd(node)?;
                 let from = proc_path(old);
@@ -424,6 +458,7 @@ impl Server {
             op::CREATE => {
                 let arg: abi::CreateIn = body.take()?;
                 let name = body.name()?;
+                self.unhidden(node, &name, libc::EACCES)?;
                 self.create(node, &name, arg, h)
             }
             op::FALLOCATE => {
@@ -531,6 +566,51 @@ impl Server {
             attr_valid_nsec: 0,
             attr: attr_of(st),
         }
+    }
+
+    /// `Err(error)` if `name` in directory `dir` is hidden from the guest.
+    fn unhidden(&self, dir: u64, name: &CStr, error: Errno) -> Result<(), Errno> {
+        if self.options.hidden.is_empty() {
+            return Ok(());
+        }
+        let path = self.dir_path(self.fd(dir)?);
+        match self.is_hidden(path.as_deref(), name.to_bytes()) {
+            false => Ok(()),
+            true => Err(error),
+        }
+    }
+
+    /// A directory's path from the share's root ("" for the root; None if
+    /// it is no longer beneath it).
+    fn dir_path(&self, fd: RawFd) -> Option<Vec<u8>> {
+        let path = fd_path(fd)?;
+        let rest = path.strip_prefix(self.root_path.as_slice())?;
+        match rest {
+            [] => Some(Vec::new()),
+            [b'/', rest @ ..] => Some(rest.to_vec()),
+            _ => None,
+        }
+    }
+
+    /// Whether `name` in the directory at `dir` (from the root; None: not
+    /// known, when path patterns hide it to be safe) is hidden.
+    fn is_hidden(&self, dir: Option<&[u8]>, name: &[u8]) -> bool {
+        self.options.hidden.iter().any(|pattern| {
+            let pattern = pattern.trim_matches('/').as_bytes();
+            if !pattern.contains(&b'/') {
+                return glob(pattern, name);
+            }
+            match dir {
+                None => true,
+                Some([]) => glob(pattern, name),
+                Some(dir) => {
+                    let mut path = dir.to_vec();
+                    path.push(b'/');
+                    path.extend_from_slice(name);
+                    glob(pattern, &path)
+                }
+            }
+        })
     }
 
     fn lookup(&mut self, parent: u64, name: &CStr) -> Result<EntryOut, Errno> {
@@ -707,6 +787,8 @@ impl Server {
     fn rename(&mut self, dir: u64, newdir: u64, flags: u32, mut body: Body) -> Reply {
         let name = body.name()?;
         let newname = body.name()?;
+        self.unhidden(dir, &name, libc::ENOENT)?;
+        self.unhidden(newdir, &newname, libc::EACCES)?;
         // RENAME_NOREPLACE and RENAME_EXCHANGE; not WHITEOUT (overlayfs').
         if flags & !(libc::RENAME_NOREPLACE | libc::RENAME_EXCHANGE) != 0 {
             return Err(libc::EINVAL);
@@ -866,6 +948,7 @@ impl Server {
             return Err(errno());
         }
         let raw = &raw[..n as usize];
+        let path = (!self.options.hidden.is_empty()).then(|| self.dir_path(dir));
         let mut out = Vec::with_capacity(size);
         let mut at = 0;
         // struct linux_dirent64 { u64 ino; i64 off; u16 reclen; u8 type; char name[]; }
@@ -879,6 +962,12 @@ impl Server {
             }
             let name = &raw[at + 19..at + reclen];
             let name = &name[..name.iter().position(|&b| b == 0).unwrap_or(name.len())];
+            if let Some(path) = &path {
+                if self.is_hidden(path.as_deref(), name) {
+                    at += reclen;
+                    continue;
+                }
+            }
             let entry = std::mem::size_of::<abi::Dirent>() + name.len();
             let padded = (entry + 7) & !7;
             if out.len() + padded > size {
@@ -899,6 +988,25 @@ impl Server {
         }
         Ok(out)
     }
+}
+
+/// The path a descriptor's file has now (`/proc/self/fd`), if it has one.
+fn fd_path(fd: RawFd) -> Option<Vec<u8>> {
+    let link = proc_path(fd);
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: a valid C string and a buffer as long as passed.
+    let n = unsafe {
+        libc::readlinkat(
+            libc::AT_FDCWD,
+            link.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    let n = usize::try_from(n).ok()?;
+    buf.truncate(n);
+    // A deleted directory's path says so: it is beneath nothing.
+    (!buf.ends_with(b" (deleted)")).then_some(buf)
 }
 
 /// Opens the file an `O_PATH` descriptor names, for I/O.
@@ -1008,7 +1116,7 @@ mod tests {
     fn files_are_created_written_read_listed_and_renamed_beneath_the_share() {
         let (dir, mut s) = server(ShareOptions {
             read_only: false,
-            owner: None,
+            ..Default::default()
         });
         let create = abi::CreateIn {
             flags: libc::O_RDWR as u32,
@@ -1098,7 +1206,7 @@ mod tests {
     fn a_read_only_share_refuses_every_change() {
         let (dir, mut s) = server(ShareOptions {
             read_only: true,
-            owner: None,
+            ..Default::default()
         });
         std::fs::write(dir.as_path().join("file"), "kept").expect("write");
         let file = lookup(&mut s, abi::ROOT_ID, "file").expect("file").nodeid;
@@ -1207,6 +1315,84 @@ mod tests {
         forget.extend(abi::ForgetIn { nlookup: 5 }.as_slice());
         assert!(s.handle(&forget).is_none());
         assert_eq!(call(&mut s, op::GETATTR, d, &[0; 16]).0, libc::ESTALE);
+    }
+
+    #[test]
+    fn hidden_names_and_paths_are_absent_to_the_guest() {
+        let (dir, mut s) = server(ShareOptions {
+            hidden: vec![".env".into(), "*.pem".into(), ".git/hooks".into()],
+            ..Default::default()
+        });
+        let share = dir.as_path();
+        std::fs::create_dir_all(share.join(".git/hooks")).expect("mkdir");
+        std::fs::create_dir_all(share.join("app/.git/hooks")).expect("mkdir");
+        for file in [".env", "app/.env", "key.pem", "app/main.rs", ".git/config"] {
+            std::fs::write(share.join(file), "host").expect("write");
+        }
+        let app = lookup(&mut s, abi::ROOT_ID, "app").expect("app").nodeid;
+        let git = lookup(&mut s, abi::ROOT_ID, ".git").expect(".git").nodeid;
+        for (parent, n) in [
+            (abi::ROOT_ID, ".env"),
+            (app, ".env"),
+            (abi::ROOT_ID, "key.pem"),
+        ] {
+            assert_eq!(lookup(&mut s, parent, n).err(), Some(libc::ENOENT), "{n}");
+        }
+        assert_eq!(lookup(&mut s, git, "hooks").err(), Some(libc::ENOENT));
+        // A path pattern is from the root: app/.git/hooks is not .git/hooks.
+        let app_git = lookup(&mut s, app, ".git").expect("app/.git").nodeid;
+        assert!(lookup(&mut s, app_git, "hooks").is_ok());
+        assert!(lookup(&mut s, git, "config").is_ok());
+        assert!(lookup(&mut s, app, "main.rs").is_ok());
+        // Not to be created over, replaced, renamed over or removed.
+        let create = abi::CreateIn {
+            flags: (libc::O_RDWR | libc::O_TRUNC) as u32,
+            mode: libc::S_IFREG | 0o644,
+            ..Default::default()
+        };
+        let mut body = create.as_slice().to_vec();
+        body.extend(name(".env"));
+        assert_eq!(
+            call(&mut s, op::CREATE, abi::ROOT_ID, &body).0,
+            libc::EACCES
+        );
+        let mut body = abi::RenameIn {
+            newdir: abi::ROOT_ID,
+        }
+        .as_slice()
+        .to_vec();
+        body.extend(name("app"));
+        body.extend(name("x.pem"));
+        assert_eq!(
+            call(&mut s, op::RENAME, abi::ROOT_ID, &body).0,
+            libc::EACCES
+        );
+        assert_eq!(call(&mut s, op::UNLINK, app, &name(".env")).0, libc::ENOENT);
+        assert_eq!(
+            std::fs::read_to_string(share.join(".env")).expect(".env"),
+            "host"
+        );
+        // Not listed.
+        let (e, out) = call(&mut s, op::OPENDIR, abi::ROOT_ID, &[]);
+        assert_eq!(e, 0);
+        let fh = read::<abi::OpenOut>(&out).expect("open").fh;
+        let list = abi::ReadIn {
+            fh,
+            size: 4096,
+            ..Default::default()
+        };
+        let (_, out) = call(&mut s, op::READDIR, abi::ROOT_ID, list.as_slice());
+        let listed = String::from_utf8_lossy(&out).into_owned();
+        assert!(
+            listed.contains("app") && listed.contains(".git"),
+            "{listed:?}"
+        );
+        assert!(
+            !listed.contains(".env") && !listed.contains("key.pem"),
+            "{listed:?}"
+        );
+        assert!(glob(b"*.pem", b"a.pem") && !glob(b"*.pem", b"a/b.pem"));
+        assert!(glob(b"a?c", b"abc") && !glob(b"a?c", b"a/c") && glob(b"*", b""));
     }
 
     #[test]
