@@ -118,6 +118,15 @@ impl FsDevice {
         })
     }
 
+    /// Has the fs thread look at every queue.
+    fn kick(&self) {
+        for evt in &self.queue_evts {
+            if let Err(e) = evt.write(1) {
+                tracing::error!("virtio-fs {}: cannot wake its thread: {e}", self.tag);
+            }
+        }
+    }
+
     /// Serves what the driver made available on queue `index`. A chain the
     /// driver garbled gets an error reply or none; a queue it broke fails
     /// the device.
@@ -253,9 +262,9 @@ impl VirtioDevice for FsDevice {
     fn activate(&mut self, active: ActiveQueues) -> Result<(), ActivateError> {
         active.expect_queues(QUEUE_SIZES.len())?;
         self.active = Some(active);
-        for i in 0..QUEUE_SIZES.len() {
-            self.process_queue(i);
-        }
+        // Requests made before activation: served on the fs thread (this is
+        // a vCPU's, whose filter has no file system calls).
+        self.kick();
         Ok(())
     }
 
@@ -269,9 +278,7 @@ impl VirtioDevice for FsDevice {
     }
 
     fn restored(&mut self) {
-        for i in 0..QUEUE_SIZES.len() {
-            self.process_queue(i);
-        }
+        self.kick();
     }
 }
 
