@@ -20,6 +20,7 @@ const TARGETS: &[(&str, Target)] = &[
     ("net_frame", husk_vmm::fuzz::net_frame),
     ("mmio_registers", husk_vmm::fuzz::mmio_registers),
     ("snapshot_state", husk_vmm::fuzz::snapshot_state),
+    ("fs_request", husk_vmm::fuzz::fs_request),
     ("agent_frames", husk_server::fuzz::agent_frames),
     ("api_requests", husk_server::fuzz::api_requests),
     ("egress_requests", husk_server::fuzz::egress_requests),
@@ -350,6 +351,45 @@ fn the_seed_corpus_is_the_one_made_here() {
         "rst",
         &chain(&[(0x1000, 44, 0)], &[(0x1000, &vsock_header(3, 0))]),
     );
+
+    // FUSE requests: a header (len, opcode, unique, nodeid, ids) and a
+    // body in readable buffers, then writable ones for the reply.
+    let fuse = |opcode: u32, nodeid: u64, body: &[u8]| {
+        let mut r = ((40 + body.len()) as u32).to_le_bytes().to_vec();
+        r.extend_from_slice(&opcode.to_le_bytes());
+        r.extend_from_slice(&1u64.to_le_bytes());
+        r.extend_from_slice(&nodeid.to_le_bytes());
+        r.extend_from_slice(&[0; 16]);
+        r.extend_from_slice(body);
+        r
+    };
+    let read_in = |fh: u64, size: u32| {
+        let mut b = fh.to_le_bytes().to_vec();
+        b.extend_from_slice(&0u64.to_le_bytes());
+        b.extend_from_slice(&size.to_le_bytes());
+        b.extend_from_slice(&[0; 20]);
+        b
+    };
+    let mut create = 66u32.to_le_bytes().to_vec(); // O_RDWR | O_CREAT
+    create.extend_from_slice(&0o100644u32.to_le_bytes());
+    create.extend_from_slice(&[0; 8]);
+    create.extend_from_slice(b"new\0");
+    for (name, request, reply) in [
+        ("lookup", fuse(1, 1, b"file\0"), 144),
+        ("lookup-dotdot", fuse(1, 1, b"..\0"), 144),
+        ("getattr", fuse(3, 1, &[0; 16]), 120),
+        ("create", fuse(35, 1, &create), 160),
+        ("opendir", fuse(27, 1, &[0; 8]), 32),
+        ("readdir", fuse(28, 1, &read_in(1, 4096)), 4096),
+        ("read", fuse(15, 2, &read_in(1, 64)), 80),
+        ("mkdir", fuse(9, 1, b"\xed\x01\0\0\x12\0\0\0d\0"), 144),
+    ] {
+        let seed = chain(
+            &[(0x1000, request.len() as u32, NEXT), (0x4000, reply, WRITE)],
+            &[(0x1000, &request)],
+        );
+        put("fs_request", name, &seed);
+    }
 
     let mut frame = vec![0u8; 12];
     frame.extend_from_slice(&[0xff; 6]);

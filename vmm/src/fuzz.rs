@@ -154,6 +154,47 @@ pub fn mmio_registers(data: &[u8]) {
     }
 }
 
+/// A virtio-fs request chain (the `guest` format) served by the FUSE server
+/// over a scratch directory of its own (per process, mounted once: INIT
+/// done), whose tables carry over from input to input as a guest's would.
+/// Whatever a request names, nothing outside that directory is touched.
+pub fn fs_request(data: &[u8]) {
+    use crate::devices::virtio::fs::{abi, serve, server::Server, ShareOptions};
+    static SERVER: Mutex<Option<Server>> = Mutex::new(None);
+    let Some((mem, descriptors)) = guest(data) else {
+        return;
+    };
+    let mut server = SERVER.lock().unwrap_or_else(|e| e.into_inner());
+    let server = server.get_or_insert_with(|| {
+        extern "C" fn remove_share() {
+            let _ = std::fs::remove_dir_all(fs_scratch());
+        }
+        let dir = fs_scratch();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("sub")).expect("scratch share");
+        std::fs::write(dir.join("file"), b"fuzz").expect("scratch file");
+        // SAFETY: registers a plain function to run at exit.
+        unsafe { libc::atexit(remove_share) };
+        let options = ShareOptions {
+            hidden: vec!["hidden".into()],
+            ..Default::default()
+        };
+        let mut server = Server::new(Some(&dir), options).expect("scratch server");
+        let mut init = vec![0u8; 56];
+        init[..4].copy_from_slice(&56u32.to_le_bytes());
+        init[4..8].copy_from_slice(&abi::op::INIT.to_le_bytes());
+        init[40..44].copy_from_slice(&7u32.to_le_bytes());
+        init[44..48].copy_from_slice(&38u32.to_le_bytes());
+        let _ = server.handle(&init);
+        server
+    });
+    let _ = serve(&mem, &descriptors, server);
+}
+
+fn fs_scratch() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("husk-fuzz-fs-{}", std::process::id()))
+}
+
 /// The snapshot state file: its framing (magic, version, length, CRC) and
 /// the state inside, decoded as a restore would.
 pub fn snapshot_state(data: &[u8]) {

@@ -160,7 +160,7 @@ impl FsDevice {
 /// Serves one chain: the request from its device-readable descriptors, the
 /// reply into its device-writable ones (which follow them). Returns the
 /// bytes written.
-fn serve(mem: &GuestMemoryMmap, descriptors: &[Descriptor], server: &mut Server) -> u32 {
+pub fn serve(mem: &GuestMemoryMmap, descriptors: &[Descriptor], server: &mut Server) -> u32 {
     let split = descriptors
         .iter()
         .position(Descriptor::is_write_only)
