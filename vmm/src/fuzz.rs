@@ -188,7 +188,44 @@ pub fn fs_request(data: &[u8]) {
         let _ = server.handle(&init);
         server
     });
+    if grows_big(&mem, &descriptors) {
+        return;
+    }
     let _ = serve(&mem, &descriptors, server);
+}
+
+/// Whether a request would make a file in the scratch share larger than
+/// 1 MiB (a write, truncate or fallocate far out): the disk under the
+/// share is the host's, and a guest's quota is the operator's (the jail's
+/// file size limit), not the fuzzer's to find.
+fn grows_big(mem: &GuestMemoryMmap, descriptors: &[Descriptor]) -> bool {
+    use crate::devices::virtio::fs::abi::op;
+    const LIMIT: u64 = 1 << 20;
+    let mut request = Vec::new();
+    for d in descriptors.iter().take_while(|d| !d.is_write_only()) {
+        let mut buf = vec![0u8; (d.len() as usize).min(4096)];
+        if mem.read_slice(&mut buf, d.addr()).is_err() {
+            return false;
+        }
+        request.extend_from_slice(&buf);
+        if request.len() >= 64 {
+            break;
+        }
+    }
+    let word = |at: usize| -> u64 {
+        request
+            .get(at..at + 8)
+            .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+    };
+    let opcode = request
+        .get(4..8)
+        .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap_or_default()));
+    match opcode {
+        op::WRITE => word(48).saturating_add(word(56) & 0xffff_ffff) > LIMIT,
+        op::SETATTR => word(56) > LIMIT,
+        op::FALLOCATE => word(48).saturating_add(word(56)) > LIMIT,
+        _ => false,
+    }
 }
 
 fn fs_scratch() -> std::path::PathBuf {
