@@ -232,6 +232,7 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
                 uid: jailing.uid,
                 gid: jailing.uid,
                 binds,
+                shares: Vec::new(),
                 tap: vm.nic.map(|n| n.tap.clone()),
                 kvm_device: "/dev/kvm".into(),
                 nofile: husk_jailer::DEFAULT_NOFILE,

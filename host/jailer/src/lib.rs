@@ -34,6 +34,7 @@
 //! mount is the same file.
 
 use std::ffi::{CString, OsString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
@@ -103,6 +104,36 @@ pub struct Bind {
     pub writable: bool,
 }
 
+/// A host directory shared with the guest (virtio-fs), at the same path
+/// inside: an idmapped bind mount on which the host owner's ids are the
+/// jail's, so the VMM (the jail's uid, no capabilities) reads and writes
+/// the owner's files as its own, and what it creates is the owner's on the
+/// host, never the jail uid's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    pub path: PathBuf,
+    /// The host uid and gid the jail's stand for on this mount.
+    pub owner: (u32, u32),
+    pub writable: bool,
+}
+
+impl Share {
+    /// `UID:GID:PATH` (as `--share` takes it).
+    pub fn parse(spec: &str, writable: bool) -> Result<Self, String> {
+        let mut parts = spec.splitn(3, ':');
+        let (uid, gid, path) = (parts.next(), parts.next(), parts.next());
+        let id = |s: Option<&str>| s.and_then(|s| s.parse::<u32>().ok());
+        match (id(uid), id(gid), path) {
+            (Some(uid), Some(gid), Some(path)) if !path.is_empty() => Ok(Share {
+                path: path.into(),
+                owner: (uid, gid),
+                writable,
+            }),
+            _ => Err(format!("`{spec}` is not UID:GID:PATH")),
+        }
+    }
+}
+
 /// Everything about one jail.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Jail {
@@ -110,6 +141,8 @@ pub struct Jail {
     pub uid: u32,
     pub gid: u32,
     pub binds: Vec<Bind>,
+    /// Shared directories, each seen through an idmapped mount.
+    pub shares: Vec<Share>,
     /// The TAP to create in the jail's network namespace.
     pub tap: Option<String>,
     pub kvm_device: PathBuf,
@@ -160,6 +193,19 @@ impl Jail {
             args.push(if bind.writable { "--bind" } else { "--bind-ro" }.into());
             args.push(bind.path.clone().into());
         }
+        for share in &self.shares {
+            args.push(
+                if share.writable {
+                    "--share"
+                } else {
+                    "--share-ro"
+                }
+                .into(),
+            );
+            let mut spec = OsString::from(format!("{}:{}:", share.owner.0, share.owner.1));
+            spec.push(&share.path);
+            args.push(spec);
+        }
         if let Some(tap) = &self.tap {
             args.extend(["--tap".into(), tap.into()]);
         }
@@ -186,18 +232,28 @@ impl Jail {
         if self.uid == 0 || self.gid == 0 {
             return bad("the jail's uid and gid must not be 0".into());
         }
-        for bind in &self.binds {
-            if !bind.path.is_absolute()
-                || bind
-                    .path
+        let paths = self.binds.iter().map(|b| &b.path);
+        for path in paths.chain(self.shares.iter().map(|s| &s.path)) {
+            if !path.is_absolute()
+                || path
                     .components()
                     .any(|c| matches!(c, std::path::Component::ParentDir))
             {
                 return bad(format!(
                     "bind {}: give an absolute path without `..`",
-                    bind.path.display()
+                    path.display()
                 ));
             }
+        }
+        if let Some(share) = self
+            .shares
+            .iter()
+            .find(|s| s.owner.0 == 0 || s.owner.1 == 0)
+        {
+            return bad(format!(
+                "share {}: its owner must not be root",
+                share.path.display()
+            ));
         }
         Ok(())
     }
@@ -259,6 +315,13 @@ impl Jail {
 
         close_inherited_fds();
         self.limit_resources()?;
+        // Before the new PID namespace: the helper that holds each user
+        // namespace would be its PID 1.
+        let idmaps = self
+            .shares
+            .iter()
+            .map(|share| idmap(share.owner, (self.uid, self.gid)))
+            .collect::<Result<Vec<_>, _>>()?;
         // The network first: the firewall is loaded by a child (`nft`),
         // which must not become PID 1 of the new PID namespace (its exit
         // would end the namespace before the VMM is in it).
@@ -277,7 +340,7 @@ impl Jail {
         )
         .map_err(sys("enter new namespaces (run husk-jailer as root)"))?;
         nix::unistd::sethostname(&self.id).map_err(sys("set the host name"))?;
-        self.build_root(&binds, kvm)?;
+        self.build_root(&binds, &idmaps, kvm)?;
         self.fork_and_exec(&exe, &argv, &env)
     }
 
@@ -292,7 +355,7 @@ impl Jail {
     }
 
     /// The new root, entered with `pivot_root`.
-    fn build_root(&self, binds: &[Bind], kvm: u64) -> Result<(), JailError> {
+    fn build_root(&self, binds: &[Bind], idmaps: &[OwnedFd], kvm: u64) -> Result<(), JailError> {
         let root = Path::new(ROOT);
         // Nothing mounted from here on propagates back to the host.
         mount(
@@ -314,6 +377,9 @@ impl Jail {
         .map_err(sys(format!("mount a tmpfs on {ROOT}")))?;
         for bind in binds {
             bind_into(root, bind)?;
+        }
+        for (share, userns) in self.shares.iter().zip(idmaps) {
+            share_into(root, share, userns)?;
         }
         let dev = root.join("dev");
         std::fs::create_dir_all(dev.join("net")).map_err(io("create /dev"))?;
@@ -536,6 +602,149 @@ fn bind_into(root: &Path, bind: &Bind) -> Result<(), JailError> {
     Ok(())
 }
 
+/// A user namespace whose only ids are `owner`'s, seen as `jail`'s: the
+/// idmapping of a share's mount. Made by a child that enters it and waits
+/// while this process writes its maps and opens it.
+fn idmap(owner: (u32, u32), jail: (u32, u32)) -> Result<OwnedFd, JailError> {
+    use nix::unistd::{pipe, read};
+    let (ready_r, ready_w) = pipe().map_err(sys("make a pipe"))?;
+    let (done_r, done_w) = pipe().map_err(sys("make a pipe"))?;
+    // SAFETY: this process is single-threaded (see `Jail::exec`); the
+    // child only unshares, writes, reads and exits.
+    match unsafe { fork() }.map_err(sys("fork the idmap helper"))? {
+        ForkResult::Child => {
+            drop((ready_r, done_w));
+            let ok = unshare(CloneFlags::CLONE_NEWUSER).is_ok();
+            let _ = nix::unistd::write(&ready_w, &[u8::from(ok)]);
+            let mut byte = [0u8; 1];
+            let _ = read(done_r.as_raw_fd(), &mut byte);
+            // SAFETY: _exit ends the child without running the parent's
+            // exit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        ForkResult::Parent { child } => {
+            drop((ready_w, done_r));
+            let mut byte = [0u8; 1];
+            let entered =
+                read(ready_r.as_raw_fd(), &mut byte).map_err(sys("wait for the idmap helper"))?;
+            let result = if entered == 1 && byte[0] == 1 {
+                let proc = PathBuf::from(format!("/proc/{child}"));
+                std::fs::write(proc.join("uid_map"), format!("{} {} 1\n", owner.0, jail.0))
+                    .and_then(|()| {
+                        std::fs::write(proc.join("gid_map"), format!("{} {} 1\n", owner.1, jail.1))
+                    })
+                    .and_then(|()| std::fs::File::open(proc.join("ns/user")))
+                    .map(OwnedFd::from)
+                    .map_err(io("map a share's owner to the jail's ids"))
+            } else {
+                Err(JailError::Invalid(
+                    "cannot make a user namespace for a share's idmapped mount".into(),
+                ))
+            };
+            drop(done_w);
+            let _ = waitpid(child, None);
+            result
+        }
+    }
+}
+
+/// Mounts `share.path` at the same path under `root`, idmapped through
+/// `userns` (its owner's files are the jail's), nosuid, nodev, and
+/// read-only unless writable.
+fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailError> {
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    let what = |verb: &str| format!("{verb} share {}", share.path.display());
+    let source = std::fs::canonicalize(&share.path).map_err(io(what("find")))?;
+    if !source.is_dir() {
+        return Err(JailError::Invalid(format!(
+            "share {}: not a directory",
+            share.path.display()
+        )));
+    }
+    let target = root.join(share.path.strip_prefix("/").unwrap_or(&share.path));
+    std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| JailError::Invalid(what("name")))
+    };
+    let (source_c, target_c) = (c(&source)?, c(&target)?);
+    // SAFETY: a valid C string; the returned descriptor is owned below.
+    let tree = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            source_c.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if tree < 0 {
+        return Err(JailError::Io(
+            what("clone"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: a descriptor the kernel just returned, owned by nothing else.
+    let tree = unsafe { OwnedFd::from_raw_fd(tree as RawFd) };
+    let mut set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+    if !share.writable {
+        set |= MOUNT_ATTR_RDONLY;
+    }
+    let attr = MountAttr {
+        attr_set: set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    let empty = c"";
+    // SAFETY: valid descriptors, an empty C string and a mount_attr of the
+    // size passed.
+    let set = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if set < 0 {
+        return Err(JailError::Io(
+            what("idmap (does its file system support idmapped mounts?)"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: valid descriptors and C strings.
+    let moved = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            target_c.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if moved < 0 {
+        return Err(JailError::Io(
+            what("mount"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
 /// The device number of a character device.
 fn device_number(path: &Path) -> Result<u64, JailError> {
     let meta = std::fs::metadata(path).map_err(io(format!("find {}", path.display())))?;
@@ -692,6 +901,7 @@ mod tests {
 
     fn jail() -> Jail {
         Jail {
+            shares: Vec::new(),
             id: "sb-1".into(),
             uid: UID_BASE,
             gid: UID_BASE,

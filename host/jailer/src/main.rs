@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use husk_jailer::{Bind, Jail, DEFAULT_NOFILE};
+use husk_jailer::{Bind, Jail, Share, DEFAULT_NOFILE};
 
 #[derive(Debug, Parser)]
 #[command(name = "husk-jailer", version, about = "Run husk-vmm in a jail")]
@@ -35,6 +35,14 @@ struct Args {
     /// A file or directory the program may only read. Repeatable.
     #[arg(long = "bind-ro")]
     binds_ro: Vec<PathBuf>,
+    /// A directory shared with the guest, `UID:GID:PATH`: mounted idmapped,
+    /// so the program reads and writes the files of UID:GID (on the host)
+    /// as its own, and what it creates there is theirs. Repeatable.
+    #[arg(long = "share", value_parser = |s: &str| Share::parse(s, true))]
+    shares: Vec<Share>,
+    /// As --share, read-only.
+    #[arg(long = "share-ro", value_parser = |s: &str| Share::parse(s, false))]
+    shares_ro: Vec<Share>,
     /// Create this TAP in the jail's network namespace, owned by --uid.
     #[arg(long)]
     tap: Option<String>,
@@ -77,6 +85,7 @@ fn main() -> ExitCode {
         uid: args.uid,
         gid: args.gid,
         binds,
+        shares: args.shares.into_iter().chain(args.shares_ro).collect(),
         tap: args.tap,
         kvm_device: args.kvm_device,
         nofile: args.nofile,

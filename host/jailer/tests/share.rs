@@ -1,0 +1,118 @@
+//! A share through the real jailer (as root): the jail's uid works on the
+//! owner's files as its own, what it creates is the owner's on the host,
+//! files of anyone else are not its to write, and a read-only share is.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::Command;
+
+/// Why this machine cannot run the test; with `HUSK_REQUIRE_ALL=1` (CI)
+/// that is a failure.
+fn skip(why: &str) {
+    if std::env::var_os("HUSK_REQUIRE_ALL").is_some() {
+        panic!("cannot run here: {why}");
+    }
+    eprintln!("skipped: {why}");
+}
+
+/// Runs `script` in a jail; whether it succeeded, its stdout, its stderr.
+fn jailed(
+    dir: &Path,
+    name: &str,
+    shares: &[(&str, &Path)],
+    script: &str,
+) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_husk-jailer"));
+    cmd.args([
+        "--id", name, "--uid", "200097", "--gid", "200097", "--nofile", "64",
+    ]);
+    for (flag, path) in shares {
+        cmd.arg(flag).arg(format!("1000:1000:{}", path.display()));
+    }
+    let out = cmd
+        .args(["--", "/bin/busybox", "sh", "-c", script])
+        .current_dir(dir)
+        .output()
+        .expect("husk-jailer");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("the jailer runs as root");
+    }
+    if !Path::new("/bin/busybox").exists() {
+        return skip("no /bin/busybox (busybox-static) to run in the jail");
+    }
+    let base = std::env::temp_dir().join(format!("husk-jailer-share-{}", std::process::id()));
+    let (work, src) = (base.join("work"), base.join("src"));
+    for dir in [&work, &src] {
+        std::fs::create_dir_all(dir).expect("mkdir");
+        std::os::unix::fs::chown(dir, Some(1000), Some(1000)).expect("chown");
+    }
+    std::fs::write(work.join("owned"), "host\n").expect("write");
+    std::os::unix::fs::chown(work.join("owned"), Some(1000), Some(1000)).expect("chown");
+    std::fs::write(work.join("roots"), "root\n").expect("write");
+    std::fs::write(src.join("code"), "code\n").expect("write");
+    std::os::unix::fs::chown(src.join("code"), Some(1000), Some(1000)).expect("chown");
+
+    let script = format!(
+        "set -e; id -u; stat -c %u {w}/owned; echo jail >> {w}/owned; echo new > {w}/new; \
+         mkdir {w}/dir; (echo no >> {w}/roots) && echo roots-written || echo roots-refused; \
+         (echo no > {s}/new) && echo ro-written || echo ro-refused; cat {s}/code",
+        w = work.display(),
+        s = src.display()
+    );
+    let (ok, out, err) = jailed(
+        &base,
+        "share-test",
+        &[("--share", &work), ("--share-ro", &src)],
+        &script,
+    );
+    let owner = |p: &Path| {
+        let m = std::fs::metadata(p).expect("metadata");
+        (m.uid(), m.gid())
+    };
+    let results = (
+        std::fs::read_to_string(work.join("owned")).expect("owned"),
+        owner(&work.join("new")),
+        owner(&work.join("dir")),
+        std::fs::read_to_string(work.join("roots")).expect("roots"),
+        src.join("new").exists(),
+    );
+    // A share owned by root is refused before any jail is made.
+    let (root_ok, _, root_err) = jailed(&base, "share-root", &[], "true");
+    let refused = Command::new(env!("CARGO_BIN_EXE_husk-jailer"))
+        .args(["--id", "share-bad", "--uid", "200097", "--gid", "200097"])
+        .arg("--share")
+        .arg(format!("0:0:{}", work.display()))
+        .args(["--", "/bin/busybox", "true"])
+        .output()
+        .expect("husk-jailer");
+    let _ = std::fs::remove_dir_all(&base);
+
+    assert!(ok, "{out}{err}");
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["200097", "200097", "roots-refused", "ro-refused", "code"],
+        "{err}"
+    );
+    assert!(
+        err.contains("Permission denied") && err.contains("Read-only"),
+        "{err}"
+    );
+    assert_eq!(results.0, "host\njail\n");
+    assert_eq!(results.1, (1000, 1000), "a file the jail made");
+    assert_eq!(results.2, (1000, 1000), "a directory the jail made");
+    assert_eq!(results.3, "root\n");
+    assert!(!results.4, "the read-only share was written");
+    assert!(root_ok, "{root_err}");
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("must not be root"));
+}
