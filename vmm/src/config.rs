@@ -84,21 +84,26 @@ pub struct FsConfig(pub crate::devices::virtio::fs::Share);
 impl std::str::FromStr for FsConfig {
     type Err = ConfigError;
 
-    /// `tag=TAG[,path=DIR][,ro][,owner=UID:GID][,hide=PATTERN]...`: without
-    /// a path, an empty slot (a restore gives it a directory by its tag).
+    /// `tag=TAG[,path=DIR][,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]...`:
+    /// without a path, an empty slot (a restore gives it a directory by its
+    /// tag).
     fn from_str(spec: &str) -> Result<Self, Self::Err> {
         let bad = |why: String| ConfigError::Fs(spec.to_owned(), why);
         let (mut tag, mut path, mut read_only, mut owner) = (None, None, false, None);
-        let mut hidden = Vec::new();
+        let (mut guest_owner, mut hidden) = (None, Vec::new());
         for part in spec.split(',') {
             match part.split_once('=') {
                 Some(("tag", v)) => tag = Some(v.to_owned()),
                 Some(("path", v)) if !v.is_empty() => path = Some(PathBuf::from(v)),
-                Some(("owner", v)) => {
+                Some((key @ ("owner" | "guest-owner"), v)) => {
                     let ids = v
                         .split_once(':')
-                        .and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)));
-                    owner = Some(ids.ok_or_else(|| bad(format!("owner `{v}` is not UID:GID")))?);
+                        .and_then(|(u, g)| Some((u.parse().ok()?, g.parse().ok()?)))
+                        .ok_or_else(|| bad(format!("{key} `{v}` is not UID:GID")))?;
+                    match key {
+                        "owner" => owner = Some(ids),
+                        _ => guest_owner = Some(ids),
+                    }
                 }
                 Some(("hide", v)) if !v.is_empty() => hidden.push(v.to_owned()),
                 None if part == "ro" || part == "readonly" => read_only = true,
@@ -106,6 +111,11 @@ impl std::str::FromStr for FsConfig {
             }
         }
         let tag = tag.ok_or_else(|| bad("no tag".into()))?;
+        if guest_owner.is_some() && owner.is_none() {
+            return Err(bad(
+                "guest-owner is how the guest sees owner: give owner too".into(),
+            ));
+        }
         crate::devices::virtio::fs::check_tag(&tag).map_err(bad)?;
         Ok(FsConfig(crate::devices::virtio::fs::Share {
             tag,
@@ -113,6 +123,7 @@ impl std::str::FromStr for FsConfig {
             options: crate::devices::virtio::fs::ShareOptions {
                 read_only,
                 owner,
+                guest_owner,
                 hidden,
             },
         }))
@@ -264,7 +275,7 @@ pub enum ConfigError {
     #[error("two drives are named `{0}`; give each its own id=NAME")]
     DuplicateDrive(String),
     #[error(
-        "invalid shared directory `{0}`: {1}; expected tag=TAG[,path=DIR][,ro][,owner=UID:GID][,hide=PATTERN]..."
+        "invalid shared directory `{0}`: {1}; expected tag=TAG[,path=DIR][,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]..."
     )]
     Fs(String, String),
     #[error("two shared directories are tagged `{0}`")]
@@ -482,9 +493,10 @@ mod tests {
 
     #[test]
     fn share_specs_parse_and_bad_ones_are_refused() {
-        let share: FsConfig = "tag=work,path=/srv/w,ro,owner=1000:100,hide=.env,hide=.git/hooks"
-            .parse()
-            .expect("a share");
+        let share: FsConfig =
+            "tag=work,path=/srv/w,ro,owner=1000:100,guest-owner=0:0,hide=.env,hide=.git/hooks"
+                .parse()
+                .expect("a share");
         assert_eq!(share.0.tag, "work");
         assert_eq!(
             share.0.path.as_deref(),
@@ -492,6 +504,7 @@ mod tests {
         );
         assert!(share.0.options.read_only);
         assert_eq!(share.0.options.owner, Some((1000, 100)));
+        assert_eq!(share.0.options.guest_owner, Some((0, 0)));
         assert_eq!(share.0.options.hidden, [".env", ".git/hooks"]);
         let slot: FsConfig = "tag=fs0".parse().expect("a slot");
         assert_eq!(slot.0.path, None);
@@ -501,6 +514,7 @@ mod tests {
             "tag=a-tag-that-is-longer-than-thirty-six-bytes",
             "tag=w,owner=me",
             "tag=w,rw",
+            "tag=w,guest-owner=1000:1000",
         ] {
             assert!(bad.parse::<FsConfig>().is_err(), "{bad}");
         }

@@ -43,6 +43,10 @@ pub struct ShareOptions {
     /// creates; `None`: the creating guest user's ids (as root; otherwise
     /// the VMM's own).
     pub owner: Option<(u32, u32)>,
+    /// The guest ids `owner` appears as, both ways: in the attributes the
+    /// guest reads and in the chowns it asks for (in a jail the VMM sees
+    /// the share's owner as its own uid: the guest sees its own user).
+    pub guest_owner: Option<(u32, u32)>,
     /// What the guest must not see (secrets, hooks): a pattern without `/`
     /// matches a name at any depth (`.env`, `*.pem`), one with `/` a path
     /// from the share's root (`.git/hooks`); `*` and `?` match within one
@@ -556,7 +560,7 @@ impl Server {
             .ok_or(libc::EBADF)
     }
 
-    fn entry(node: u64, st: &libc::stat) -> EntryOut {
+    fn entry(&self, node: u64, st: &libc::stat) -> EntryOut {
         EntryOut {
             nodeid: node,
             generation: 0,
@@ -564,8 +568,23 @@ impl Server {
             attr_valid: VALID_SECS,
             entry_valid_nsec: 0,
             attr_valid_nsec: 0,
-            attr: attr_of(st),
+            attr: self.attr(st),
         }
+    }
+
+    /// A file's attributes as the guest sees them: the share's owner as
+    /// `guest_owner`.
+    fn attr(&self, st: &libc::stat) -> Attr {
+        let mut attr = attr_of(st);
+        if let (Some(owner), Some(guest)) = (self.options.owner, self.options.guest_owner) {
+            if attr.uid == owner.0 {
+                attr.uid = guest.0;
+            }
+            if attr.gid == owner.1 {
+                attr.gid = guest.1;
+            }
+        }
+        attr
     }
 
     /// `Err(error)` if `name` in directory `dir` is hidden from the guest.
@@ -622,7 +641,7 @@ impl Server {
         if let Some(&node) = self.by_key.get(&key) {
             if let Some(inode) = self.inodes.get_mut(&node) {
                 inode.refs += 1;
-                return Ok(Self::entry(node, &st));
+                return Ok(self.entry(node, &st));
             }
         }
         if self.inodes.len() >= MAX_INODES {
@@ -632,7 +651,7 @@ impl Server {
         self.next_node += 1;
         self.inodes.insert(node, Inode { fd, key, refs: 1 });
         self.by_key.insert(key, node);
-        Ok(Self::entry(node, &st))
+        Ok(self.entry(node, &st))
     }
 
     fn forget(&mut self, node: u64, n: u64) {
@@ -664,7 +683,7 @@ impl Server {
         let st = stat_fd(self.fd(node)?)?;
         Ok(bytes(&abi::AttrOut {
             attr_valid: VALID_SECS,
-            attr: attr_of(&st),
+            attr: self.attr(&st),
             ..Default::default()
         }))
     }
@@ -681,7 +700,7 @@ impl Server {
         }
         self.chown_new(fd, h);
         let st = stat_fd(fd)?;
-        Ok(bytes(&Self::entry(entry.nodeid, &st)))
+        Ok(bytes(&self.entry(entry.nodeid, &st)))
     }
 
     /// Gives a file the guest created its owner: the share's, else the
@@ -711,13 +730,19 @@ impl Server {
             check(unsafe { libc::fchmodat(libc::AT_FDCWD, path.as_ptr(), arg.mode & 0o7777, 0) })?;
         }
         if arg.valid & (fattr::UID | fattr::GID) != 0 {
+            // The guest's view of the share's owner is the owner.
+            let (mut uid, mut gid) = (arg.uid, arg.gid);
+            if let (Some(owner), Some(guest)) = (self.options.owner, self.options.guest_owner) {
+                uid = if uid == guest.0 { owner.0 } else { uid };
+                gid = if gid == guest.1 { owner.1 } else { gid };
+            }
             let uid = if arg.valid & fattr::UID != 0 {
-                arg.uid
+                uid
             } else {
                 u32::MAX
             };
             let gid = if arg.valid & fattr::GID != 0 {
-                arg.gid
+                gid
             } else {
                 u32::MAX
             };
@@ -1393,6 +1418,33 @@ mod tests {
         );
         assert!(glob(b"*.pem", b"a.pem") && !glob(b"*.pem", b"a/b.pem"));
         assert!(glob(b"a?c", b"abc") && !glob(b"a?c", b"a/c") && glob(b"*", b""));
+    }
+
+    #[test]
+    fn the_shares_owner_is_the_guests_user_both_ways() {
+        // SAFETY: geteuid and getegid have no preconditions.
+        let me = unsafe { (libc::geteuid(), libc::getegid()) };
+        let (dir, mut s) = server(ShareOptions {
+            owner: Some(me),
+            guest_owner: Some((1000, 1001)),
+            ..Default::default()
+        });
+        std::fs::write(dir.as_path().join("mine"), "x").expect("write");
+        let entry = lookup(&mut s, abi::ROOT_ID, "mine").expect("mine");
+        assert_eq!((entry.attr.uid, entry.attr.gid), (1000, 1001));
+        // A chown to the guest's user is one to the owner: nothing changes.
+        let chown = abi::SetattrIn {
+            valid: abi::fattr::UID | abi::fattr::GID,
+            uid: 1000,
+            gid: 1001,
+            ..Default::default()
+        };
+        let (e, out) = call(&mut s, op::SETATTR, entry.nodeid, chown.as_slice());
+        assert_eq!(e, 0);
+        let attr = read::<abi::AttrOut>(&out).expect("attr").attr;
+        assert_eq!((attr.uid, attr.gid), (1000, 1001));
+        let meta = std::fs::metadata(dir.as_path().join("mine")).expect("metadata");
+        assert_eq!((meta.uid(), meta.gid()), me);
     }
 
     #[test]
