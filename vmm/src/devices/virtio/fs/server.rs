@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use vm_memory::ByteValued;
@@ -131,6 +132,10 @@ fn read<T: ByteValued + Default>(bytes: &[u8]) -> Option<T> {
     let n = std::mem::size_of::<T>();
     value.as_mut_slice().copy_from_slice(bytes.get(..n)?);
     Some(value)
+}
+
+fn io_errno(e: std::io::Error) -> Errno {
+    e.raw_os_error().unwrap_or(libc::EIO)
 }
 
 fn errno() -> Errno {
@@ -898,39 +903,17 @@ impl Server {
     }
 
     fn read(&mut self, arg: abi::ReadIn) -> Reply {
-        let file = self.handle_fd(arg.fh)?;
+        let file = self.handles.get(&arg.fh).ok_or(libc::EBADF)?;
         let mut buf = vec![0u8; arg.size.min(MAX_IO) as usize];
-        // SAFETY: the buffer is as long as passed.
-        let n = unsafe {
-            libc::pread(
-                file,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                arg.offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            return Err(errno());
-        }
-        buf.truncate(n as usize);
+        let n = file.read_at(&mut buf, arg.offset).map_err(io_errno)?;
+        buf.truncate(n);
         Ok(buf)
     }
 
     fn write(&mut self, arg: abi::WriteIn, data: &[u8]) -> Reply {
-        let file = self.handle_fd(arg.fh)?;
+        let file = self.handles.get(&arg.fh).ok_or(libc::EBADF)?;
         let data = data.get(..arg.size as usize).ok_or(libc::EINVAL)?;
-        // SAFETY: the data is as long as passed.
-        let n = unsafe {
-            libc::pwrite(
-                file,
-                data.as_ptr().cast(),
-                data.len(),
-                arg.offset as libc::off_t,
-            )
-        };
-        if n < 0 {
-            return Err(errno());
-        }
+        let n = file.write_at(data, arg.offset).map_err(io_errno)?;
         Ok(bytes(&abi::WriteOut {
             size: n as u32,
             padding: 0,
