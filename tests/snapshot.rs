@@ -534,7 +534,7 @@ fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
     eprintln!("2 vCPUs: TSC against the booted guest's clock (ns): {drifts:?}");
     // Not yet within the 1 ms that one vCPU keeps (TSC_DRIFT_BOUND_NS): on
     // kvm_amd under QEMU's TCG a restored 2-vCPU guest has been seen from
-    // 17 us to 9 ms off (the clock of the whole VM against its TSCs, and
+    // 17 us to 6.5 ms off (the clock of the whole VM against its TSCs, and
     // the vCPUs against each other), more the busier the host (issue 45).
     // Bounded here against gross errors (a TSC that lost the snapshot's
     // age, or one vCPU left behind): SMP_TSC_DRIFT_BOUND_NS.
