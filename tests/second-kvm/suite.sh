@@ -10,10 +10,11 @@
 # kernel is Debian's kvm_amd under QEMU's TCG, and it has died there, rarely,
 # in the emulation of SVM itself (a host interrupt taken on the instruction
 # after VMRUN, before the host's GS is back: a page-fault loop, "Kernel panic"
-# on its console). When L1 panics before the suite's end, the binaries it had
-# not finished (the one in flight included) run once more in a fresh L1; a
-# binary that ended, passed or failed, keeps its verdict, and a second panic
-# fails the suite.
+# on its console; or a vCPU thread's stack overrun in error_entry), in about
+# one L1 run of five. When L1 panics before the suite's end, the binaries it
+# had not finished (the one in flight included) run again in a fresh L1, up
+# to two more times; a binary that ended, passed or failed, keeps its
+# verdict, and a third panic fails the suite.
 set -uo pipefail
 
 if [[ ${1:-} == --l1 ]]; then
@@ -27,7 +28,8 @@ if [[ ${1:-} == --l1 ]]; then
     pending=("$@")
     summary=()
     failed=()
-    for attempt in 1 2; do
+    attempts=3
+    for ((attempt = 1; attempt <= attempts; attempt++)); do
         "$here/run.sh" --timeout $((budget - (SECONDS - started))) -- \
             "$here/suite.sh" "$label" "${pending[@]}" | tee "$console"
         rc=${PIPESTATUS[0]}
@@ -40,7 +42,7 @@ if [[ ${1:-} == --l1 ]]; then
             done+=("$name")
             [[ $line == *": ok in "* ]] || failed+=("$name")
         done < <(tr -d '\r' <"$console" | grep -E "^\[$label\] [^ ]+: (ok|FAILED \(status [0-9]+\)) in [0-9]+ s$")
-        if ((rc != 125)) || ! grep -q 'Kernel panic' "$console" || ((attempt == 2)); then
+        if ((rc != 125)) || ! grep -q 'Kernel panic' "$console" || ((attempt == attempts)); then
             break
         fi
         left=()
@@ -55,8 +57,8 @@ if [[ ${1:-} == --l1 ]]; then
             break
         fi
     done
-    if ((attempt == 2)); then
-        echo "[$label] summary of both L1s:"
+    if ((attempt > 1)); then
+        echo "[$label] summary of all $attempt L1s:"
         printf '  %s\n' "${summary[@]}"
     fi
     if ((${#failed[@]})); then
