@@ -206,6 +206,22 @@ fn open_beneath(dir: RawFd, name: &CStr, flags: i32, mode: u32) -> Result<OwnedF
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// Changes the owner of the file (a symlink itself, not its target) an
+/// `O_PATH` descriptor names; `u32::MAX` leaves an id as it is.
+fn chown(fd: RawFd, uid: u32, gid: u32) -> Result<(), Errno> {
+    // SAFETY: a valid descriptor and C string.
+    check(unsafe {
+        libc::fchownat(
+            fd,
+            EMPTY.as_ptr(),
+            uid,
+            gid,
+            libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })
+    .map(drop)
+}
+
 /// The `/proc/self/fd` path of a descriptor: the way to reopen an `O_PATH`
 /// descriptor's file (and nothing else) for I/O.
 fn proc_path(fd: RawFd) -> CString {
@@ -712,16 +728,7 @@ impl Server {
     /// creating guest user's. Unprivileged, the VMM's own ids stay.
     fn chown_new(&self, fd: RawFd, h: &InHeader) {
         let (uid, gid) = self.options.owner.unwrap_or((h.uid, h.gid));
-        // SAFETY: valid descriptor and C string.
-        unsafe {
-            libc::fchownat(
-                fd,
-                EMPTY.as_ptr(),
-                uid,
-                gid,
-                libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-            )
-        };
+        let _ = chown(fd, uid, gid);
     }
 
     fn setattr(&mut self, node: u64, arg: abi::SetattrIn) -> Reply {
@@ -751,16 +758,7 @@ impl Server {
             } else {
                 u32::MAX
             };
-            // SAFETY: valid descriptor and C string.
-            check(unsafe {
-                libc::fchownat(
-                    fd,
-                    EMPTY.as_ptr(),
-                    uid,
-                    gid,
-                    libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW,
-                )
-            })?;
+            chown(fd, uid, gid)?;
         }
         if arg.valid & fattr::SIZE != 0 {
             if kind != libc::S_IFREG {
