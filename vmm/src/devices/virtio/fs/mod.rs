@@ -13,7 +13,7 @@ pub mod abi;
 pub mod server;
 
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
 use virtio_queue::desc::split::Descriptor;
@@ -61,8 +61,6 @@ pub fn check_tag(tag: &str) -> Result<(), String> {
 #[derive(Debug)]
 pub struct FsDevice {
     tag: String,
-    path: Option<PathBuf>,
-    read_only: bool,
     /// `virtio_fs_config`: the tag (NUL-padded) and one request queue.
     config: [u8; TAG_MAX + 4],
     server: Server,
@@ -82,8 +80,6 @@ impl FsDevice {
         let evt = || EventFd::new(libc::EFD_NONBLOCK);
         Ok(FsDevice {
             tag: share.tag.clone(),
-            path: share.path.clone(),
-            read_only: share.options.read_only,
             config,
             server: Server::new(share.path.as_deref(), share.options.clone())?,
             queue_evts: [evt()?, evt()?],
@@ -94,16 +90,6 @@ impl FsDevice {
     /// The tag the guest mounts by.
     pub fn tag(&self) -> &str {
         &self.tag
-    }
-
-    /// The host directory, if any.
-    pub fn path(&self) -> Option<&Path> {
-        self.path.as_deref()
-    }
-
-    /// Whether the share is read-only.
-    pub fn read_only(&self) -> bool {
-        self.read_only
     }
 
     /// Why this device cannot be in a snapshot now, if it cannot: the
