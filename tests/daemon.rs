@@ -1129,21 +1129,9 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
             "no {action} in {audit:?}"
         );
     }
-    // On a PVM host guest user space reads the host's TSC (snapshot.rs).
-    if !husk_vmm_api::cmdline::is_pvm_host() {
-        for drift in &drifts {
-            assert!(
-                drift.abs() < common::TSC_DRIFT_BOUND_NS,
-                "a woken sandbox's TSC is {drift:.0} ns off its clock's"
-            );
-        }
-    }
+    common::assert_tsc_kept(&drifts, common::TSC_DRIFT_BOUND_NS, "a woken sandbox");
     for log in [&first_log, &second_log] {
-        assert!(
-            !log.iter().any(|l| l.contains("unstable")),
-            "{}",
-            log.join("\n")
-        );
+        common::assert_tsc_stable(log);
     }
     destroy(&s.id);
     assert!(!d.state_dir.join("sandboxes").join(&s.id).exists());

@@ -452,23 +452,9 @@ fn restored_guests_keep_their_tsc_with_their_clock_and_their_vector_registers() 
         .map(|&sample| tsc_drift_ns(base.clock, sample))
         .collect();
     eprintln!("TSC against the booted guest's clock (ns): {drifts:?}");
-    // On a PVM host guest user space reads the host's TSC, which no write
-    // of IA32_TSC moves: there the clones' TSCs are off by the snapshots'
-    // age, whatever the VMM does.
-    if !husk_vmm_api::cmdline::is_pvm_host() {
-        for drift in &drifts {
-            assert!(
-                drift.abs() < TSC_DRIFT_BOUND_NS,
-                "a clone's TSC is {drift:.0} ns off its clock's"
-            );
-        }
-    }
+    assert_tsc_kept(&drifts, TSC_DRIFT_BOUND_NS, "a clone");
     for log in [&first_log, &second_log] {
-        assert!(
-            !log.iter().any(|l| l.contains("unstable")),
-            "{}",
-            log.join("\n")
-        );
+        assert_tsc_stable(log);
     }
     // No nested virtualization unless asked for (the host's own VMX or SVM
     // would be the guest's); told it runs under a hypervisor.
@@ -538,20 +524,9 @@ fn both_vcpus_of_a_restored_guest_keep_their_tsc_with_its_clock() {
     // the vCPUs against each other), more the busier the host (issue 45).
     // Bounded here against gross errors (a TSC that lost the snapshot's
     // age, or one vCPU left behind): SMP_TSC_DRIFT_BOUND_NS.
-    if !husk_vmm_api::cmdline::is_pvm_host() {
-        for drift in &drifts {
-            assert!(
-                drift.abs() < SMP_TSC_DRIFT_BOUND_NS,
-                "a vCPU's TSC is {drift:.0} ns off the clock"
-            );
-        }
-    }
+    assert_tsc_kept(&drifts, SMP_TSC_DRIFT_BOUND_NS, "a vCPU");
     for (_, log) in &restored {
-        assert!(
-            !log.iter().any(|l| l.contains("unstable")),
-            "{}",
-            log.join("\n")
-        );
+        assert_tsc_stable(log);
     }
 }
 
@@ -822,19 +797,8 @@ fn a_diff_snapshot_restores_the_same_machine_as_a_full_one() {
         "{empty_reply:?}"
     );
     assert_eq!(text(&seen.stdout), "written after the base\nbase");
-    if !husk_vmm_api::cmdline::is_pvm_host() {
-        for drift in drifts {
-            assert!(
-                drift.abs() < TSC_DRIFT_BOUND_NS,
-                "a diff's clone's TSC is {drift:.0} ns off its clock's"
-            );
-        }
-    }
-    assert!(
-        !log.iter().any(|l| l.contains("unstable")),
-        "{}",
-        log.join("\n")
-    );
+    assert_tsc_kept(&drifts, TSC_DRIFT_BOUND_NS, "a diff's clone");
+    assert_tsc_stable(&log);
 }
 
 #[test]

@@ -323,6 +323,32 @@ pub fn tsc_drift_ns(relation: [(u64, u64); 2], sample: (u64, u64)) -> f64 {
 /// PVM host, where it reads the host's: [`husk_vmm_api::cmdline::is_pvm_host`]).
 pub const TSC_DRIFT_BOUND_NS: f64 = 1_000_000.0;
 
+/// Asserts every drift (ns) within `bound`, except on a PVM host, where
+/// guest user space reads the host's TSC, which no write of IA32_TSC moves
+/// (there a clone's TSC is off by its snapshot's age whatever the VMM does).
+/// `what` names whose TSC it is in the message.
+pub fn assert_tsc_kept(drifts: &[f64], bound: f64, what: &str) {
+    if husk_vmm_api::cmdline::is_pvm_host() {
+        return;
+    }
+    for drift in drifts {
+        assert!(
+            drift.abs() < bound,
+            "{what}'s TSC is {drift:.0} ns off its clock's"
+        );
+    }
+}
+
+/// Asserts no clocksource line of the guest's log (`husk-cpucheck clock`)
+/// calls the TSC unstable.
+pub fn assert_tsc_stable(log: &[String]) {
+    assert!(
+        !log.iter().any(|l| l.contains("unstable")),
+        "{}",
+        log.join("\n")
+    );
+}
+
 /// Bytes as (lossy) UTF-8.
 pub fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
