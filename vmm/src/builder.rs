@@ -132,7 +132,7 @@ pub fn build_vm(
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Block(block), None)?;
     }
     for share in &config.shares {
-        let device = FsDevice::new(&share.0).map_err(|e| share_error(&share.0, e))?;
+        let device = FsDevice::new(share).map_err(|e| share_error(share, e))?;
         let device = DeviceHandle::Fs(Arc::new(Mutex::new(device)));
         let parts = (vm.fd(), &mem, platform.fs_events()?);
         mmio.attach_virtio(parts, Some(&mut cmdline), device, None)?;
@@ -293,11 +293,11 @@ fn restore_devices(
     for share in &config.shares {
         let slot = saved
             .iter()
-            .any(|d| matches!(&d.device, SavedDevice::Fs { tag } if *tag == share.0.tag));
+            .any(|d| matches!(&d.device, SavedDevice::Fs { tag } if *tag == share.tag));
         if !slot {
             return Err(restore_err(format!(
                 "the snapshot has no shared-directory slot tagged `{}`",
-                share.0.tag
+                share.tag
             )));
         }
     }
@@ -336,8 +336,8 @@ fn restore_devices(
                 let share = config
                     .shares
                     .iter()
-                    .find(|s| s.0.tag == *tag)
-                    .map(|s| s.0.clone())
+                    .find(|s| s.tag == *tag)
+                    .cloned()
                     .unwrap_or_else(|| Share {
                         tag: tag.clone(),
                         path: None,

@@ -77,9 +77,9 @@ impl std::str::FromStr for DriveConfig {
     }
 }
 
-/// A shared host directory (virtio-fs), or an empty slot for one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FsConfig(pub crate::devices::virtio::fs::Share);
+/// A shared host directory (virtio-fs), or an empty slot for one, as given
+/// on the command line.
+pub use crate::devices::virtio::fs::Share as FsConfig;
 
 impl std::str::FromStr for FsConfig {
     type Err = ConfigError;
@@ -117,7 +117,7 @@ impl std::str::FromStr for FsConfig {
             ));
         }
         crate::devices::virtio::fs::check_tag(&tag).map_err(bad)?;
-        Ok(FsConfig(crate::devices::virtio::fs::Share {
+        Ok(FsConfig {
             tag,
             path,
             options: crate::devices::virtio::fs::ShareOptions {
@@ -126,7 +126,7 @@ impl std::str::FromStr for FsConfig {
                 guest_owner,
                 hidden,
             },
-        }))
+        })
     }
 }
 
@@ -302,8 +302,8 @@ impl VmConfig {
             }
         }
         for (i, share) in self.shares.iter().enumerate() {
-            if self.shares[..i].iter().any(|s| s.0.tag == share.0.tag) {
-                return Err(ConfigError::DuplicateShare(share.0.tag.clone()));
+            if self.shares[..i].iter().any(|s| s.tag == share.tag) {
+                return Err(ConfigError::DuplicateShare(share.tag.clone()));
             }
         }
         match self.memory.size_mib {
@@ -497,17 +497,14 @@ mod tests {
             "tag=work,path=/srv/w,ro,owner=1000:100,guest-owner=0:0,hide=.env,hide=.git/hooks"
                 .parse()
                 .expect("a share");
-        assert_eq!(share.0.tag, "work");
-        assert_eq!(
-            share.0.path.as_deref(),
-            Some(std::path::Path::new("/srv/w"))
-        );
-        assert!(share.0.options.read_only);
-        assert_eq!(share.0.options.owner, Some((1000, 100)));
-        assert_eq!(share.0.options.guest_owner, Some((0, 0)));
-        assert_eq!(share.0.options.hidden, [".env", ".git/hooks"]);
+        assert_eq!(share.tag, "work");
+        assert_eq!(share.path.as_deref(), Some(std::path::Path::new("/srv/w")));
+        assert!(share.options.read_only);
+        assert_eq!(share.options.owner, Some((1000, 100)));
+        assert_eq!(share.options.guest_owner, Some((0, 0)));
+        assert_eq!(share.options.hidden, [".env", ".git/hooks"]);
         let slot: FsConfig = "tag=fs0".parse().expect("a slot");
-        assert_eq!(slot.0.path, None);
+        assert_eq!(slot.path, None);
         for bad in [
             "path=/srv",
             "tag=",
