@@ -1404,6 +1404,16 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     let snapshot_dir = host.as_path().join("snap");
     let refused = common::snapshot(&vm.api, &snapshot_dir, false);
     let resumed = control(&vm.api, &husk_vmm_api::Request::Resume);
+    // A running VM's device takes another directory (a pooled clone's
+    // share): not while the guest has it mounted, nor one it lacks.
+    let next = host.as_path().join("next");
+    std::fs::create_dir(&next).expect("mkdir");
+    std::fs::write(next.join("note"), "next share").expect("write");
+    let share = |tag: &str| husk_vmm_api::Request::Share {
+        spec: format!("tag={tag},path={},ro", next.display()),
+    };
+    let busy = control(&vm.api, &share(FS_SLOTS[0]));
+    let unknown = control(&vm.api, &share("nope"));
     let unmounted = run_as(
         &mut client,
         None,
@@ -1413,6 +1423,14 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     let paused_again = control(&vm.api, &husk_vmm_api::Request::Pause);
     let after = common::snapshot(&vm.api, &host.as_path().join("snap-after"), false);
     let _ = control(&vm.api, &husk_vmm_api::Request::Resume);
+    let taken = control(&vm.api, &share(FS_SLOTS[0]));
+    let mount_next = client.mount_share(FS_SLOTS[0], "/mnt/next/deeper", false);
+    let mount_twice = client.mount_share(FS_SLOTS[0], "/mnt/again", false);
+    let next_seen = run_as(
+        &mut client,
+        user,
+        "cat /mnt/next/deeper/note; echo; (echo x > /mnt/next/deeper/new) 2>&1 || true",
+    );
 
     assert_eq!(mounted.as_deref(), Ok("one"), "{}", vm.serial());
     by_root.expect("root writes the workspace");
@@ -1475,4 +1493,23 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     assert_eq!(unmounted.as_deref(), Ok("ok\n"));
     assert!(paused_again.is_ok(), "{paused_again:?}");
     after.expect("a snapshot once the shares are unmounted");
+    let error_of = |reply: Result<husk_vmm_api::Reply, String>| match reply {
+        Err(message) => message,
+        other => panic!("not refused: {other:?}"),
+    };
+    assert!(error_of(busy).contains("mounted"));
+    assert!(error_of(unknown).contains("no shared directory `nope`"));
+    assert!(
+        matches!(&taken, Ok(husk_vmm_api::Reply::Share { tag, .. }) if tag == FS_SLOTS[0]),
+        "{taken:?}"
+    );
+    mount_next.expect("the agent mounts the new share");
+    let twice = mount_twice.expect_err("one mount per share").to_string();
+    assert!(twice.contains("/mnt/next/deeper"), "{twice}");
+    let next_seen = next_seen.expect("read the new share");
+    assert!(
+        next_seen.starts_with("next share\n") && next_seen.contains("Read-only"),
+        "{next_seen}"
+    );
+    assert_eq!(std::fs::read_dir(&next).expect("next").count(), 1);
 }

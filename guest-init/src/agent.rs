@@ -321,6 +321,17 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
             }
             Body::Done
         }
+        Body::MountShare {
+            tag,
+            target,
+            readonly,
+        } => {
+            if let Err(e) = crate::medium::mount_share(&tag, &target, readonly) {
+                let message = format!("mounting shared directory {tag:?} at {target}: {e}");
+                return Some(error(id, crate::files::kind_of(&e), message));
+            }
+            Body::Done
+        }
         Body::Container {
             root,
             memory_max,

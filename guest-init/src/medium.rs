@@ -1,3 +1,5 @@
+//! `MountShare`: a host directory a virtio-fs device serves.
+//!
 //! `MountMedium`: a container's root file system on a drive the host has
 //! just given a new medium (an ext4 image under a copy-on-write overlay
 //! of the host's). The guest learns of the medium from virtio-block's
@@ -68,6 +70,42 @@ pub fn mount(serial: &str, size: u64, root: &str) -> io::Result<()> {
         return Err(io::Error::new(e.kind(), format!("mounting {dev}: {e}")));
     }
     crate::container::track_mount(root);
+    Ok(())
+}
+
+/// Mounts the directory virtio-fs device `tag` serves at `target` (made
+/// if missing), nosuid and nodev, read-only if `readonly`.
+pub fn mount_share(tag: &str, target: &str, readonly: bool) -> io::Result<()> {
+    let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
+    if !target.starts_with('/') {
+        return Err(invalid(format!("{target:?} is not an absolute path")));
+    }
+    if let Some(at) = mounted_at(tag) {
+        return Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("it is mounted at {at} already"),
+        ));
+    }
+    std::fs::create_dir_all(target)?;
+    let c = |s: &str| std::ffi::CString::new(s).map_err(|_| invalid(format!("{s:?}")));
+    let (tag_c, target_c) = (c(tag)?, c(target)?);
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    if readonly {
+        flags |= libc::MS_RDONLY;
+    }
+    // SAFETY: NUL-terminated strings; no data.
+    let rc = unsafe {
+        libc::mount(
+            tag_c.as_ptr(),
+            target_c.as_ptr(),
+            c"virtiofs".as_ptr(),
+            flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
     Ok(())
 }
 

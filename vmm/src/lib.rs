@@ -426,6 +426,29 @@ impl Vmm {
         Ok(size)
     }
 
+    /// Has the virtio-fs device `spec` names serve the directory it
+    /// names (`--fs` syntax); returns the tag.
+    fn share(&mut self, spec: &str) -> Result<String, VmmError> {
+        let share: config::FsConfig = spec
+            .parse()
+            .map_err(|e: config::ConfigError| VmmError::Unsupported(e.to_string()))?;
+        let device = self
+            .devices
+            .iter()
+            .find_map(|a| match &a.device {
+                DeviceHandle::Fs(d) if lock(d).tag() == share.tag => Some(d),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                VmmError::Unsupported(format!("this VM has no shared directory `{}`", share.tag))
+            })?;
+        lock(device)
+            .serve_dir(&share)
+            .map_err(VmmError::Unsupported)?;
+        tracing::info!(tag = %share.tag, path = ?share.path, "virtio-fs: a new directory");
+        Ok(share.tag)
+    }
+
     /// Carries out one control request; returns the reply.
     fn serve_request(&mut self, request: api::Request) -> api::Reply {
         use std::time::Instant;
@@ -459,6 +482,9 @@ impl Vmm {
             } => self
                 .change_medium(&drive, &path, overlay.as_deref())
                 .map(|size| api::Reply::Medium { id, drive, size }),
+            api::Request::Share { spec } => {
+                self.share(&spec).map(|tag| api::Reply::Share { id, tag })
+            }
             api::Request::Snapshot { dir, diff } => {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {

@@ -71,6 +71,7 @@
 //! | `ContainerCpu { root, quota_us, period_us }` | host → guest | sets a declared container's CPU limit: `quota_us` of CPU time per `period_us` (none: unbounded); `Done` |
 //! | `Mount { root, source, target, readonly }` | host → guest | binds `source` (a directory, or a regular file) at `target` inside the container root `root` (a pod's volume, or a file such as `/etc/hosts`); `Done` |
 //! | `MountMedium { serial, size, root }` | host → guest | mounts the ext4 file system on the drive whose serial is `serial` at the new directory `root` (a container's root file system on a drive the host just gave a new medium of `size` bytes: it waits, bounded, until the drive has that size); `Done` |
+//! | `MountShare { tag, target, readonly }` | host → guest | mounts the host directory that virtio-fs device `tag` serves at `target` (made if missing; nosuid, nodev; read-only if asked); `Done` |
 //! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
 //! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
@@ -368,6 +369,14 @@ pub enum Body {
         serial: String,
         size: u64,
         root: String,
+    },
+    /// Mounts the host directory that virtio-fs device `tag` serves at
+    /// `target` (an absolute path, made if missing), nosuid and nodev, and
+    /// read-only if `readonly`. `Done`.
+    MountShare {
+        tag: String,
+        target: String,
+        readonly: bool,
     },
 }
 

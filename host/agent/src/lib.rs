@@ -923,6 +923,21 @@ impl AgentClient {
         })
     }
 
+    /// Mounts the host directory virtio-fs device `tag` serves at guest
+    /// directory `target` (made if missing), read-only if `readonly`.
+    pub fn mount_share(
+        &mut self,
+        tag: &str,
+        target: &str,
+        readonly: bool,
+    ) -> Result<(), ClientError> {
+        self.expect_done(Body::MountShare {
+            tag: tag.to_owned(),
+            target: target.to_owned(),
+            readonly,
+        })
+    }
+
     /// What the declared container rooted at guest directory `root` uses
     /// now.
     pub fn container_stats(

@@ -13,6 +13,7 @@
 //! | `{"op":"resume"}` | [`Reply::Resumed`] |
 //! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after |
 //! | `{"op":"medium","drive":ID,"path":FILE,"overlay":FILE}` | [`Reply::Medium`]: drive ID now reads FILE (copy-on-write into a new `overlay`, or read-only without one) and the guest is told its new capacity by a configuration change interrupt, as a CD drive takes a new disc; the guest must have stopped using the old one |
+//! | `{"op":"share","spec":"tag=TAG,path=DIR[,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]..."}` | [`Reply::Share`]: the virtio-fs device `TAG` (an empty slot, or a share the guest has not mounted) now serves DIR, with the options of `--fs`; the guest mounts it with `mount -t virtiofs TAG DIR` |
 //!
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.
@@ -59,6 +60,11 @@ pub enum Request {
         /// the medium is read-only.
         #[serde(default)]
         overlay: Option<PathBuf>,
+    },
+    /// A directory for a virtio-fs device (see the table above).
+    Share {
+        /// As `--fs` takes it; it names a directory.
+        spec: String,
     },
 }
 
@@ -117,6 +123,10 @@ pub enum Reply {
         drive: String,
         /// The new medium's size in bytes.
         size: u64,
+    },
+    Share {
+        id: String,
+        tag: String,
     },
     Error {
         message: String,
@@ -196,6 +206,9 @@ mod tests {
                 path: "/images/a.ext4".into(),
                 overlay: Some("/run/a.overlay".into()),
             },
+            Request::Share {
+                spec: "tag=fs0,path=/shares/fs0,ro,hide=.env".into(),
+            },
         ] {
             let line = to_line(&request);
             assert_eq!(line.matches('\n').count(), 1, "{line}");
@@ -223,6 +236,7 @@ mod tests {
             r#"{"op":"snapshot"}"#,
             r#"{"op":"snapshot","dir":"/s","now":1}"#,
             r#"{"op":"medium","drive":"ctr0"}"#,
+            r#"{"op":"share"}"#,
         ] {
             let e = parse_request(bad).expect_err(bad);
             assert!(e.contains(r#"{"op":"status"}"#), "{e}");

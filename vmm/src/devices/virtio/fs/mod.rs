@@ -5,7 +5,8 @@
 //! high-priority one (FORGET, INTERRUPT) and one request queue. No DAX.
 //!
 //! A device without a directory is an empty slot: a template boots with
-//! slots, its clones are given directories when they are restored. The
+//! slots, its clones are given directories when they are restored or,
+//! running, by the control socket's `share` request. The
 //! guest's FUSE session (its mount) is not saved, so a VM with a mounted
 //! share does not snapshot ([`FsDevice::session_blocks_snapshot`]).
 
@@ -90,6 +91,33 @@ impl FsDevice {
     /// The tag the guest mounts by.
     pub fn tag(&self) -> &str {
         &self.tag
+    }
+
+    /// Serves `share`'s directory from now on (a clone's empty slot
+    /// taking its share after the restore). Refused while the guest has
+    /// this device mounted: its session's inodes are the old directory's.
+    pub fn serve_dir(&mut self, share: &Share) -> Result<(), String> {
+        if share.tag != self.tag {
+            return Err(format!(
+                "this is device `{}`, not `{}`",
+                self.tag, share.tag
+            ));
+        }
+        let Some(path) = share.path.as_deref() else {
+            return Err(format!(
+                "share `{}`: no directory given (path=DIR)",
+                share.tag
+            ));
+        };
+        if self.server.has_session() {
+            return Err(format!(
+                "the guest has `{}` mounted: unmount it before it serves another directory",
+                self.tag
+            ));
+        }
+        self.server = Server::new(Some(path), share.options.clone())
+            .map_err(|e| format!("share `{}`: {}: {e}", share.tag, path.display()))?;
+        Ok(())
     }
 
     /// Why this device cannot be in a snapshot now, if it cannot: the
