@@ -30,6 +30,12 @@
 //!    SIGTERM/SIGINT/SIGHUP and exits as the VMM did, so to whoever started
 //!    it, the jailer *is* the VMM.
 //!
+//! A running jail takes more shared directories under [`SHARES`] (a
+//! root-only tmpfs, writable where the rest of the root is not):
+//! [`share_into_running`] makes the idmapped mount outside and attaches it
+//! inside, from the jail's mount namespace (a pooled clone given a host
+//! directory after its restore).
+//!
 //! Copy-on-write clones still share their snapshot's page cache: a bind
 //! mount is the same file.
 
@@ -60,6 +66,9 @@ pub const DEFAULT_NOFILE: u64 = 4096;
 /// Where the jail's root is built (a tmpfs mounted in the jail's own mount
 /// namespace; on the host this stays an empty directory).
 pub const ROOT: &str = "/run/husk-jail";
+/// Where a running jail's added shares are mounted, inside it: a tmpfs
+/// only root writes, so the VMM can neither add nor replace one.
+pub const SHARES: &str = "/shares";
 
 /// The uids the daemon gives its jails, each to one VMM at a time.
 #[derive(Debug, Default)]
@@ -381,6 +390,16 @@ impl Jail {
         for (share, userns) in self.shares.iter().zip(idmaps) {
             share_into(root, share, userns)?;
         }
+        let shares = root.join(SHARES.trim_start_matches('/'));
+        std::fs::create_dir_all(&shares).map_err(io(format!("create {SHARES}")))?;
+        mount(
+            Some("tmpfs"),
+            &shares,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            Some("size=64k,nr_inodes=64,mode=0755"),
+        )
+        .map_err(sys(format!("mount a tmpfs on {SHARES}")))?;
         let dev = root.join("dev");
         std::fs::create_dir_all(dev.join("net")).map_err(io("create /dev"))?;
         let mut nodes = vec![("kvm", kvm, 0o600), ("urandom", makedev(1, 9), 0o444)];
@@ -652,8 +671,78 @@ fn idmap(owner: (u32, u32), jail: (u32, u32)) -> Result<OwnedFd, JailError> {
 /// `userns` (its owner's files are the jail's), nosuid, nodev, and
 /// read-only unless writable.
 fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailError> {
+    let tree = idmapped_tree(share, userns)?;
+    let target = root.join(share.path.strip_prefix("/").unwrap_or(&share.path));
+    std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
+    attach(&tree, &target, share)
+}
+
+/// Mounts `share` at `at` (a name under [`SHARES`], made here) inside the
+/// running jail of process `pid` (the jailer, or the VMM), idmapped so that
+/// its owner's files are `jail`'s ids there, nosuid, nodev, and read-only
+/// unless writable. Run as root, in a single-threaded process: it enters
+/// the jail's mount namespace and does not come back.
+pub fn share_into_running(
+    pid: u32,
+    jail: (u32, u32),
+    share: &Share,
+    at: &Path,
+) -> Result<(), JailError> {
+    let name = at
+        .strip_prefix(SHARES)
+        .ok()
+        .filter(|n| n.components().count() == 1)
+        .filter(|n| matches!(n.components().next(), Some(std::path::Component::Normal(_))))
+        .ok_or_else(|| {
+            JailError::Invalid(format!("{}: not a name under {SHARES}", at.display()))
+        })?;
+    if share.owner.0 == 0 || share.owner.1 == 0 {
+        return Err(JailError::Invalid(format!(
+            "share {}: its owner must not be root",
+            share.path.display()
+        )));
+    }
+    if !share.path.is_absolute() || jail.0 == 0 || jail.1 == 0 {
+        return Err(JailError::Invalid(format!(
+            "share {}: give an absolute path, and the jail's ids (not root's)",
+            share.path.display()
+        )));
+    }
+    let userns = idmap(share.owner, jail)?;
+    // Opened before the jail's namespace is entered: the host's directory.
+    let tree = idmapped_tree(share, &userns)?;
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
+        .map_err(io(format!("open the mount namespace of process {pid}")))?;
+    let own = std::fs::metadata("/proc/self/ns/mnt").map_err(io("find this mount namespace"))?;
+    let theirs = ns
+        .metadata()
+        .map_err(io("find the jail's mount namespace"))?;
+    if (own.dev(), own.ino()) == (theirs.dev(), theirs.ino()) {
+        return Err(JailError::Invalid(format!(
+            "process {pid} is not in a jail (it shares this mount namespace)"
+        )));
+    }
+    nix::sched::setns(&ns, CloneFlags::CLONE_NEWNS)
+        .map_err(sys(format!("enter the mount namespace of process {pid}")))?;
+    // setns put this process at the jail's root.
+    let target = Path::new(SHARES).join(name);
+    match std::fs::create_dir(&target) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            return Err(JailError::Invalid(format!(
+                "{} is taken in the jail of process {pid}",
+                target.display()
+            )))
+        }
+        Err(e) => return Err(JailError::Io(format!("create {}", target.display()), e)),
+    }
+    attach(&tree, &target, share)
+}
+
+/// A detached copy of `share.path`'s mount, idmapped through `userns`,
+/// nosuid, nodev, and read-only unless writable.
+fn idmapped_tree(share: &Share, userns: &OwnedFd) -> Result<OwnedFd, JailError> {
     const OPEN_TREE_CLONE: libc::c_uint = 1;
-    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
     const MOUNT_ATTR_RDONLY: u64 = 0x1;
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
@@ -673,12 +762,8 @@ fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailEr
             share.path.display()
         )));
     }
-    let target = root.join(share.path.strip_prefix("/").unwrap_or(&share.path));
-    std::fs::create_dir_all(&target).map_err(io(format!("create {}", target.display())))?;
-    let c = |p: &Path| {
-        CString::new(p.as_os_str().as_encoded_bytes()).map_err(|_| JailError::Invalid(what("name")))
-    };
-    let (source_c, target_c) = (c(&source)?, c(&target)?);
+    let source_c = CString::new(source.as_os_str().as_encoded_bytes())
+        .map_err(|_| JailError::Invalid(what("name")))?;
     // SAFETY: a valid C string; the returned descriptor is owned below.
     let tree = unsafe {
         libc::syscall(
@@ -725,6 +810,22 @@ fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailEr
             std::io::Error::last_os_error(),
         ));
     }
+    Ok(tree)
+}
+
+/// Attaches detached mount `tree` (of `share`) at directory `target`.
+fn attach(tree: &OwnedFd, target: &Path, share: &Share) -> Result<(), JailError> {
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    let what = || {
+        format!(
+            "mount share {} at {}",
+            share.path.display(),
+            target.display()
+        )
+    };
+    let target_c = CString::new(target.as_os_str().as_encoded_bytes())
+        .map_err(|_| JailError::Invalid(what()))?;
+    let empty = c"";
     // SAFETY: valid descriptors and C strings.
     let moved = unsafe {
         libc::syscall(
@@ -737,10 +838,7 @@ fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailEr
         )
     };
     if moved < 0 {
-        return Err(JailError::Io(
-            what("mount"),
-            std::io::Error::last_os_error(),
-        ));
+        return Err(JailError::Io(what(), std::io::Error::last_os_error()));
     }
     Ok(())
 }

@@ -116,3 +116,85 @@ fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("must not be root"));
 }
+
+#[test]
+fn a_running_jail_takes_a_share_under_shares_and_nothing_else() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip("the jailer runs as root");
+    }
+    if !Path::new("/bin/busybox").exists() {
+        return skip("no /bin/busybox (busybox-static) to run in the jail");
+    }
+    let base = std::env::temp_dir().join(format!("husk-jailer-enter-{}", std::process::id()));
+    let late = base.join("late");
+    std::fs::create_dir_all(&late).expect("mkdir");
+    std::os::unix::fs::chown(&late, Some(1000), Some(1000)).expect("chown");
+    std::fs::write(late.join("note"), "late\n").expect("write");
+    std::os::unix::fs::chown(late.join("note"), Some(1000), Some(1000)).expect("chown");
+    // The jail waits (bounded) for its share, uses it, and waits to be
+    // let go.
+    let script =
+        "(mkdir /shares/mine) 2>/dev/null && echo shares-writable || echo shares-refused; \
+         i=0; while [ ! -e /shares/late/note ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 9; \
+         sleep 0.1; done; cat /shares/late/note; stat -c %u /shares/late/note; \
+         echo jail > /shares/late/new; \
+         i=0; while [ ! -e /shares/late/stop ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 9; \
+         sleep 0.1; done";
+    let jail = Command::new(env!("CARGO_BIN_EXE_husk-jailer"))
+        .args(["--id", "enter-test", "--uid", "200098", "--gid", "200098"])
+        .args(["--", "/bin/busybox", "sh", "-c", script])
+        .current_dir(&base)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("husk-jailer");
+    let enter = |at: &str, owner: &str| {
+        Command::new(env!("CARGO_BIN_EXE_husk-jailer"))
+            .arg("--enter")
+            .arg(jail.id().to_string())
+            .args(["--uid", "200098", "--gid", "200098", "--at", at, "--share"])
+            .arg(format!("{owner}:{}", late.display()))
+            .output()
+            .expect("husk-jailer --enter")
+    };
+    // The jail's namespaces exist once its program runs: until then the
+    // entry finds the host's and refuses.
+    let started = std::time::Instant::now();
+    let entered = loop {
+        let out = enter("/shares/late", "1000:1000");
+        if out.status.success() || started.elapsed() > std::time::Duration::from_secs(60) {
+            break out;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let twice = enter("/shares/late", "1000:1000");
+    let escape = enter("/shares/../etc", "1000:1000");
+    let as_root = enter("/shares/other", "0:0");
+    std::fs::write(late.join("stop"), "").expect("write");
+    let done = jail.wait_with_output().expect("the jail");
+    let new_owner = std::fs::metadata(late.join("new")).map(|m| (m.uid(), m.gid()));
+    let _ = std::fs::remove_dir_all(&base);
+
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(entered.status.success(), "{}", text(&entered.stderr));
+    assert!(
+        done.status.success(),
+        "{}{}",
+        text(&done.stdout),
+        text(&done.stderr)
+    );
+    assert_eq!(
+        text(&done.stdout).lines().collect::<Vec<_>>(),
+        ["shares-refused", "late", "200098"]
+    );
+    assert_eq!(new_owner.expect("the jail's new file"), (1000, 1000));
+    assert!(
+        text(&twice.stderr).contains("taken"),
+        "{}",
+        text(&twice.stderr)
+    );
+    assert!(text(&escape.stderr).contains("not a name under /shares"));
+    assert!(text(&as_root.stderr).contains("must not be root"));
+    assert!(!Path::new("/shares/late").exists(), "a mount on the host");
+}
