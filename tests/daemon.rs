@@ -90,6 +90,8 @@ impl TestDaemon {
             .args(["--tcp", &self.tcp])
             .arg("--template-source")
             .arg(template_sources(self))
+            .arg("--mount-root")
+            .arg(mount_root(self))
             .args(["--mcp-max-sandboxes", "1", "--mcp-max-command-s", "60"])
             .args(["--expose", &self.expose, "--expose-domain", FRONT_DOMAIN])
             .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
@@ -239,6 +241,7 @@ fn daemon() -> &'static TestDaemon {
         let state_dir =
             std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
         std::fs::create_dir_all(state_dir.join("sources")).expect("state dir");
+        std::fs::create_dir_all(state_dir.join("shared")).expect("mount root");
         // SAFETY: registers a plain function to run at exit.
         unsafe { libc::atexit(cleanup) };
         let token = "test-token-0123456789abcdef".to_owned();
@@ -254,14 +257,16 @@ fn daemon() -> &'static TestDaemon {
             child: Mutex::new(None),
         };
         d.start(&[]);
-        // One empty drive: every test's sandboxes (forks and
-        // hibernations too) carry it; one test puts media in it.
+        // One empty drive and two empty file-system slots: every test's
+        // sandboxes (forks and hibernations too) carry them; one test puts
+        // media in the drive, one mounts host directories in the slots.
         build_template(
             "base",
             json!({
                 "name": "base",
                 "warmup": [["/bin/sh", "-c", "echo warm > /etc/warm"]],
                 "drive_slots": 1,
+                "fs_slots": 2,
             }),
         )
         .expect("the base template builds");
@@ -946,6 +951,171 @@ fn a_sandbox_drive_takes_an_uploaded_tree_as_a_medium_the_guest_mounts() {
     assert!(mounted_again.is_ok(), "{mounted_again:?}");
     assert_eq!(read_again.stdout, "from-the-medium\n", "{read_again:?}");
     assert_eq!(images, [format!("{}.ext4", first.image)]);
+}
+
+/// Host directories mounted at create: live both ways, the directory
+/// owner's on the host whoever writes in the guest, read-only where asked,
+/// hidden names absent; a clone claimed from the pool takes them as a
+/// restored one does; such a sandbox neither hibernates nor snapshots, and
+/// destroying it leaves the directories.
+#[test]
+fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
+    let (d, _g) = shared();
+    // SAFETY: getuid cannot fail.
+    let root = unsafe { libc::getuid() } == 0;
+    let dir = |name: &str, files: &[(&str, &str)]| {
+        let path = mount_root(d).join(name);
+        std::fs::create_dir(&path).expect("a host directory");
+        for (file, text) in files {
+            std::fs::write(path.join(file), text).expect("a host file");
+        }
+        if root {
+            // An owner who is neither root nor the guest's user: the
+            // mapping shows.
+            for entry in std::fs::read_dir(&path).expect("list").flatten() {
+                std::os::unix::fs::chown(entry.path(), Some(4242), Some(4242)).expect("chown");
+            }
+            std::os::unix::fs::chown(&path, Some(4242), Some(4242)).expect("chown");
+        }
+        path
+    };
+    let work = dir(
+        "work",
+        &[("note", "from-the-host\n"), (".env", "TOKEN=secret\n")],
+    );
+    let docs = dir("docs", &[("readme", "read-me\n")]);
+    let mounts = json!([
+        { "host": work, "guest": "/home/user/work", "hide": [".env"] },
+        { "host": docs, "guest": "/mnt/docs", "readonly": true },
+    ]);
+    let t = own_template("mounting");
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/mounting", Some(&json!({ "size": 1 })))
+        .expect("set pool");
+    wait_until("the pool to fill", || pool("mounting").ready == 1);
+    let owner_of = |path: &Path| {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(path).expect("stat");
+        (meta.uid(), meta.gid())
+    };
+
+    let created = create_with(json!({ "template": "mounting", "mounts": mounts }))
+        .expect("create with mounts");
+    let id = created.sandbox.id.clone();
+    let as_user = exec_with(
+        &id,
+        json!({
+            "argv": ["/bin/sh", "-c", "cd /home/user/work && cat note && ls -A && \
+                stat -c %u:%g note && echo from-the-guest > made && mkdir sub && \
+                cat /mnt/docs/readme && (echo x > /mnt/docs/new) 2>&1; ls /mnt/docs"],
+            "user": { "uid": 1000, "gid": 1000 },
+        }),
+    )
+    .expect("exec as the user");
+    let as_root = sh(&id, "echo by-root > /home/user/work/root-made");
+    std::fs::write(work.join("later"), "written-on-the-host\n").expect("a host write");
+    let live = sh(&id, "cat /home/user/work/later /home/user/work/made");
+    let hidden = sh(&id, "cat /home/user/work/.env");
+    let no_hibernation = status(api().hibernate(&id));
+    let no_snapshot = status(api().snapshot(&id, "with-mounts"));
+    let still = sh(&id, "cat /home/user/work/note");
+    destroy(&id);
+    api()
+        .call::<PoolInfo>("PUT", "/v1/pools/mounting", Some(&json!({ "size": 0 })))
+        .expect("pool off");
+    api()
+        .send("DELETE", &format!("/v1/templates/{}", t.id), Payload::None)
+        .expect("remove template");
+
+    assert!(created.pooled, "{created:?}");
+    let guests: Vec<&str> = created
+        .sandbox
+        .mounts
+        .iter()
+        .map(|m| m.guest.as_str())
+        .collect();
+    assert_eq!(guests, ["/home/user/work", "/mnt/docs"]);
+    let lines: Vec<&str> = as_user.stdout.lines().collect();
+    assert_eq!(
+        lines[..4],
+        ["from-the-host", "note", "1000:1000", "read-me"],
+        "{as_user:?}"
+    );
+    assert!(lines[4].contains("Read-only file system"), "{as_user:?}");
+    assert_eq!(lines[5..], ["readme"], "{as_user:?}");
+    assert_eq!(as_root.code, Some(0), "{as_root:?}");
+    assert_eq!(
+        live.stdout, "written-on-the-host\nfrom-the-guest\n",
+        "{live:?}"
+    );
+    assert_ne!(hidden.code, Some(0), "{hidden:?}");
+    assert_eq!(no_hibernation.0, 409, "{no_hibernation:?}");
+    assert!(
+        no_hibernation.1.contains("/home/user/work"),
+        "{no_hibernation:?}"
+    );
+    assert_eq!(no_snapshot.0, 409, "{no_snapshot:?}");
+    assert_eq!(still.stdout, "from-the-host\n", "{still:?}");
+    // Destroy left the host's files, the guest's among them.
+    assert_eq!(
+        std::fs::read_to_string(work.join("made")).expect("made"),
+        "from-the-guest\n"
+    );
+    assert!(work.join("sub").is_dir());
+    assert_eq!(
+        std::fs::read_to_string(work.join(".env")).expect(".env"),
+        "TOKEN=secret\n"
+    );
+    assert!(!docs.join("new").exists());
+    if root {
+        for made in ["made", "sub", "root-made"] {
+            assert_eq!(owner_of(&work.join(made)), (4242, 4242), "{made}");
+        }
+    }
+}
+
+/// Mounts the daemon cannot give are refused, each with its reason.
+#[test]
+fn mounts_outside_the_roots_or_beyond_the_slots_are_refused() {
+    let (d, _g) = shared();
+    let inside = mount_root(d).join("refusals");
+    std::fs::create_dir_all(&inside).expect("a host directory");
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } == 0 {
+        // A jailed daemon refuses root's directories.
+        std::os::unix::fs::chown(&inside, Some(4242), Some(4242)).expect("chown");
+    }
+    let outside = d.state_dir.join("sources");
+    let refused =
+        |mounts: Value| status(create_with(json!({ "template": "base", "mounts": mounts })));
+
+    let escaping = refused(json!([{ "host": outside, "guest": "/mnt/x" }]));
+    let dotted = refused(json!([{ "host": inside.join("../../sources"), "guest": "/mnt/x" }]));
+    let relative = refused(json!([{ "host": inside, "guest": "mnt/x" }]));
+    let missing = refused(json!([{ "host": inside.join("nope"), "guest": "/mnt/x" }]));
+    let three = refused(json!([
+        { "host": inside, "guest": "/mnt/a" },
+        { "host": inside, "guest": "/mnt/b" },
+        { "host": inside, "guest": "/mnt/c" },
+    ]));
+    let twice = refused(json!([
+        { "host": inside, "guest": "/mnt/a" },
+        { "host": inside, "guest": "/mnt/a" },
+    ]));
+    let unknown = refused(json!([{ "host": inside, "guest": "/mnt/x", "mode": "rw" }]));
+
+    for (what, got, says) in [
+        ("outside the roots", &escaping, "mount root"),
+        ("dotted out of them", &dotted, "mount root"),
+        ("a relative guest path", &relative, "absolute"),
+        ("a missing directory", &missing, "No such file"),
+        ("more than the slots", &three, "fs slots"),
+        ("one guest path twice", &twice, "two mounts at /mnt/a"),
+        ("an unknown field", &unknown, "mode"),
+    ] {
+        assert_eq!(got.0, 400, "{what}: {got:?}");
+        assert!(got.1.contains(says), "{what}: {got:?}");
+    }
 }
 
 #[test]
@@ -2188,6 +2358,11 @@ fn template_sources_are_the_operators_and_everything_else_comes_as_an_upload() {
 /// The directory the test daemon lets API clients build templates from.
 fn template_sources(d: &TestDaemon) -> PathBuf {
     d.state_dir.join("sources")
+}
+
+/// The directory beneath which the test daemon mounts host directories.
+fn mount_root(d: &TestDaemon) -> PathBuf {
+    d.state_dir.join("shared")
 }
 
 /// A tar whose one entry has an absolute path.

@@ -224,6 +224,16 @@ enum Command {
         /// What --idle-s does: hibernate (any use wakes it) or destroy.
         #[arg(long, value_enum, default_value = "hibernate", requires = "idle_s")]
         on_idle: IdleChoice,
+        /// A host directory it sees live, `HOST_DIR:GUEST_DIR[:ro]`
+        /// (repeatable): beneath a --mount-root of the daemon, in one of
+        /// the template's --fs-slots; what the guest creates there is the
+        /// directory owner's on the host.
+        #[arg(long = "mount", value_parser = husk_types::MountSpec::parse)]
+        mounts: Vec<husk_types::MountSpec>,
+        /// With --mount: a path the guest must not see in the mounts
+        /// (`.env`, `*.pem`, `.git/hooks`; repeatable).
+        #[arg(long = "hide", requires = "mounts")]
+        hide: Vec<String>,
         #[arg(last = true)]
         argv: Vec<String>,
     },
@@ -366,6 +376,11 @@ enum TemplateCommand {
         /// put in at run time (a pod's containers; at most 8).
         #[arg(long, default_value_t = 0)]
         drive_slots: u8,
+        /// Empty shared-directory devices in its sandboxes, each of which
+        /// takes a host directory when a sandbox is created (`husk run
+        /// --mount`; at most 8).
+        #[arg(long, default_value_t = 0)]
+        fs_slots: u8,
         /// Offer the host's hardware virtualization (VMX/SVM) to its
         /// sandboxes, so they can run hypervisors of their own (off by
         /// default: it exposes the host's nested-virtualization code).
@@ -896,6 +911,8 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             private_ports,
             idle_s,
             on_idle,
+            mounts,
+            hide,
             argv,
         } => {
             let on_idle = idle_s.map(|after_s| husk_types::IdlePolicy {
@@ -905,14 +922,26 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                     IdleChoice::Destroy => husk_types::IdleAction::Destroy,
                 },
             });
+            let mounts = mounts
+                .into_iter()
+                .map(|m| husk_types::MountSpec {
+                    // The daemon resolves paths in its own directory.
+                    host: std::path::absolute(&m.host).map_or(m.host, |p| p.display().to_string()),
+                    hide: hide.clone(),
+                    ..m
+                })
+                .collect();
             let created = sandboxes::create(
                 &template,
-                ttl_s,
-                &labels,
-                pause_on_expiry,
-                &allow,
-                private_ports,
-                on_idle,
+                sandboxes::RunArgs {
+                    ttl_s,
+                    labels,
+                    pause_on_expiry,
+                    allow,
+                    private_ports,
+                    on_idle,
+                    mounts,
+                },
             )?;
             let id = created.sandbox.id;
             eprintln!(
@@ -967,8 +996,10 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             block_limit,
             net_limit,
             drive_slots,
+            fs_slots,
             nested_virt,
         }) => sandboxes::template_build(sandboxes::BuildArgs {
+            fs_slots,
             nested_virt,
             image,
             network,

@@ -77,30 +77,35 @@ pub fn exec(id: &str, spec: &ExecSpec) -> CliResult {
     Ok(HUSK_FAILED)
 }
 
-pub fn create(
-    template: &str,
-    ttl_s: Option<u64>,
-    labels: &[(String, String)],
-    pause_on_expiry: bool,
-    allow: &[String],
-    private_ports: bool,
-    on_idle: Option<husk_types::IdlePolicy>,
-) -> Result<Created, ApiClientError> {
+/// What `husk run` asks of the daemon, besides its template.
+#[derive(Debug, Default)]
+pub struct RunArgs {
+    pub ttl_s: Option<u64>,
+    pub labels: Vec<(String, String)>,
+    pub pause_on_expiry: bool,
+    pub allow: Vec<String>,
+    pub private_ports: bool,
+    pub on_idle: Option<husk_types::IdlePolicy>,
+    pub mounts: Vec<husk_types::MountSpec>,
+}
+
+pub fn create(template: &str, a: RunArgs) -> Result<Created, ApiClientError> {
     client().create_sandbox(&CreateRequest {
         template: template.to_owned(),
-        ttl_s,
-        labels: labels.iter().cloned().collect(),
-        on_expiry: if pause_on_expiry {
+        ttl_s: a.ttl_s,
+        labels: a.labels.into_iter().collect(),
+        on_expiry: if a.pause_on_expiry {
             ExpiryPolicy::Pause
         } else {
             ExpiryPolicy::Destroy
         },
         egress: EgressSpec {
-            allow: allow.to_vec(),
+            allow: a.allow,
             ..Default::default()
         },
-        private_ports,
-        on_idle,
+        private_ports: a.private_ports,
+        on_idle: a.on_idle,
+        mounts: a.mounts,
     })
 }
 
@@ -280,6 +285,7 @@ pub struct BuildArgs {
     pub block_limit: Option<String>,
     pub net_limit: Option<String>,
     pub drive_slots: u8,
+    pub fs_slots: u8,
     pub nested_virt: bool,
 }
 
@@ -356,6 +362,7 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         block_limit: a.block_limit,
         net_limit: a.net_limit,
         drive_slots: a.drive_slots,
+        fs_slots: a.fs_slots,
         nested_virt: a.nested_virt,
     };
     let started = std::time::Instant::now();

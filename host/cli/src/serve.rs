@@ -122,6 +122,11 @@ pub struct ServeArgs {
     /// daemon runs as root and reads no other host path for a client.
     #[arg(long = "template-source")]
     pub template_sources: Vec<PathBuf>,
+    /// A host directory beneath which sandboxes may be given directories
+    /// live (`husk run --mount`, a create's `mounts`) (repeatable).
+    /// Without one, no sandbox sees a host directory.
+    #[arg(long = "mount-root")]
+    pub mount_roots: Vec<PathBuf>,
     /// Largest upload for a template build, in MiB (default 8192).
     #[arg(long)]
     pub max_upload_mib: Option<u64>,
@@ -185,18 +190,17 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
             ));
         }
     }
-    cfg.template_sources = args
-        .template_sources
-        .iter()
-        .map(|dir| match std::fs::canonicalize(dir) {
-            Ok(real) if real.is_dir() => Ok(real),
-            Ok(_) => Err(format!(
-                "--template-source {}: not a directory",
-                dir.display()
-            )),
-            Err(e) => Err(format!("--template-source {}: {e}", dir.display())),
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let real_dirs = |flag: &str, dirs: &[PathBuf]| {
+        dirs.iter()
+            .map(|dir| match std::fs::canonicalize(dir) {
+                Ok(real) if real.is_dir() => Ok(real),
+                Ok(_) => Err(format!("{flag} {}: not a directory", dir.display())),
+                Err(e) => Err(format!("{flag} {}: {e}", dir.display())),
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    cfg.template_sources = real_dirs("--template-source", &args.template_sources)?;
+    cfg.mount_roots = real_dirs("--mount-root", &args.mount_roots)?;
     // Real paths: builds run in jails that bind them by absolute path, and
     // the daemon's working directory is nobody's business.
     let real = |flag: &str, path: Option<PathBuf>| {

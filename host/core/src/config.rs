@@ -53,6 +53,9 @@ pub struct DaemonConfig {
     /// system or kernel from (real paths); every other file comes as an
     /// upload.
     pub template_sources: Vec<PathBuf>,
+    /// The only host directories whose trees sandboxes may be given live
+    /// (`mounts`; real paths). None: no sandbox sees a host directory.
+    pub mount_roots: Vec<PathBuf>,
     /// Largest upload (`POST /v1/uploads`), in bytes.
     pub max_upload_bytes: u64,
     /// Destroy every sandbox (pooled ones included) when the host stops;
@@ -149,6 +152,7 @@ impl DaemonConfig {
             egress_netns: None,
             egress_upstream_ca: None,
             template_sources: Vec::new(),
+            mount_roots: Vec::new(),
             max_upload_bytes: 8 << 30,
             destroy_on_stop: false,
             front_door: None,

@@ -32,6 +32,7 @@ use husk_agent_client::{AgentClient, ClientError, ClockGate};
 mod hibernate;
 mod media;
 mod ports;
+mod shares;
 pub use ports::{PortStream, MAX_PORT_CONNS};
 
 /// Egress decisions waiting for the audit log.
@@ -331,6 +332,7 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
         disk_bytes: rec.hibernated_bytes,
         traffic_token: rec.traffic_token.clone(),
         on_idle: rec.on_idle,
+        mounts: rec.mounts.clone(),
     }
 }
 
@@ -732,6 +734,18 @@ impl Daemon {
             false => None,
         };
         let t = self.template(&req.template)?;
+        let mounts = self.check_mounts(&t, &req.mounts)?;
+        if !mounts.is_empty()
+            && req
+                .on_idle
+                .is_some_and(|p| p.action == IdleAction::Hibernate)
+        {
+            return Err(DaemonError::Invalid(
+                "a sandbox with mounts does not hibernate (a live share is not saved): \
+                 give on_idle the action destroy"
+                    .into(),
+            ));
+        }
         let expires = req.ttl_s.map(|s| now_unix_ms() + s * 1000);
         let (mut rec, pooled) = match self.claim(&t)? {
             Some(rec) => (rec, true),
@@ -749,12 +763,17 @@ impl Daemon {
         rec.egress_secrets = req.egress.secrets;
         rec.traffic_token = traffic_token;
         rec.on_idle = req.on_idle;
+        rec.mounts = mounts.iter().map(|m| m.spec.clone()).collect();
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
             live.rec = rec.clone();
             // Idle from now, not from when it was parked.
             live.activity.touch();
+        }
+        if let Err(e) = self.attach_mounts(&rec, &mounts, who) {
+            self.destroy_quietly(&rec.id);
+            return Err(e);
         }
         if let Err(e) = self.start_proxy(&rec) {
             self.destroy_quietly(&rec.id);
@@ -1006,6 +1025,7 @@ impl Daemon {
             traffic_token: None,
             on_idle: None,
             media: BTreeMap::new(),
+            mounts: Vec::new(),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.

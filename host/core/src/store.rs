@@ -125,6 +125,10 @@ pub struct SandboxRecord {
     /// SHA-256 (see `Daemon::insert_medium`).
     #[serde(default)]
     pub media: BTreeMap<String, String>,
+    /// Its host directories, in fs slots 0, 1, ... (the host paths as
+    /// resolved).
+    #[serde(default)]
+    pub mounts: Vec<husk_types::MountSpec>,
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -335,6 +339,12 @@ pub(crate) fn test_record(id: &str) -> SandboxRecord {
         traffic_token: None,
         on_idle: None,
         media: BTreeMap::new(),
+        mounts: vec![husk_types::MountSpec {
+            host: "/srv/work".to_owned(),
+            guest: "/home/user/work".to_owned(),
+            readonly: false,
+            hide: vec![".env".to_owned()],
+        }],
     }
 }
 
@@ -407,6 +417,7 @@ mod tests {
             net_limit: None,
             image: None,
             drive_slots: 0,
+            fs_slots: 2,
         };
         store.put_template(&t).expect("put");
 

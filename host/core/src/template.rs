@@ -186,6 +186,17 @@ fn build_in(
             husk_types::drive_slot_id(index)
         ));
     }
+    if spec.fs_slots > husk_types::MAX_FS_SLOTS {
+        return Err(TemplateError::Invalid(format!(
+            "{} fs slots: at most {}",
+            spec.fs_slots,
+            husk_types::MAX_FS_SLOTS
+        )));
+    }
+    // Its empty shared-directory devices: each clone's to fill.
+    let shares = (0..spec.fs_slots)
+        .map(|index| format!("tag={}", husk_types::fs_slot_id(index)))
+        .collect();
     let run = dir.join("build");
     std::fs::create_dir_all(&run).map_err(io(&run))?;
     progress(&format!(
@@ -203,6 +214,7 @@ fn build_in(
         kernel,
         initramfs,
         drives,
+        shares,
         cmdline,
         vcpus: spec.vcpus,
         mem_mib: spec.mem_mib,
@@ -290,6 +302,7 @@ fn build_in(
         net_limit: spec.net_limit,
         image: image_config,
         drive_slots: spec.drive_slots,
+        fs_slots: spec.fs_slots,
     })
 }
 
@@ -477,6 +490,7 @@ pub fn from_sandbox(
         net_limit: parent.and_then(|p| p.net_limit.clone()),
         image: parent.and_then(|p| p.image.clone()),
         drive_slots: parent.map_or(0, |p| p.drive_slots),
+        fs_slots: parent.map_or(0, |p| p.fs_slots),
     })
 }
 
@@ -684,6 +698,7 @@ mod tests {
             net_limit: None,
             image: None,
             drive_slots: 0,
+            fs_slots: 0,
         };
         assert!(verify(&t).is_ok());
 

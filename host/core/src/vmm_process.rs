@@ -101,6 +101,8 @@ pub enum Launch {
         initramfs: Option<PathBuf>,
         /// `--drive` specs (the first is the root when `cmdline` says so).
         drives: Vec<String>,
+        /// `--fs` specs: empty shared-directory slots (`tag=TAG`).
+        shares: Vec<String>,
         /// The guest command line's additions.
         cmdline: Option<String>,
         /// vCPUs.
@@ -184,6 +186,7 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             kernel,
             initramfs,
             drives,
+            shares,
             cmdline,
             vcpus,
             mem_mib,
@@ -198,6 +201,9 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             for drive in drives {
                 args.extend(["--drive".into(), drive.into()]);
                 binds.extend(drive_binds(drive));
+            }
+            for share in shares {
+                args.extend(["--fs".into(), share.into()]);
             }
             if let Some(cmdline) = cmdline {
                 args.extend(["--cmdline".into(), cmdline.into()]);

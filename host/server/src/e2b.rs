@@ -579,6 +579,7 @@ async fn create(
         egress,
         private_ports: body.network.allow_public_traffic == Some(false),
         on_idle: None,
+        mounts: Vec::new(),
     };
     let e = e2b.clone();
     let (created, alias) = blocking(move || {

@@ -16,10 +16,11 @@ pub use exec::{ExecEvent, ExecSpec};
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,
-    Killed, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec,
-    SnapshotRequest,
+    Killed, MountSpec, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate,
+    SecretSpec, SnapshotRequest,
 };
 pub use template::{
-    check_template_name, drive_slot_id, BuildEvent, ImageConfig, KernelSource, MediumInfo,
-    MediumRequest, RootfsSource, TemplateRecord, TemplateSpec, UploadInfo, MAX_DRIVE_SLOTS,
+    check_template_name, drive_slot_id, fs_slot_id, BuildEvent, ImageConfig, KernelSource,
+    MediumInfo, MediumRequest, RootfsSource, TemplateRecord, TemplateSpec, UploadInfo,
+    MAX_DRIVE_SLOTS, MAX_FS_SLOTS,
 };

@@ -32,6 +32,53 @@ pub struct CreateRequest {
     /// What happens when nobody has used it for a while.
     #[serde(default)]
     pub on_idle: Option<IdlePolicy>,
+    /// Host directories it sees live (virtio-fs), each in one of its
+    /// template's fs slots.
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
+}
+
+/// A host directory a sandbox sees live, both ways: its writes reach the
+/// host at once and the host's reach it. What the guest creates there
+/// belongs on the host to the directory's owner (never root), whichever
+/// guest user made it; the owner's files are the guest `user`'s (uid
+/// 1000) inside.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MountSpec {
+    /// The host directory: beneath one of the daemon's mount roots
+    /// (`husk serve --mount-root DIR`).
+    pub host: String,
+    /// Where the guest sees it (an absolute path, made if missing).
+    pub guest: String,
+    /// The guest may read, not write (EROFS).
+    #[serde(default)]
+    pub readonly: bool,
+    /// What the guest must not see there (`.env`, `*.pem`, `.git/hooks`):
+    /// a pattern without `/` matches a name at any depth, one with `/` a
+    /// path from the directory; `*` and `?` match within a name. Hidden
+    /// entries are absent to the guest.
+    #[serde(default)]
+    pub hide: Vec<String>,
+}
+
+impl MountSpec {
+    /// `HOST_DIR:GUEST_DIR[:ro]`, as `husk run --mount` takes it.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let (rest, readonly) = match spec.strip_suffix(":ro") {
+            Some(rest) => (rest, true),
+            None => (spec.strip_suffix(":rw").unwrap_or(spec), false),
+        };
+        match rest.split_once(':') {
+            Some((host, guest)) if !host.is_empty() && guest.starts_with('/') => Ok(MountSpec {
+                host: host.to_owned(),
+                guest: guest.to_owned(),
+                readonly,
+                hide: Vec::new(),
+            }),
+            _ => Err(format!("`{spec}` is not HOST_DIR:GUEST_DIR[:ro]")),
+        }
+    }
 }
 
 /// What happens to a running sandbox nobody uses: no request reached it
@@ -131,6 +178,9 @@ pub struct SandboxInfo {
     /// What happens when nobody uses it for a while.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_idle: Option<IdlePolicy>,
+    /// The host directories it sees (the host paths as resolved).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mounts: Vec<MountSpec>,
 }
 
 /// What a create did.

@@ -142,6 +142,11 @@ pub struct TemplateSpec {
     /// `POST /v1/sandboxes/{id}/media`); at most [`MAX_DRIVE_SLOTS`].
     #[serde(default)]
     pub drive_slots: u8,
+    /// Empty shared-directory devices (virtio-fs) its VMs have, each of
+    /// which a sandbox can be given a host directory in when it is created
+    /// (`mounts`), pooled clones too; at most [`MAX_FS_SLOTS`].
+    #[serde(default)]
+    pub fs_slots: u8,
     /// Offer the host's hardware virtualization (VMX or SVM) to its VMs,
     /// so they can run hypervisors of their own. Off by default: a guest
     /// with it reaches the host kernel's nested-virtualization code. The
@@ -152,6 +157,14 @@ pub struct TemplateSpec {
 
 /// Most empty drives a template's VMs may have.
 pub const MAX_DRIVE_SLOTS: u8 = 8;
+
+/// Most shared-directory slots a template's VMs may have.
+pub const MAX_FS_SLOTS: u8 = 8;
+
+/// The virtio-fs tag of a template's shared-directory slot `index`.
+pub fn fs_slot_id(index: u8) -> String {
+    format!("fs{index}")
+}
 
 /// The id (and serial, which the guest finds it by) of a template's
 /// empty drive `index`.
@@ -175,6 +188,7 @@ impl TemplateSpec {
             block_limit: None,
             net_limit: None,
             drive_slots: 0,
+            fs_slots: 0,
             nested_virt: false,
         }
     }
@@ -231,6 +245,9 @@ pub struct TemplateRecord {
     /// Its VMs' empty drives (see [`TemplateSpec::drive_slots`]).
     #[serde(default)]
     pub drive_slots: u8,
+    /// Its VMs' shared-directory slots (see [`TemplateSpec::fs_slots`]).
+    #[serde(default)]
+    pub fs_slots: u8,
 }
 
 /// One line of a template build's progress stream.

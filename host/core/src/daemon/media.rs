@@ -165,10 +165,19 @@ impl Daemon {
     }
 }
 
-/// Refuses what cannot be done to a sandbox while its drives hold media:
-/// a snapshot would name files of its run directory, which others cannot
-/// read and which go with it.
+/// Refuses what cannot be done to a sandbox while its drives hold media
+/// (a snapshot would name files of its run directory, which others cannot
+/// read and which go with it) or it has host directories mounted.
 pub(super) fn refuse_with_media(rec: &SandboxRecord, what: &str) -> Result<(), DaemonError> {
+    if !rec.mounts.is_empty() {
+        let guest: Vec<&str> = rec.mounts.iter().map(|m| m.guest.as_str()).collect();
+        return Err(DaemonError::Conflict(format!(
+            "sandbox `{}` cannot be {what} while it has host directories mounted ({}): \
+             a live share's session is not saved",
+            rec.id,
+            guest.join(", ")
+        )));
+    }
     if rec.media.is_empty() {
         return Ok(());
     }
@@ -315,6 +324,7 @@ mod tests {
     #[test]
     fn a_sandbox_with_media_names_its_drives_when_refused() {
         let mut rec = crate::store::test_record("sb-1");
+        rec.mounts.clear();
         let free = refuse_with_media(&rec, "hibernated");
         rec.media.insert("slot1".into(), "ab".into());
         rec.media.insert("slot0".into(), "cd".into());
@@ -324,6 +334,16 @@ mod tests {
         assert!(free.is_ok());
         let message = refused.expect_err("media").to_string();
         assert!(message.contains("(slot0, slot1)"), "{message}");
+    }
+
+    #[test]
+    fn a_sandbox_with_mounts_names_them_when_refused() {
+        let rec = crate::store::test_record("sb-1");
+
+        let refused = refuse_with_media(&rec, "snapshotted");
+
+        let message = refused.expect_err("mounts").to_string();
+        assert!(message.contains("(/home/user/work)"), "{message}");
     }
 
     /// The names in `dir`, sorted.

@@ -1,0 +1,224 @@
+//! Host directories a sandbox sees live (a create's `mounts`): each goes in
+//! one of its template's empty virtio-fs slots after the clone is restored
+//! or claimed from the pool, so pooled clones take them too, and the
+//! template's snapshot holds no share.
+//!
+//! For each mount, in order: the host directory is checked (beneath one of
+//! the daemon's mount roots, a directory, owned by someone other than
+//! root); a jailed VMM gets it bound into its running jail at
+//! `/shares/fsN` by `husk-jailer --enter`, idmapped so that the owner's
+//! files are the jail uid's there (what the guest creates is the owner's on
+//! the host); the VMM's slot serves it (its `share` request), the owner
+//! shown to the guest as its `user`; the agent mounts it at the guest path.
+//!
+//! A FUSE session is not saved: a sandbox with mounts neither hibernates
+//! nor snapshots (see [`super::media::refuse_with_media`]). Destroying it
+//! leaves the host directories as they are: the jail's mounts go with its
+//! mount namespace.
+
+use std::os::unix::fs::MetadataExt;
+
+use husk_types::{fs_slot_id, MountSpec};
+
+use super::*;
+
+/// The guest user the owner of a shared directory appears as (guest-init's
+/// root file system's `user`).
+const GUEST_USER: (u32, u32) = (1000, 1000);
+
+/// Where a jailed VMM finds its added shares.
+const JAIL_SHARES: &str = husk_jailer::SHARES;
+
+/// A create's mount, checked: its host path resolved, and that directory's
+/// owner (whose files the guest's user's are).
+pub(super) struct CheckedMount {
+    pub(super) spec: MountSpec,
+    owner: (u32, u32),
+}
+
+impl Daemon {
+    /// Checks a create's mounts against template `t` and the daemon's mount
+    /// roots before a clone is taken; returns them with their host paths
+    /// resolved.
+    pub(super) fn check_mounts(
+        &self,
+        t: &TemplateRecord,
+        mounts: &[MountSpec],
+    ) -> Result<Vec<CheckedMount>, DaemonError> {
+        if mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.cfg.mount_roots.is_empty() {
+            return Err(DaemonError::Invalid(
+                "this daemon gives sandboxes no host directories: start it with \
+                 --mount-root DIR to allow those beneath DIR"
+                    .into(),
+            ));
+        }
+        if mounts.len() > usize::from(t.fs_slots) {
+            return Err(DaemonError::Invalid(format!(
+                "{} mounts, but template `{}` has {} fs slots (husk template build --fs-slots N)",
+                mounts.len(),
+                t.name,
+                t.fs_slots
+            )));
+        }
+        let mut resolved = Vec::with_capacity(mounts.len());
+        for (index, mount) in mounts.iter().enumerate() {
+            let (real, owner) = self.check_mount(mount)?;
+            if mounts[..index].iter().any(|m| m.guest == mount.guest) {
+                return Err(DaemonError::Invalid(format!(
+                    "two mounts at {} in the guest",
+                    mount.guest
+                )));
+            }
+            resolved.push(CheckedMount {
+                spec: MountSpec {
+                    host: real.display().to_string(),
+                    ..mount.clone()
+                },
+                owner,
+            });
+        }
+        Ok(resolved)
+    }
+
+    /// One mount's host directory (real path) and its owner.
+    fn check_mount(&self, mount: &MountSpec) -> Result<(PathBuf, (u32, u32)), DaemonError> {
+        let bad = |why: String| Err(DaemonError::Invalid(format!("mount {}: {why}", mount.host)));
+        let guest = Path::new(&mount.guest);
+        if !guest.is_absolute()
+            || guest.parent().is_none()
+            || guest
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return bad(format!(
+                "the guest path `{}` is not an absolute path below / without `..`",
+                mount.guest
+            ));
+        }
+        // The VMM's share syntax separates options with commas.
+        if let Some(p) = mount.hide.iter().find(|p| p.is_empty() || p.contains(',')) {
+            return bad(format!("the hidden pattern `{p}` is empty or has a comma"));
+        }
+        let real = match std::fs::canonicalize(&mount.host) {
+            Ok(real) => real,
+            Err(e) => return bad(e.to_string()),
+        };
+        if !self
+            .cfg
+            .mount_roots
+            .iter()
+            .any(|root| real.starts_with(root))
+        {
+            return bad(format!(
+                "{} is not beneath a mount root of this daemon (husk serve --mount-root)",
+                real.display()
+            ));
+        }
+        let meta = match std::fs::metadata(&real) {
+            Ok(meta) => meta,
+            Err(e) => return bad(e.to_string()),
+        };
+        if !meta.is_dir() {
+            return bad("not a directory".into());
+        }
+        if self.cfg.jail.is_some() && (meta.uid() == 0 || meta.gid() == 0) {
+            return bad(
+                "owned by root: what the guest creates there would be root's; chown it to the \
+                 user whose files these are"
+                    .into(),
+            );
+        }
+        if real.as_os_str().as_encoded_bytes().contains(&b',') && self.cfg.jail.is_none() {
+            return bad("a path with a comma".into());
+        }
+        Ok((real, (meta.uid(), meta.gid())))
+    }
+
+    /// Gives sandbox `rec` (running, its agent answering) its mounts, in
+    /// fs slots 0, 1, ...
+    pub(super) fn attach_mounts(
+        &self,
+        rec: &SandboxRecord,
+        mounts: &[CheckedMount],
+        who: &str,
+    ) -> Result<(), DaemonError> {
+        for (index, CheckedMount { spec: mount, owner }) in mounts.iter().enumerate() {
+            let tag = fs_slot_id(index as u8);
+            self.attach_mount(rec, &tag, mount, *owner, who)
+                .map_err(|e| match e {
+                    DaemonError::Failed(why) => DaemonError::Failed(format!(
+                        "mount {} at {}: {why}",
+                        mount.host, mount.guest
+                    )),
+                    other => other,
+                })?;
+        }
+        Ok(())
+    }
+
+    fn attach_mount(
+        &self,
+        rec: &SandboxRecord,
+        tag: &str,
+        mount: &MountSpec,
+        owner: (u32, u32),
+        who: &str,
+    ) -> Result<(), DaemonError> {
+        // The VMM sees the owner's files as the ids it runs with in its
+        // jail, or as the owner's where it runs unjailed; the guest sees
+        // them as its user's, and what the guest makes is the owner's.
+        let (path, ids) = match &self.cfg.jail {
+            Some(jail) => {
+                let at = Path::new(JAIL_SHARES).join(tag);
+                let out = std::process::Command::new(&jail.jailer)
+                    .arg("--enter")
+                    .arg(rec.pid.to_string())
+                    .args(["--uid", &rec.uid.to_string(), "--gid", &rec.uid.to_string()])
+                    .arg(if mount.readonly {
+                        "--share-ro"
+                    } else {
+                        "--share"
+                    })
+                    .arg(format!("{}:{}:{}", owner.0, owner.1, mount.host))
+                    .arg("--at")
+                    .arg(&at)
+                    .stdin(std::process::Stdio::null())
+                    .output()
+                    .map_err(|e| DaemonError::Failed(format!("{}: {e}", jail.jailer.display())))?;
+                if !out.status.success() {
+                    return Err(DaemonError::Failed(
+                        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+                    ));
+                }
+                (at.display().to_string(), (rec.uid, rec.uid))
+            }
+            None => (mount.host.clone(), owner),
+        };
+        let mut spec = format!(
+            "tag={tag},path={path},owner={}:{},guest-owner={}:{}",
+            ids.0, ids.1, GUEST_USER.0, GUEST_USER.1
+        );
+        if mount.readonly {
+            spec.push_str(",ro");
+        }
+        for pattern in &mount.hide {
+            spec.push_str(",hide=");
+            spec.push_str(pattern);
+        }
+        match control(&rec.run_dir, &husk_vmm_api::Request::Share { spec })? {
+            husk_vmm_api::Reply::Share { .. } => {}
+            other => {
+                return Err(DaemonError::Failed(format!(
+                    "the VMM answered {other:?} to a share"
+                )))
+            }
+        }
+        let detail = format!("{} at {}", mount.host, mount.guest);
+        self.with_agent(&rec.id, who, ("mount", &detail), |agent| {
+            agent.mount_share(tag, &mount.guest, mount.readonly)
+        })
+    }
+}
