@@ -956,8 +956,9 @@ fn a_sandbox_drive_takes_an_uploaded_tree_as_a_medium_the_guest_mounts() {
 /// Host directories mounted at create: live both ways, the directory
 /// owner's on the host whoever writes in the guest, read-only where asked,
 /// hidden names absent; a clone claimed from the pool takes them as a
-/// restored one does; such a sandbox neither hibernates nor snapshots, and
-/// destroying it leaves the directories.
+/// restored one does; such a sandbox pauses and resumes with them but
+/// neither hibernates nor snapshots, and destroying it leaves the
+/// directories.
 #[test]
 fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
     let (d, _g) = shared();
@@ -1018,6 +1019,8 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
     let hidden = sh(&id, "cat /home/user/work/.env");
     let no_hibernation = status(api().hibernate(&id));
     let no_snapshot = status(api().snapshot(&id, "with-mounts"));
+    api().pause(&id).expect("pause");
+    api().resume(&id).expect("resume");
     let still = sh(&id, "cat /home/user/work/note");
     destroy(&id);
     api()
