@@ -83,4 +83,4 @@ lint:
 bench:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh); \
 	cargo build --release --locked -p husk-cli -p husk-jailer -p husk-shim; \
-	cargo bench --locked --bench micro --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon --bench containerd
+	cargo bench --locked --bench micro --bench boot_timeline --bench devices --bench agent --bench snapshot --bench daemon --bench shares --bench containerd

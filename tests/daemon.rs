@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use husk_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
 use husk_types::{
-    AuditEntry, Created, ExecEvent, MediumInfo, PoolInfo, SandboxInfo, SandboxState, TemplateRecord,
+    AuditEntry, Created, ExecEvent, MediumInfo, PoolInfo, SandboxInfo, SandboxState,
+    TemplateRecord, VolumeInfo,
 };
 use serde_json::{json, Value};
 
@@ -1075,6 +1076,76 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
             assert_eq!(owner_of(&work.join(made)), (4242, 4242), "{made}");
         }
     }
+}
+
+/// A named volume: written by one sandbox, seen by another mounting it at
+/// the same time and by one after, kept when they go, refused deletion
+/// while mounted, and gone with its files when deleted.
+#[test]
+fn a_named_volume_outlives_its_sandboxes_and_goes_only_unmounted() {
+    let (d, _g) = shared();
+    let volume = |body: Value| -> Result<VolumeInfo, ApiClientError> {
+        api().call("POST", "/v1/volumes", Some(&body))
+    };
+    let at_data =
+        |v: &str| json!({ "template": "base", "mounts": [{ "volume": v, "guest": "/data" }] });
+
+    let made = volume(json!({ "name": "cache" })).expect("a volume");
+    let again = status(volume(json!({ "name": "cache" })));
+    let badly_named = status(volume(json!({ "name": "../x" })));
+    let unknown = status(create_with(at_data("nope")));
+    let a = create_with(at_data("cache")).expect("a sandbox with the volume");
+    let wrote = exec_with(
+        &a.sandbox.id,
+        json!({
+            "argv": ["/bin/sh", "-c", "echo from-a > /data/f && mkdir /data/d"],
+            "user": { "uid": 1000, "gid": 1000 },
+        }),
+    )
+    .expect("exec");
+    let b = create_with(at_data(&made.id)).expect("a second sandbox with the volume");
+    let both = sh(&b.sandbox.id, "cat /data/f && echo from-b > /data/d/g");
+    let listed: VolumeInfo = api()
+        .call("GET", "/v1/volumes/cache", None)
+        .expect("the volume");
+    let busy = status(api().send("DELETE", "/v1/volumes/cache", Payload::None));
+    destroy(&a.sandbox.id);
+    destroy(&b.sandbox.id);
+    let dir = d.state_dir.join("volumes").join(&made.id);
+    let kept = std::fs::read_to_string(dir.join("d/g"));
+    let owner = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(dir.join("f")).map(|m| (m.uid(), m.gid()))
+    };
+    let deleted = api().send("DELETE", "/v1/volumes/cache", Payload::None);
+    let after = status(api().call::<VolumeInfo>("GET", "/v1/volumes/cache", None));
+
+    assert_eq!(made.name, "cache");
+    assert!(made.mounted_by.is_empty());
+    assert_eq!(again.0, 409, "{again:?}");
+    assert_eq!(badly_named.0, 400, "{badly_named:?}");
+    assert!(badly_named.1.contains("volume name"), "{badly_named:?}");
+    assert_eq!(unknown.0, 400, "{unknown:?}");
+    assert!(unknown.1.contains("no volume `nope`"), "{unknown:?}");
+    assert_eq!(wrote.code, Some(0), "{wrote:?}");
+    assert_eq!(both.stdout, "from-a\n", "{both:?}");
+    let mut users = vec![a.sandbox.id.clone(), b.sandbox.id.clone()];
+    users.sort();
+    assert_eq!(listed.mounted_by, users);
+    assert_eq!(busy.0, 409, "{busy:?}");
+    assert!(busy.1.contains(&a.sandbox.id), "{busy:?}");
+    assert_eq!(
+        kept.expect("the volume's file after its sandboxes"),
+        "from-b\n"
+    );
+    // SAFETY: getuid cannot fail.
+    if unsafe { libc::getuid() } == 0 {
+        // Neither root's nor a jail's: the volumes' own owner.
+        assert_eq!(owner.expect("stat"), (199_999, 199_999));
+    }
+    assert!(deleted.is_ok(), "{deleted:?}");
+    assert!(!dir.exists());
+    assert_eq!(after.0, 404, "{after:?}");
 }
 
 /// Mounts the daemon cannot give are refused, each with its reason.

@@ -20,6 +20,7 @@ from e2b import (
     Sandbox,
     SandboxQuery,
     TimeoutException,
+    Volume,
 )
 
 TEMPLATE = os.environ.get("HUSK_E2B_TEMPLATE", "base")
@@ -331,3 +332,23 @@ def test_bad_input():
         assert "token" in str(e.value).lower() or "unauthenticated" in str(e.value).lower()
     finally:
         live.kill()
+
+
+def test_a_volume_mounts_by_name_and_outlives_its_sandbox():
+    vol = Volume.create("e2b-vol")
+    assert vol.name == "e2b-vol" and vol.volume_id.startswith("vol-")
+    s = Sandbox.create(TEMPLATE, volume_mounts={"/mnt/vol": vol}, request_timeout=SLOW)
+    try:
+        r = s.commands.run(
+            "echo kept > /mnt/vol/note && cat /mnt/vol/note", timeout=SLOW, request_timeout=SLOW
+        )
+        assert r.stdout == "kept\n"
+        with pytest.raises(Exception) as e:
+            Volume.destroy(vol.volume_id)
+        assert "mounted" in str(e.value)
+    finally:
+        s.kill()
+    assert [v.name for v in Volume.list() if v.volume_id == vol.volume_id] == ["e2b-vol"]
+    assert Volume.get_info("e2b-vol").volume_id == vol.volume_id
+    assert Volume.destroy(vol.volume_id) is True
+    assert Volume.destroy(vol.volume_id) is False

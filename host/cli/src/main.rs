@@ -230,8 +230,13 @@ enum Command {
         /// directory owner's on the host.
         #[arg(long = "mount", value_parser = husk_types::MountSpec::parse)]
         mounts: Vec<husk_types::MountSpec>,
-        /// With --mount: a path the guest must not see in the mounts
-        /// (`.env`, `*.pem`, `.git/hooks`; repeatable).
+        /// A named volume it sees live, `VOLUME:GUEST_DIR[:ro]`
+        /// (repeatable; `husk volume create`), in one of the template's
+        /// --fs-slots after the --mount directories.
+        #[arg(long = "volume", value_parser = husk_types::MountSpec::parse_volume)]
+        volumes: Vec<husk_types::MountSpec>,
+        /// With --mount: a path the guest must not see in the mounted
+        /// host directories (`.env`, `*.pem`, `.git/hooks`; repeatable).
         #[arg(long = "hide", requires = "mounts")]
         hide: Vec<String>,
         #[arg(last = true)]
@@ -264,6 +269,10 @@ enum Command {
     /// Warm pools: set a template's size, list.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Named volumes: directories the daemon keeps, mounted by name
+    /// (`husk run --volume NAME:GUEST_DIR`), which outlive sandboxes.
+    #[command(subcommand)]
+    Volume(VolumeCommand),
     /// The daemon's audit log.
     Audit {
         #[arg(long)]
@@ -401,6 +410,21 @@ enum TemplateCommand {
     /// Check a template's files against their checksums.
     Verify {
         name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum VolumeCommand {
+    /// Make an empty volume.
+    Create { name: String },
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete volumes and their files (refused while mounted).
+    Rm {
+        #[arg(required = true)]
+        names: Vec<String>,
     },
 }
 
@@ -837,6 +861,7 @@ fn through_daemon(command: &Command) -> bool {
         | Command::Port { .. }
         | Command::Template(_)
         | Command::Pool(_)
+        | Command::Volume(_)
         | Command::Audit { .. } => true,
         _ => false,
     }
@@ -912,6 +937,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             idle_s,
             on_idle,
             mounts,
+            volumes,
             hide,
             argv,
         } => {
@@ -930,6 +956,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
                     hide: hide.clone(),
                     ..m
                 })
+                .chain(volumes)
                 .collect();
             let created = sandboxes::create(
                 &template,
@@ -1021,6 +1048,9 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         Command::Template(TemplateCommand::Verify { name }) => sandboxes::template_verify(&name),
         Command::Pool(PoolCommand::Set { template, size }) => sandboxes::pool_set(&template, size),
         Command::Pool(PoolCommand::Ls { json }) => sandboxes::pool_ls(json),
+        Command::Volume(VolumeCommand::Create { name }) => sandboxes::volume_create(&name),
+        Command::Volume(VolumeCommand::Ls { json }) => sandboxes::volume_ls(json),
+        Command::Volume(VolumeCommand::Rm { names }) => sandboxes::volume_rm(&names),
         Command::Audit { sandbox, json } => sandboxes::audit(sandbox.as_deref(), json),
         _ => unreachable!("through_daemon() chose this command"),
     }

@@ -447,6 +447,34 @@ pub fn pool_ls(as_json: bool) -> CliResult {
     Ok(0)
 }
 
+pub fn volume_create(name: &str) -> CliResult {
+    let v = client().create_volume(name)?;
+    println!("{}", v.id);
+    Ok(0)
+}
+
+pub fn volume_ls(as_json: bool) -> CliResult {
+    let list = client().volumes()?;
+    if as_json {
+        print_json(&list);
+        return Ok(0);
+    }
+    println!("{:<20}  {:<24}  MOUNTED BY", "ID", "NAME");
+    for v in list {
+        println!("{:<20}  {:<24}  {}", v.id, v.name, v.mounted_by.join(","));
+    }
+    Ok(0)
+}
+
+/// Deletes each volume; the first refusal stops it.
+pub fn volume_rm(names: &[String]) -> CliResult {
+    let c = client();
+    for name in names {
+        c.delete_volume(name)?;
+    }
+    Ok(0)
+}
+
 pub fn audit(sandbox: Option<&str>, as_json: bool) -> CliResult {
     let log = client().audit(sandbox)?;
     if as_json {

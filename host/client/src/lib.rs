@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use husk_types::{
     AuditEntry, BuildEvent, CreateRequest, Created, DirEntry, ExecEvent, ExecSpec, ForkRequest,
     Forked, Killed, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxUpdate, SnapshotRequest,
-    TemplateRecord, TemplateSpec,
+    TemplateRecord, TemplateSpec, VolumeInfo, VolumeRequest,
 };
 
 /// Errors talking to the daemon.
@@ -773,6 +773,31 @@ impl ApiClient {
     pub fn verify_template(&self, name: &str) -> Result<serde_json::Value, ApiClientError> {
         self.send("POST", &Self::template_path(name, "/verify"), Payload::None)?
             .json()
+    }
+
+    /// Makes named volume `name` (`POST /v1/volumes`).
+    pub fn create_volume(&self, name: &str) -> Result<VolumeInfo, ApiClientError> {
+        let body = serde_json::to_vec(&VolumeRequest {
+            name: name.to_owned(),
+        })
+        .unwrap_or_default();
+        self.send("POST", "/v1/volumes", Payload::Json(body))?
+            .json()
+    }
+
+    /// Every named volume (`GET /v1/volumes`).
+    pub fn volumes(&self) -> Result<Vec<VolumeInfo>, ApiClientError> {
+        self.send("GET", "/v1/volumes", Payload::None)?.json()
+    }
+
+    /// Deletes named volume `name` and its files (`DELETE /v1/volumes/{name}`).
+    pub fn delete_volume(&self, name: &str) -> Result<(), ApiClientError> {
+        self.send(
+            "DELETE",
+            &format!("/v1/volumes/{}", encode(name)),
+            Payload::None,
+        )
+        .map(drop)
     }
 
     /// Every warm pool (`GET /v1/pools`).

@@ -33,6 +33,7 @@ mod hibernate;
 mod media;
 mod ports;
 mod shares;
+mod volumes;
 pub use ports::{PortStream, MAX_PORT_CONNS};
 
 /// Egress decisions waiting for the audit log.

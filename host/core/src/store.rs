@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     template TEXT NOT NULL,
     record TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS volumes (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    created_unix_ms INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pools (
     template TEXT PRIMARY KEY,
     target INTEGER NOT NULL
@@ -241,6 +246,50 @@ impl Store {
         Ok(out)
     }
 
+    /// Adds a volume; false if one has that name already.
+    pub fn add_volume(
+        &self,
+        id: &str,
+        name: &str,
+        created_unix_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let added = self.conn().execute(
+            "INSERT OR IGNORE INTO volumes (id, name, created_unix_ms) VALUES (?1, ?2, ?3)",
+            params![id, name, created_unix_ms as i64],
+        )?;
+        Ok(added == 1)
+    }
+
+    /// Every volume: (id, name, created), by name.
+    pub fn volumes(&self) -> Result<Vec<(String, String, u64)>, StoreError> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare("SELECT id, name, created_unix_ms FROM volumes ORDER BY name")?;
+        let rows = stmt.query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The volume with this id or name: (id, name, created).
+    pub fn volume(&self, id_or_name: &str) -> Result<Option<(String, String, u64)>, StoreError> {
+        Ok(self
+            .conn()
+            .query_row(
+                "SELECT id, name, created_unix_ms FROM volumes WHERE id = ?1 OR name = ?1",
+                params![id_or_name],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64)),
+            )
+            .optional()?)
+    }
+
+    /// Removes a volume's record.
+    pub fn remove_volume(&self, id: &str) -> Result<(), StoreError> {
+        self.conn()
+            .execute("DELETE FROM volumes WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
     /// Sets a template's pool size (0 removes the pool).
     pub fn set_pool(&self, template: &str, target: u32) -> Result<(), StoreError> {
         let conn = self.conn();
@@ -341,6 +390,7 @@ pub(crate) fn test_record(id: &str) -> SandboxRecord {
         media: BTreeMap::new(),
         mounts: vec![husk_types::MountSpec {
             host: "/srv/work".to_owned(),
+            volume: None,
             guest: "/home/user/work".to_owned(),
             readonly: false,
             hide: vec![".env".to_owned()],
@@ -395,6 +445,23 @@ mod tests {
 
         assert!(edit.is_err() && delete.is_err());
         assert_eq!(store.audit_log(Some("sb-1"), 0, 10).expect("read").len(), 1);
+        std::fs::remove_dir_all(dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_volume_is_found_by_id_or_name_and_its_name_is_unique() {
+        let (store, dir) = temp_store();
+
+        let first = store.add_volume("vol-1", "cache", 5).expect("add");
+        let same_name = store.add_volume("vol-2", "cache", 6).expect("add");
+        let by_name = store.volume("cache").expect("get");
+        let by_id = store.volume("vol-1").expect("get");
+        store.remove_volume("vol-1").expect("remove");
+
+        assert!(first && !same_name);
+        assert_eq!(by_name, Some(("vol-1".into(), "cache".into(), 5)));
+        assert_eq!(by_id, by_name);
+        assert!(store.volumes().expect("list").is_empty());
         std::fs::remove_dir_all(dir).expect("cleanup");
     }
 

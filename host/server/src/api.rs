@@ -31,7 +31,7 @@ use husk_core::template::TemplateError;
 use husk_core::upload::UploadError;
 use husk_types::{
     BuildEvent, CreateRequest, ExecEvent, ExecSpec, ForkRequest, Forked, Killed, PoolSize,
-    SandboxState, SandboxUpdate, SnapshotRequest, TemplateSpec,
+    SandboxState, SandboxUpdate, SnapshotRequest, TemplateSpec, VolumeRequest,
 };
 
 use crate::mcp::HttpService;
@@ -163,6 +163,10 @@ routes! {
     delete "/v1/templates/{id}" => remove_template,
     post "/v1/templates/{id}/verify" => verify_template,
     post "/v1/uploads" => receive_upload,
+    get "/v1/volumes" => list_volumes,
+    post "/v1/volumes" => create_volume,
+    get "/v1/volumes/{id}" => get_volume,
+    delete "/v1/volumes/{id}" => delete_volume,
     get "/v1/pools" => list_pools,
     put "/v1/pools/{template}" => set_pool,
     get "/v1/sandboxes" => list_sandboxes,
@@ -311,6 +315,35 @@ async fn remove_template(
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     blocking(move || d.remove_template(&id, &who.0)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn list_volumes(State(d): State<Shared>) -> ApiResult<Response> {
+    let v = blocking(move || d.volumes()).await?;
+    Ok(ok(StatusCode::OK, v))
+}
+
+async fn create_volume(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let req: VolumeRequest = json(&body)?;
+    let v = blocking(move || d.create_volume(&req.name, &who.0)).await?;
+    Ok(ok(StatusCode::CREATED, v))
+}
+
+async fn get_volume(State(d): State<Shared>, Path(id): Path<String>) -> ApiResult<Response> {
+    let v = blocking(move || d.volume(&id)).await?;
+    Ok(ok(StatusCode::OK, v))
+}
+
+async fn delete_volume(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    blocking(move || d.delete_volume(&id, &who.0)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -43,7 +43,8 @@ use tokio::sync::mpsc;
 use husk_agent_client::{AgentClient, ClientError, Event};
 use husk_core::daemon::{Daemon, DaemonError};
 use husk_types::{
-    CreateRequest, EgressSpec, ExpiryPolicy, SandboxInfo, SandboxState, SandboxUpdate, SecretSpec,
+    CreateRequest, EgressSpec, ExpiryPolicy, MountSpec, SandboxInfo, SandboxState, SandboxUpdate,
+    SecretSpec, VolumeInfo, VolumeRequest,
 };
 
 /// What husk's envd speaks (see the module docs).
@@ -287,6 +288,8 @@ pub fn router(e2b: Shared) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/volumes", post(create_volume).get(list_volumes))
+        .route("/volumes/{id}", get(volume).delete(delete_volume))
         .route("/health", get(health))
         .route("/files", get(download).post(upload))
         .route("/process.Process/StreamInput", post(stream_input))
@@ -425,6 +428,17 @@ struct CreateBody {
     /// not (`mode: filesystem`), which husk does as a hibernation.
     auto_pause_memory: Option<bool>,
     auto_resume: Option<AutoResume>,
+    /// Named volumes it mounts (read-write), by name.
+    #[serde(default)]
+    volume_mounts: Vec<VolumeMount>,
+}
+
+/// One of a create's `volumeMounts`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VolumeMount {
+    name: String,
+    path: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -579,7 +593,17 @@ async fn create(
         egress,
         private_ports: body.network.allow_public_traffic == Some(false),
         on_idle: None,
-        mounts: Vec::new(),
+        mounts: body
+            .volume_mounts
+            .iter()
+            .map(|v| MountSpec {
+                host: String::new(),
+                volume: Some(v.name.clone()),
+                guest: v.path.clone(),
+                readonly: false,
+                hide: Vec::new(),
+            })
+            .collect(),
     };
     let e = e2b.clone();
     let (created, alias) = blocking(move || {
@@ -709,6 +733,73 @@ async fn kill(
     let sid = id.clone();
     blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
     e2b.forget(&HashSet::from([id]));
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+// ---- volumes ----
+
+/// A volume as E2B shows it. Its `token` is for E2B's volume-content API
+/// (files of an unmounted volume), which husk does not serve: empty.
+fn volume_json(v: &VolumeInfo) -> Value {
+    json!({ "volumeID": v.id, "name": v.name, "token": "" })
+}
+
+async fn create_volume(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let req: VolumeRequest = serde_json::from_slice(&body).map_err(|e| {
+        RestError(
+            StatusCode::BAD_REQUEST,
+            format!("malformed volume request: {e}"),
+        )
+    })?;
+    let v = blocking(move || {
+        e2b.daemon
+            .create_volume(&req.name, "e2b")
+            .map_err(RestError::from)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, axum::Json(volume_json(&v))).into_response())
+}
+
+async fn list_volumes(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let list = blocking(move || e2b.daemon.volumes().map_err(RestError::from)).await?;
+    let list: Vec<Value> = list
+        .iter()
+        .map(|v| json!({ "volumeID": v.id, "name": v.name }))
+        .collect();
+    Ok(axum::Json(list).into_response())
+}
+
+async fn volume(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let v = blocking(move || e2b.daemon.volume(&id).map_err(RestError::from)).await?;
+    Ok(axum::Json(volume_json(&v)).into_response())
+}
+
+async fn delete_volume(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    blocking(move || {
+        e2b.daemon
+            .delete_volume(&id, "e2b")
+            .map_err(RestError::from)
+    })
+    .await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -9,6 +9,7 @@ mod audit;
 mod exec;
 mod sandbox;
 mod template;
+mod volume;
 
 pub use audit::AuditEntry;
 pub use exec::{ExecEvent, ExecSpec};
@@ -24,3 +25,4 @@ pub use template::{
     MediumInfo, MediumRequest, RootfsSource, TemplateRecord, TemplateSpec, UploadInfo,
     MAX_DRIVE_SLOTS, MAX_FS_SLOTS,
 };
+pub use volume::{check_volume_name, VolumeInfo, VolumeRequest};

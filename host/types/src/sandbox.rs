@@ -47,8 +47,14 @@ pub struct CreateRequest {
 #[serde(deny_unknown_fields)]
 pub struct MountSpec {
     /// The host directory: beneath one of the daemon's mount roots
-    /// (`husk serve --mount-root DIR`).
+    /// (`husk serve --mount-root DIR`). Empty for a volume's mount (the
+    /// daemon shows its directory).
+    #[serde(default)]
     pub host: String,
+    /// Instead of `host`: a named volume's id or name (see
+    /// [`crate::VolumeInfo`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<String>,
     /// Where the guest sees it (an absolute path, made if missing).
     pub guest: String,
     /// The guest may read, not write (EROFS).
@@ -73,10 +79,23 @@ impl MountSpec {
             Some((host, guest)) if !host.is_empty() && guest.starts_with('/') => Ok(MountSpec {
                 host: host.to_owned(),
                 guest: guest.to_owned(),
+                volume: None,
                 readonly,
                 hide: Vec::new(),
             }),
             _ => Err(format!("`{spec}` is not HOST_DIR:GUEST_DIR[:ro]")),
+        }
+    }
+
+    /// `VOLUME:GUEST_DIR[:ro]`, as `husk run --volume` takes it.
+    pub fn parse_volume(spec: &str) -> Result<Self, String> {
+        match Self::parse(spec) {
+            Ok(m) if !m.host.contains('/') => Ok(MountSpec {
+                host: String::new(),
+                volume: Some(m.host),
+                ..m
+            }),
+            _ => Err(format!("`{spec}` is not VOLUME:GUEST_DIR[:ro]")),
         }
     }
 }

@@ -48,10 +48,10 @@ impl Daemon {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
-        if self.cfg.mount_roots.is_empty() {
+        if self.cfg.mount_roots.is_empty() && mounts.iter().any(|m| m.volume.is_none()) {
             return Err(DaemonError::Invalid(
                 "this daemon gives sandboxes no host directories: start it with \
-                 --mount-root DIR to allow those beneath DIR"
+                 --mount-root DIR to allow those beneath DIR (named volumes need none)"
                     .into(),
             ));
         }
@@ -65,7 +65,13 @@ impl Daemon {
         }
         let mut resolved = Vec::with_capacity(mounts.len());
         for (index, mount) in mounts.iter().enumerate() {
-            let (real, owner) = self.check_mount(mount)?;
+            let (mount, real, owner) = match &mount.volume {
+                Some(volume) => self.check_volume_mount(mount, volume)?,
+                None => {
+                    let (real, owner) = self.check_mount(mount)?;
+                    (mount.clone(), real, owner)
+                }
+            };
             if mounts[..index].iter().any(|m| m.guest == mount.guest) {
                 return Err(DaemonError::Invalid(format!(
                     "two mounts at {} in the guest",
@@ -75,7 +81,7 @@ impl Daemon {
             resolved.push(CheckedMount {
                 spec: MountSpec {
                     host: real.display().to_string(),
-                    ..mount.clone()
+                    ..mount
                 },
                 owner,
             });
@@ -83,9 +89,10 @@ impl Daemon {
         Ok(resolved)
     }
 
-    /// One mount's host directory (real path) and its owner.
-    fn check_mount(&self, mount: &MountSpec) -> Result<(PathBuf, (u32, u32)), DaemonError> {
-        let bad = |why: String| Err(DaemonError::Invalid(format!("mount {}: {why}", mount.host)));
+    /// What a mount's guest side must be, whatever it mounts: `what` names
+    /// the mount in the refusal.
+    fn check_guest_side(what: &str, mount: &MountSpec) -> Result<(), DaemonError> {
+        let bad = |why: String| Err(DaemonError::Invalid(format!("mount {what}: {why}")));
         let guest = Path::new(&mount.guest);
         if !guest.is_absolute()
             || guest.parent().is_none()
@@ -102,6 +109,39 @@ impl Daemon {
         if let Some(p) = mount.hide.iter().find(|p| p.is_empty() || p.contains(',')) {
             return bad(format!("the hidden pattern `{p}` is empty or has a comma"));
         }
+        Ok(())
+    }
+
+    /// A volume's mount: the mount as recorded (the volume by id), the
+    /// volume's directory and its owner.
+    fn check_volume_mount(
+        &self,
+        mount: &MountSpec,
+        volume: &str,
+    ) -> Result<(MountSpec, PathBuf, (u32, u32)), DaemonError> {
+        Self::check_guest_side(&format!("of volume {volume}"), mount)?;
+        if !mount.host.is_empty() {
+            return Err(DaemonError::Invalid(format!(
+                "mount of volume {volume}: give a host directory or a volume, not both"
+            )));
+        }
+        let v = self.volume(volume).map_err(|e| match e {
+            DaemonError::NotFound(why) => DaemonError::Invalid(why),
+            other => other,
+        })?;
+        let dir = self.volume_dir(&v.id);
+        let meta = std::fs::metadata(&dir)?;
+        let recorded = MountSpec {
+            volume: Some(v.id),
+            ..mount.clone()
+        };
+        Ok((recorded, dir, (meta.uid(), meta.gid())))
+    }
+
+    /// One mount's host directory (real path) and its owner.
+    fn check_mount(&self, mount: &MountSpec) -> Result<(PathBuf, (u32, u32)), DaemonError> {
+        let bad = |why: String| Err(DaemonError::Invalid(format!("mount {}: {why}", mount.host)));
+        Self::check_guest_side(&mount.host, mount)?;
         let real = match std::fs::canonicalize(&mount.host) {
             Ok(real) => real,
             Err(e) => return bad(e.to_string()),
@@ -216,7 +256,10 @@ impl Daemon {
                 )))
             }
         }
-        let detail = format!("{} at {}", mount.host, mount.guest);
+        let detail = match &mount.volume {
+            Some(volume) => format!("volume {volume} at {}", mount.guest),
+            None => format!("{} at {}", mount.host, mount.guest),
+        };
         self.with_agent(&rec.id, who, ("mount", &detail), |agent| {
             agent.mount_share(tag, &mount.guest, mount.readonly)
         })
