@@ -2,16 +2,16 @@
 //! API and a copy, as a client sees them:
 //!
 //!     cargo build --release -p husk-cli -p husk-jailer && cargo bench --bench shares
-//!     HUSK_BENCH_CREATES=20 HUSK_BENCH_FILES=200 HUSK_BENCH_RUNS=3
+//!     HUSK_BENCH_CREATES=20 HUSK_BENCH_FILES=200 (0: the creates alone) HUSK_BENCH_RUNS=3
 //!     HUSK_BENCH_NO_JAIL=1   (the daemon with --no-jail; the jail needs root)
 //!
 //! Starts a daemon with a mount root, builds a 256 MiB template with one
 //! empty fs slot (one boot), then measures:
 //! - pooled create with a mount against one without (alternating, from a
 //!   pool of 2): the API call until the daemon answers with a sandbox that
-//!   takes an exec; the difference is what mounting costs (the jailer
-//!   entering the running jail, the VMM's share request, the guest's
-//!   mount);
+//!   takes an exec; the difference is what mounting costs: the host's part
+//!   (the jailer entering the running jail, the VMM's share request) and
+//!   the guest's (its mount), as the create's audit entry has them;
 //! - a source tree (FILES files of 4 KiB in 10 directories) reaching a
 //!   guest program: on the share (the host wrote it; the guest reads every
 //!   file where it is) against the files API (its tar uploaded, unpacked in
@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use common::{kill_everything_under, percentile};
 use husk_client::{ApiClient, Endpoint, Payload};
-use husk_types::{Created, ExecEvent, PoolInfo};
+use husk_types::{AuditEntry, Created, ExecEvent, PoolInfo};
 use serde_json::{json, Value};
 
 fn env_count(var: &str, default: usize) -> usize {
@@ -130,6 +130,23 @@ impl Bench {
             }
         }
         t.elapsed().as_secs_f64() * 1000.0
+    }
+
+    /// The host's and the guest's part of sandbox `id`'s mounts at its
+    /// create, in ms (its audit entry's `mounts_ms=HOST+GUEST`).
+    fn mount_phases(&self, id: &str) -> (f64, f64) {
+        let log: Vec<AuditEntry> = self
+            .api
+            .call("GET", &format!("/v1/audit?sandbox={id}"), None)
+            .expect("audit");
+        log.iter()
+            .filter(|e| e.action == "create")
+            .find_map(|e| {
+                let took = e.detail.split_once("mounts_ms=")?.1;
+                let (host, guest) = took.split_whitespace().next()?.split_once('+')?;
+                Some((host.parse().ok()?, guest.parse().ok()?))
+            })
+            .expect("the create's mounts_ms in the audit log")
     }
 
     fn put(&self, id: &str, path: &str, mut body: &[u8]) -> f64 {
@@ -247,6 +264,7 @@ fn main() {
 
     // The host side: a tree, a 32 MiB file, and room for the guest's.
     let work = root.join("work");
+    std::fs::create_dir_all(work.join("tree")).expect("the share's directory");
     make_tree(&work.join("tree"), files);
     std::fs::write(work.join("big"), vec![0x5au8; 32 << 20]).expect("big file");
     let tar_path = state_dir.join("tree.tar");
@@ -270,6 +288,7 @@ fn main() {
         .call::<PoolInfo>("PUT", "/v1/pools/base", Some(&json!({ "size": 2 })))
         .expect("pool");
     let (mut with, mut without, mut misses) = (Vec::new(), Vec::new(), 0);
+    let (mut host_side, mut guest_side) = (Vec::new(), Vec::new());
     for i in 0..creates * 2 {
         let deadline = Instant::now() + Duration::from_secs(600);
         while bench.ready() < 2 {
@@ -280,7 +299,12 @@ fn main() {
         let (c, ms) = bench.create(body);
         match (c.pooled, i % 2 == 0) {
             (false, _) => misses += 1,
-            (true, true) => with.push(ms),
+            (true, true) => {
+                with.push(ms);
+                let (host, guest) = bench.mount_phases(&c.sandbox.id);
+                host_side.push(host);
+                guest_side.push(guest);
+            }
             (true, false) => without.push(ms),
         }
         bench.destroy(&c.sandbox.id);
@@ -297,6 +321,14 @@ fn main() {
             "  the mount adds (p50): {:.1} ms",
             percentile(&with, 0.5) - percentile(&without, 0.5)
         );
+    }
+    summary(
+        "of which the host's part (jailer --enter, the VMM's share request)",
+        &host_side,
+    );
+    summary("and the guest's (the agent's mount)", &guest_side);
+    if files == 0 {
+        return;
     }
 
     // One sandbox with the share for the rest.

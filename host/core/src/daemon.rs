@@ -772,10 +772,13 @@ impl Daemon {
             // Idle from now, not from when it was parked.
             live.activity.touch();
         }
-        if let Err(e) = self.attach_mounts(&rec, &mounts, who) {
-            self.destroy_quietly(&rec.id);
-            return Err(e);
-        }
+        let mounts_ms = match self.attach_mounts(&rec, &mounts, who) {
+            Ok(took) => took,
+            Err(e) => {
+                self.destroy_quietly(&rec.id);
+                return Err(e);
+            }
+        };
         if let Err(e) = self.start_proxy(&rec) {
             self.destroy_quietly(&rec.id);
             return Err(e);
@@ -788,7 +791,7 @@ impl Daemon {
             "create",
             Some(&rec.id),
             Some(&t.id),
-            &format!("pooled={pooled} create_ms={create_ms:.1}"),
+            &format!("pooled={pooled} create_ms={create_ms:.1}{mounts_ms}"),
         )?;
         tracing::info!(sandbox = %rec.id, template = %t.name, pooled, create_ms, "created");
         Ok(Created {
