@@ -352,3 +352,55 @@ def test_a_volume_mounts_by_name_and_outlives_its_sandbox():
     assert Volume.get_info("e2b-vol").volume_id == vol.volume_id
     assert Volume.destroy(vol.volume_id) is True
     assert Volume.destroy(vol.volume_id) is False
+
+
+def test_fork_copies_a_running_sandbox_with_its_files_and_programs():
+    src = Sandbox.create(TEMPLATE, timeout=600, metadata={"suite": "fork"}, request_timeout=SLOW)
+    try:
+        src.files.write("/home/user/f", "src")
+        # timeout=0: no command timeout. With one (the SDK's default 60 s),
+        # the program is killed in the forks right after their restore
+        # (the agent's deadline fires early in a clone): a known bug.
+        src.commands.run(
+            "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 1; done",
+            background=True,
+            timeout=0,
+            request_timeout=SLOW,
+        )
+        # The counter moved on within a minute (a loaded emulating host
+        # runs a guest loop slowly); its process is listed either way.
+        counting = (
+            "for i in $(seq 60); do [ -s /tmp/count ] && break; sleep 1; done;"
+            " a=$(cat /tmp/count); for i in $(seq 60); do sleep 1; b=$(cat /tmp/count);"
+            " [ $b -gt $a ] && echo counting && exit 0; done; exit 1"
+        )
+        assert src.commands.run(counting, timeout=SLOW, request_timeout=SLOW).stdout == "counting\n"
+        forks = src.fork(count=2, timeout=300, request_timeout=SLOW)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        try:
+            ids = {f.sandbox_id for f in forks}
+            assert len(ids) == 2 and src.sandbox_id not in ids
+            for f in forks:
+                assert f.files.read("/home/user/f") == "src"
+                assert f.commands.run(counting, timeout=SLOW, request_timeout=SLOW).stdout == "counting\n"
+            forks[0].files.write("/home/user/f", "one")
+            assert forks[1].files.read("/home/user/f") == "src"
+            assert src.files.read("/home/user/f") == "src"
+            # The source runs on, its program too.
+            assert src.commands.run(counting, timeout=SLOW, request_timeout=SLOW).stdout == "counting\n"
+            listed = Sandbox.list(query=SandboxQuery(metadata={"suite": "fork"})).next_items()
+            assert {x.sandbox_id for x in listed} == ids | {src.sandbox_id}
+        finally:
+            for f in forks:
+                f.kill()
+        with pytest.raises(Exception) as e:
+            httpx.post(
+                f"{os.environ['E2B_API_URL']}/sandboxes/{src.sandbox_id}/fork",
+                headers={"X-API-Key": os.environ["E2B_API_KEY"]},
+                json={"count": 21},
+            ).raise_for_status()
+        assert "400" in str(e.value)
+    finally:
+        src.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.fork("sb-000000000000")

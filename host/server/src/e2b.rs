@@ -288,6 +288,7 @@ pub fn router(e2b: Shared) -> Router {
         .route("/v2/sandboxes/{id}/connect", post(connect))
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/metrics", get(metrics))
+        .route("/sandboxes/{id}/fork", post(fork))
         .route("/volumes", post(create_volume).get(list_volumes))
         .route("/volumes/{id}", get(volume).delete(delete_volume))
         .route("/health", get(health))
@@ -612,6 +613,7 @@ async fn create(
         // maps hold no more than the live sandboxes and those of one
         // create's interval.
         e.forget_gone();
+        e.sweep_fork_templates();
         let t = e.daemon.template(&req.template)?;
         let created = e.daemon.create(req, "e2b")?;
         Ok::<_, RestError>((created, t.name))
@@ -734,6 +736,110 @@ async fn kill(
     blocking(move || e.daemon.destroy(&sid, "e2b").map_err(RestError::from)).await?;
     e2b.forget(&HashSet::from([id]));
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+// ---- fork ----
+
+/// The name prefix of the templates E2B forks are made from (each fork
+/// call's snapshot of its source): E2B's API has no such thing, so the
+/// gateway removes each once it is old and no sandbox uses it.
+const FORK_TEMPLATE: &str = "e2b-fork-";
+
+/// How old a fork's template must be before it may go (its forks are
+/// made from it within a create's time of its snapshot).
+const FORK_TEMPLATE_GRACE_MS: u64 = 10 * 60 * 1000;
+
+/// A fork request, as the SDK sends it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    /// The forks' time to live in seconds (E2B's default: 15).
+    timeout: Option<u64>,
+    /// How many (default 1).
+    count: Option<u32>,
+}
+
+/// The most forks one request makes (E2B's limit).
+const MAX_FORKS: u32 = 20;
+
+/// E2B's default time to live of a fork.
+const FORK_TIMEOUT_S: u64 = 15;
+
+/// `POST /sandboxes/{id}/fork`: husk's fork (the running sandbox
+/// snapshotted copy-on-write, then resumed; each fork a clone of that
+/// snapshot with its own identity), one result per fork. husk's fork is
+/// all or nothing, so the results are all sandboxes or the request fails.
+async fn fork(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let body: ForkBody = match body.is_empty() {
+        true => ForkBody::default(),
+        false => serde_json::from_slice(&body).map_err(|e| {
+            RestError(
+                StatusCode::BAD_REQUEST,
+                format!("malformed fork request: {e}"),
+            )
+        })?,
+    };
+    let count = body.count.unwrap_or(1);
+    if !(1..=MAX_FORKS).contains(&count) {
+        return Err(RestError(
+            StatusCode::BAD_REQUEST,
+            format!("a fork makes 1 to {MAX_FORKS} sandboxes, not {count}"),
+        ));
+    }
+    let timeout = body.timeout.unwrap_or(FORK_TIMEOUT_S).max(1);
+    let e = e2b.clone();
+    let (forks, alias) = blocking(move || {
+        e.forget_gone();
+        let source = e.daemon.sandbox(&id)?;
+        let alias = e
+            .daemon
+            .template(&source.template)
+            .map(|t| t.name)
+            .unwrap_or_default();
+        let name = format!("{FORK_TEMPLATE}{id}-{}", husk_core::store::now_unix_ms());
+        let (_, made) = e.daemon.fork(&id, &name, count, "e2b")?;
+        let mut forks = Vec::with_capacity(made.len());
+        for c in made {
+            forks.push(set_ttl(&e, &c.sandbox.id, timeout)?);
+        }
+        // Each fork runs with its source's environment.
+        let env = lock(&e.envs).get(&id).cloned().unwrap_or_default();
+        for f in &forks {
+            lock(&e.envs).insert(f.id.clone(), env.clone());
+        }
+        Ok::<_, RestError>((forks, alias))
+    })
+    .await?;
+    let results: Vec<Value> = forks
+        .iter()
+        .map(|f| json!({ "sandbox": sandbox_json(&e2b, f, &alias) }))
+        .collect();
+    Ok((StatusCode::CREATED, axum::Json(results)).into_response())
+}
+
+impl E2b {
+    /// Removes the templates of earlier forks that no sandbox uses any
+    /// more (see [`FORK_TEMPLATE`]).
+    fn sweep_fork_templates(&self) {
+        let Ok(templates) = self.daemon.templates() else {
+            return;
+        };
+        let now = husk_core::store::now_unix_ms();
+        for t in templates {
+            if t.name.starts_with(FORK_TEMPLATE)
+                && now.saturating_sub(t.created_unix_ms) > FORK_TEMPLATE_GRACE_MS
+            {
+                // Refused while a sandbox uses it: it goes on a later sweep.
+                let _ = self.daemon.remove_template(&t.id, "e2b");
+            }
+        }
+    }
 }
 
 // ---- volumes ----
