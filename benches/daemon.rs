@@ -31,17 +31,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{kill_everything_under, percentile, Load};
+use common::{env_count, kill_everything_under, percentile, Load};
 use husk_client::{ApiClient, Endpoint, Payload};
 use husk_types::{Created, ExecEvent, PoolInfo};
 use serde_json::{json, Value};
-
-fn env_count(var: &str, default: usize) -> usize {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn summary(label: &str, samples: &[f64]) {
     if samples.is_empty() {

@@ -125,6 +125,15 @@ pub fn husk_binary() -> PathBuf {
     husk
 }
 
+/// A count a benchmark takes from environment variable `var` (`default`
+/// when unset or not a number).
+pub fn env_count(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// The `p` quantile (0..=1, nearest rank) of `samples`, for benchmarks.
 pub fn percentile(samples: &[f64], p: f64) -> f64 {
     let mut s = samples.to_vec();

@@ -301,6 +301,23 @@ pub fn router(e2b: Shared) -> Router {
         .with_state(e2b)
 }
 
+/// A control-plane request's JSON body; `what` names it in the 400.
+fn rest_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> Result<T, RestError> {
+    serde_json::from_slice(body)
+        .map_err(|e| RestError(StatusCode::BAD_REQUEST, format!("malformed {what}: {e}")))
+}
+
+/// As [`rest_json`], where an empty body means every field's default.
+fn rest_json_or_default<T: serde::de::DeserializeOwned + Default>(
+    body: &[u8],
+    what: &str,
+) -> Result<T, RestError> {
+    match body.is_empty() {
+        true => Ok(T::default()),
+        false => rest_json(body, what),
+    }
+}
+
 async fn not_found() -> RestError {
     RestError(StatusCode::NOT_FOUND, "no such route".into())
 }
@@ -570,12 +587,7 @@ async fn create(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let body: CreateBody = serde_json::from_slice(&body).map_err(|e| {
-        RestError(
-            StatusCode::BAD_REQUEST,
-            format!("malformed create request: {e}"),
-        )
-    })?;
+    let body: CreateBody = rest_json(&body, "create request")?;
     let mut labels: BTreeMap<String, String> = body
         .metadata
         .iter()
@@ -776,15 +788,7 @@ async fn fork(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let body: ForkBody = match body.is_empty() {
-        true => ForkBody::default(),
-        false => serde_json::from_slice(&body).map_err(|e| {
-            RestError(
-                StatusCode::BAD_REQUEST,
-                format!("malformed fork request: {e}"),
-            )
-        })?,
-    };
+    let body: ForkBody = rest_json_or_default(&body, "fork request")?;
     let count = body.count.unwrap_or(1);
     if !(1..=MAX_FORKS).contains(&count) {
         return Err(RestError(
@@ -856,12 +860,7 @@ async fn create_volume(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let req: VolumeRequest = serde_json::from_slice(&body).map_err(|e| {
-        RestError(
-            StatusCode::BAD_REQUEST,
-            format!("malformed volume request: {e}"),
-        )
-    })?;
+    let req: VolumeRequest = rest_json(&body, "volume request")?;
     let v = blocking(move || {
         e2b.daemon
             .create_volume(&req.name, "e2b")
@@ -932,8 +931,7 @@ async fn set_timeout(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let body: TimeoutBody = serde_json::from_slice(&body)
-        .map_err(|e| RestError(StatusCode::BAD_REQUEST, format!("malformed request: {e}")))?;
+    let body: TimeoutBody = rest_json(&body, "request")?;
     let timeout = body
         .timeout
         .ok_or_else(|| RestError(StatusCode::BAD_REQUEST, "`timeout` is required".into()))?;
@@ -973,12 +971,7 @@ async fn connect(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let body: TimeoutBody = if body.is_empty() {
-        TimeoutBody::default()
-    } else {
-        serde_json::from_slice(&body)
-            .map_err(|e| RestError(StatusCode::BAD_REQUEST, format!("malformed request: {e}")))?
-    };
+    let body: TimeoutBody = rest_json_or_default(&body, "request")?;
     let e = e2b.clone();
     let (status, info, alias) = blocking(move || {
         let info = e.daemon.sandbox(&id)?;
