@@ -110,7 +110,7 @@ fn spawn(dir: &Path, name: &str, mem_mib: u32, extra: &[&str]) -> Qemu {
         cmdline = format!("{cmdline} {}", husk_vmm::config::PVM_CMDLINE);
     }
     let child = Command::new(BINARY)
-        .args(["-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off"])
+        .args(husk_bench::qemu::machine_args(Path::new(BINARY)))
         .args(["-enable-kvm", "-cpu", husk_bench::qemu::cpu_model()])
         .args(["-smp", "1"])
         .args(["-m", &mem_mib.to_string()])

@@ -142,11 +142,17 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
         ),
         None => Series::skipped("husk", "pooled_create", "no pooled runs asked for"),
     };
+    let qemu_firmware = match &config.qemu {
+        Ok(binary) if qemu::machine_args(binary).iter().any(|a| a == "qboot.rom") => "qboot",
+        _ => "SeaBIOS and its option ROMs",
+    };
     let (mut qemu_cold, mut qemu_restore) = peer_series(
         "qemu",
         &config.qemu,
-        "-M microvm, same kernel, initramfs and command line; spawn to guest-init's readiness \
-         line (no agent: QEMU would need vhost-vsock)",
+        &format!(
+            "-M microvm ({qemu_firmware}), same kernel, initramfs and command line; spawn to \
+             guest-init's readiness line (no agent: QEMU would need vhost-vsock)"
+        ),
         "-incoming from a migration file of a booted guest; spawn to QMP `running` (no guest \
          phase: no agent)",
     );

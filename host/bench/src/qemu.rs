@@ -51,6 +51,40 @@ pub fn cpu_model() -> &'static str {
     }
 }
 
+/// QEMU's `-M` for the husk guest, and its firmware: qboot where QEMU has
+/// it (`qboot.rom` in a directory of `binary -L help`). qboot jumps to the
+/// kernel's PVH entry itself, so no option ROM runs; it is what Debian's
+/// QEMU 7.2 calls `bios-microvm.bin`. QEMU 8 and later (Debian 13,
+/// bookworm-backports) default microvm to SeaBIOS, which boots `-kernel`
+/// only through an option ROM: without them it never leaves the BIOS, and
+/// with them it spends seconds more in emulated real mode on a PVM host.
+/// Without qboot, SeaBIOS and its option ROMs.
+pub fn machine_args(binary: &Path) -> Vec<String> {
+    let qboot = Command::new(binary)
+        .args(["-L", "help"])
+        .stderr(Stdio::null())
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|dir| Path::new(dir.trim()).join("qboot.rom").is_file())
+        })
+        .unwrap_or(false);
+    let machine = "microvm,isa-serial=on,rtc=off";
+    if qboot {
+        [
+            "-M",
+            &format!("{machine},x-option-roms=off"),
+            "-bios",
+            "qboot.rom",
+        ]
+        .map(str::to_owned)
+        .to_vec()
+    } else {
+        vec!["-M".to_owned(), machine.to_owned()]
+    }
+}
+
 /// A QMP connection: one JSON object per line, events skipped.
 struct Qmp {
     reader: BufReader<UnixStream>,
@@ -171,7 +205,7 @@ impl Qemu {
     ) -> Result<Qemu, String> {
         let cmdline = husk_vmm_api::cmdline::guest_cmdline();
         let mut cmd = Command::new(binary);
-        cmd.args(["-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off"])
+        cmd.args(machine_args(binary))
             .args(["-enable-kvm", "-cpu", cpu_model()])
             .args(["-smp", &config.vcpus.to_string()])
             .args(["-m", &config.mem_mib.to_string()])
