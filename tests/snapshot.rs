@@ -34,6 +34,8 @@ struct Base {
     taken: Instant,
     /// A background program running when the snapshot was taken.
     sleeper: i32,
+    /// A background program started with a timeout.
+    timed: i32,
     /// The data drive's base image (which nothing may change).
     disk_image: PathBuf,
     /// The booted guest's TSC against its CLOCK_MONOTONIC (`husk-cpucheck
@@ -130,6 +132,13 @@ fn base() -> &'static Base {
         // One long sleep, not a `sleep 1` loop: every fork+exec costs seconds
         // of emulated guest kernel here, and a loop would keep each clone busy.
         let sleeper = client.spawn(sh("sleep 1000000")).expect("spawn");
+        // One with a deadline an hour away: its clones keep it too.
+        let timed = client
+            .spawn(husk_protocol::ExecRequest {
+                timeout_ms: Some(3_600_000),
+                ..sh("sleep 1000001")
+            })
+            .expect("spawn");
         let uptime_ms = client.ping().expect("ping");
         let snapshot = dir.as_path().join("snap");
         common::snapshot(&api, &snapshot, false).expect("snapshot");
@@ -139,6 +148,7 @@ fn base() -> &'static Base {
             uptime_ms,
             taken: Instant::now(),
             sleeper,
+            timed,
             disk_image,
             clock,
         }
@@ -266,6 +276,11 @@ fn clones_share_a_snapshot_but_not_what_they_write() {
         assert!(
             sleeper.is_some_and(|p| p.exit.is_none()),
             "{name}: the background program runs on: {programs:?}"
+        );
+        let timed = programs.iter().find(|p| p.pid == base.timed);
+        assert!(
+            timed.is_some_and(|p| p.exit.is_none()),
+            "{name}: the program with an hour's timeout runs on: {programs:?}"
         );
         // The clock continues from the snapshot (this one is seconds old).
         assert!(
@@ -699,6 +714,7 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
     let generation = grandchild
         .exec(sh("cat /tmp/generation /tmp/file"))
         .expect("exec");
+    let programs = grandchild.processes().expect("ps");
 
     assert!(
         again
@@ -717,6 +733,13 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
         "{third_restore}"
     );
     assert_eq!(text(&generation.stdout), "secondbase");
+    // A clone's clone keeps the base's programs, the one with a timeout too.
+    for pid in [base.sleeper, base.timed] {
+        assert!(
+            programs.iter().any(|p| p.pid == pid && p.exit.is_none()),
+            "pid {pid} runs on in the grandchild: {programs:?}"
+        );
+    }
 }
 
 #[test]

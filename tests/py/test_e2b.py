@@ -358,9 +358,10 @@ def test_fork_copies_a_running_sandbox_with_its_files_and_programs():
     src = Sandbox.create(TEMPLATE, timeout=600, metadata={"suite": "fork"}, request_timeout=SLOW)
     try:
         src.files.write("/home/user/f", "src")
-        # timeout=0: no command timeout. With one (the SDK's default 60 s),
-        # the program is killed in the forks right after their restore
-        # (the agent's deadline fires early in a clone): a known bug.
+        # timeout=0: no command timeout. With the SDK's default (60 s) it
+        # would be killed a minute after its start, in the source and in
+        # the forks alike (they keep its deadline), before this test ends
+        # on a slow host.
         src.commands.run(
             "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 1; done",
             background=True,
