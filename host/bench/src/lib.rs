@@ -45,6 +45,10 @@ pub struct BenchConfig {
     pub vcpus: u8,
     /// Runs of each contender and mode.
     pub iterations: usize,
+    /// Of those, the runs that cold boot (the first ones; at least 1, at
+    /// most `iterations`): a cold boot is minutes of emulated guest kernel
+    /// on some hosts, and restores are what varies run to run.
+    pub cold_boots: usize,
     /// Clones of one snapshot kept alive at once for the memory figure
     /// (0: none).
     pub clones: usize,
@@ -187,16 +191,21 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
     let n = config.iterations;
     for i in 0..n {
         let tag = format!("run {}/{n}", i + 1);
-        progress(&format!("{tag}: husk cold boot"));
-        let snapshot_to = snapshot.is_none().then_some(snapshot_dir.as_path());
-        match husk_cold_run(config, i, snapshot_to) {
-            Ok((sample, taken, clocksource)) => {
-                report_run(progress, &tag, &husk_cold, &sample);
-                husk_cold.samples.push(sample);
-                snapshot = snapshot.or(taken);
-                labels.guest_clocksource = labels.guest_clocksource.take().or(clocksource);
+        // Cold boots in the first runs only; a failed one is tried again
+        // in the next run while no snapshot exists to restore.
+        let cold = i < config.cold_boots.max(1);
+        if cold || snapshot.is_none() {
+            progress(&format!("{tag}: husk cold boot"));
+            let snapshot_to = snapshot.is_none().then_some(snapshot_dir.as_path());
+            match husk_cold_run(config, i, snapshot_to) {
+                Ok((sample, taken, clocksource)) => {
+                    report_run(progress, &tag, &husk_cold, &sample);
+                    husk_cold.samples.push(sample);
+                    snapshot = snapshot.or(taken);
+                    labels.guest_clocksource = labels.guest_clocksource.take().or(clocksource);
+                }
+                Err(e) => fail(progress, &mut husk_cold, &tag, e),
             }
-            Err(e) => fail(progress, &mut husk_cold, &tag, e),
         }
         if let Some(taken) = snapshot {
             progress(&format!("{tag}: husk restore"));
@@ -219,17 +228,19 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
             }
         }
         if let Ok(binary) = &config.qemu {
-            progress(&format!("{tag}: qemu cold boot"));
-            let migrate_to = qemu_snapshot.is_none().then_some(qemu_file.as_path());
-            match qemu::cold_boot(config, binary, i, migrate_to) {
-                Ok(sample) => {
-                    report_run(progress, &tag, &qemu_cold, &sample);
-                    qemu_cold.samples.push(sample);
-                    if migrate_to.is_some() {
-                        qemu_snapshot = Some(Instant::now());
+            if cold || qemu_snapshot.is_none() {
+                progress(&format!("{tag}: qemu cold boot"));
+                let migrate_to = qemu_snapshot.is_none().then_some(qemu_file.as_path());
+                match qemu::cold_boot(config, binary, i, migrate_to) {
+                    Ok(sample) => {
+                        report_run(progress, &tag, &qemu_cold, &sample);
+                        qemu_cold.samples.push(sample);
+                        if migrate_to.is_some() {
+                            qemu_snapshot = Some(Instant::now());
+                        }
                     }
+                    Err(e) => fail(progress, &mut qemu_cold, &tag, e),
                 }
-                Err(e) => fail(progress, &mut qemu_cold, &tag, e),
             }
             if let Some(taken) = qemu_snapshot {
                 progress(&format!("{tag}: qemu restore"));
@@ -243,17 +254,19 @@ pub fn run(config: &BenchConfig, progress: &mut dyn FnMut(&str)) -> Result<Repor
             }
         }
         if let Ok(binary) = &config.firecracker {
-            progress(&format!("{tag}: firecracker cold boot"));
-            let snapshot = fc_snapshot.is_none();
-            match firecracker::cold_boot(config, binary, i, snapshot) {
-                Ok(sample) => {
-                    report_run(progress, &tag, &fc_cold, &sample);
-                    fc_cold.samples.push(sample);
-                    if snapshot {
-                        fc_snapshot = Some(Instant::now());
+            if cold || fc_snapshot.is_none() {
+                progress(&format!("{tag}: firecracker cold boot"));
+                let snapshot = fc_snapshot.is_none();
+                match firecracker::cold_boot(config, binary, i, snapshot) {
+                    Ok(sample) => {
+                        report_run(progress, &tag, &fc_cold, &sample);
+                        fc_cold.samples.push(sample);
+                        if snapshot {
+                            fc_snapshot = Some(Instant::now());
+                        }
                     }
+                    Err(e) => fail(progress, &mut fc_cold, &tag, e),
                 }
-                Err(e) => fail(progress, &mut fc_cold, &tag, e),
             }
             if let Some(taken) = fc_snapshot {
                 progress(&format!("{tag}: firecracker restore"));

@@ -14,6 +14,10 @@ pub struct BenchArgs {
     /// Runs of each contender and mode (interleaved run by run).
     #[arg(long, short = 'n', default_value_t = 10)]
     iterations: usize,
+    /// Of those runs, how many cold boot (the first ones; default: all):
+    /// the rest only restore (and create from the pool).
+    #[arg(long)]
+    cold_boots: Option<usize>,
     /// Clones of one snapshot alive at once, for the memory they take
     /// together (0: none).
     #[arg(long, default_value_t = 4)]
@@ -66,6 +70,13 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
     if args.iterations == 0 {
         return Err("--iterations must be at least 1".into());
     }
+    let cold_boots = args.cold_boots.unwrap_or(args.iterations);
+    if !(1..=args.iterations).contains(&cold_boots) {
+        return Err(format!(
+            "--cold-boots must be 1 to --iterations ({}), not {cold_boots}",
+            args.iterations
+        ));
+    }
     if args.parked > 0 && args.no_pooled {
         return Err("--parked needs the pooled path (leave out --no-pooled)".into());
     }
@@ -94,6 +105,7 @@ pub fn bench(args: BenchArgs) -> Result<u8, String> {
         mem_mib: args.mem_mib,
         vcpus: args.vcpus,
         iterations: args.iterations,
+        cold_boots,
         clones: args.clones,
         parked: args.parked,
         husk: (!args.no_pooled).then_some(this),
