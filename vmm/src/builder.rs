@@ -482,13 +482,13 @@ pub fn restore_vm(
     let devices = std::mem::take(&mut mmio.devices);
     let buses = (Arc::new(pio), Arc::new(mmio.bus));
     timeline.mark(Phase::DevicesReady);
-    let mut vcpus = Vec::with_capacity(state.vcpus.len());
+    // All vCPUs first, then their states (see Vcpu::restore).
+    let vcpus = (0..state.vcpus.len())
+        .map(|index| Vcpu::create(&vm, index as u8, buses.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut scaled = false;
-    for (index, vcpu_state) in state.vcpus.iter().enumerate() {
-        let at = (index as u8, tsc_sync);
-        let (vcpu, rate_changed) = Vcpu::restore(&vm, at, buses.clone(), vcpu_state)?;
-        scaled |= rate_changed;
-        vcpus.push(vcpu);
+    for (vcpu, vcpu_state) in vcpus.iter().zip(&state.vcpus) {
+        scaled |= vcpu.restore(tsc_sync, vcpu_state)?;
     }
     if let Some(tsc) = MicrovmTsc::of(&state.vm, &state.vcpus, scaled) {
         let fds: Vec<_> = vcpus.iter().map(Vcpu::fd).collect();

@@ -336,29 +336,38 @@ impl Vcpu {
         })
     }
 
-    /// Creates vCPU `index` for a restore: its state comes from `state`, its
-    /// TSC set against the VM's clock as `sync` says. Also returns whether
-    /// its TSC runs at another rate than this host's.
-    pub fn restore(
+    /// Creates vCPU `index` for a restore, without state yet: every vCPU
+    /// of a VM is created before any is restored ([`Vcpu::restore`]).
+    pub fn create(
         vm: &Vm,
-        (index, sync): (u8, TscSync),
+        index: u8,
         (pio, mmio): (Arc<Bus>, Arc<Bus>),
-        state: &VcpuState,
-    ) -> Result<(Self, bool), VcpuError> {
+    ) -> Result<Self, VcpuError> {
         let fd = vm
             .fd()
             .create_vcpu(u64::from(index))
             .map_err(|source| VcpuError::Create { index, source })?;
-        let scaled = state
-            .restore(&fd, sync)
-            .map_err(|source| VcpuError::State { index, source })?;
-        let vcpu = Vcpu {
+        Ok(Vcpu {
             index,
             fd,
             pio,
             mmio,
-        };
-        Ok((vcpu, scaled))
+        })
+    }
+
+    /// Restores the vCPU's state from `state`, its TSC set against the VM's
+    /// clock as `sync` says; returns whether its TSC runs at another rate
+    /// than this host's. Only once every vCPU of the VM exists: KVM takes a
+    /// vCPU's TSC write for a synchronization (keeping one TSC offset for
+    /// the VM, and its master clock) only when it lands within a second of
+    /// the last one written, and the creation of a vCPU writes 0.
+    pub fn restore(&self, sync: TscSync, state: &VcpuState) -> Result<bool, VcpuError> {
+        state
+            .restore(&self.fd, sync)
+            .map_err(|source| VcpuError::State {
+                index: self.index,
+                source,
+            })
     }
 
     /// The vCPU's KVM file descriptor (before it runs).

@@ -216,11 +216,15 @@ fn tsc_offset(fd: &VcpuFd) -> Option<u64> {
 /// the host TSC of that reading and each vCPU's TSC offset: exact, where
 /// the saved TSC reads were only close to it in time.
 pub fn pin_to_clock(vcpus: &mut [VcpuState], vm: &VmState) {
-    if vm.clock.flags & KVM_CLOCK_HOST_TSC == 0 {
-        return;
-    }
     let offsets: Option<Vec<u64>> = vcpus.iter().map(|v| v.tsc_offset).collect();
-    let Some(offsets) = offsets else { return };
+    let (true, Some(offsets)) = (vm.clock.flags & KVM_CLOCK_HOST_TSC != 0, offsets) else {
+        tracing::debug!(
+            clock_flags = vm.clock.flags,
+            "TSC saved by timed reads (KVM gave no host TSC with its clock)"
+        );
+        return;
+    };
+    tracing::debug!(?offsets, "TSC saved at the clock's reading");
     for (vcpu, offset) in vcpus.iter_mut().zip(offsets) {
         vcpu.tsc = vm.clock.host_tsc.wrapping_add(offset);
         vcpu.tsc_read_ns = vm.clock_read_ns;
@@ -253,11 +257,20 @@ pub fn settle_tsc(vm: &VmFd, vcpus: &[&VcpuFd], saved: &MicrovmTsc) -> Result<()
     op("KVM_SET_CLOCK", vm.set_clock(&again))?;
     let now = op("KVM_GET_CLOCK", vm.get_clock())?;
     if now.flags & KVM_CLOCK_HOST_TSC == 0 {
+        tracing::debug!(
+            clock_flags = now.flags,
+            "TSC restored by timed writes (KVM gave no host TSC with its clock)"
+        );
         return Ok(());
     }
     let elapsed_ns = i128::from(now.clock) - i128::from(saved.clock);
-    for (fd, &(tsc_at_clock, khz)) in vcpus.iter().zip(&saved.vcpus) {
-        let mut offset = moved(tsc_at_clock, elapsed_ns, khz).wrapping_sub(now.host_tsc);
+    let offsets: Vec<u64> = saved
+        .vcpus
+        .iter()
+        .map(|&(tsc_at_clock, khz)| moved(tsc_at_clock, elapsed_ns, khz).wrapping_sub(now.host_tsc))
+        .collect();
+    tracing::debug!(?offsets, elapsed_ns, "TSC offsets set against the clock");
+    for (fd, mut offset) in vcpus.iter().zip(offsets) {
         let attr = tsc_offset_attr(&mut offset);
         // SAFETY: as in `tsc_offset`; KVM reads only the u64.
         let rc = unsafe { ioctl_with_ref(*fd, KVM_SET_DEVICE_ATTR(), &attr) };
