@@ -2091,17 +2091,19 @@ fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
     let (_d, _g) = shared();
     // Its own template: that a hibernated sandbox keeps it is seen alone.
     let t = own_template("idle-own");
-    let s = create_with(json!({
-        "template": "idle-own", "on_idle": { "after_s": 3, "action": "hibernate" }
-    }))
-    .expect("create")
-    .sandbox;
     let gone = create_with(json!({
         "template": "base", "on_idle": { "after_s": 2, "action": "destroy" }
     }))
     .expect("create")
     .sandbox;
-    // A request in flight for longer than the idle time is a use.
+    let s = create_with(json!({
+        "template": "idle-own", "on_idle": { "after_s": 3, "action": "hibernate" }
+    }))
+    .expect("create")
+    .sandbox;
+    // A request in flight for longer than the idle time is a use. (On a
+    // host slow enough that the sandbox hibernates before it starts, the
+    // request waits for the hibernation and wakes it.)
     let long = exec(&s.id, &["/bin/sh", "-c", "sleep 8; echo done"]).expect("exec");
     let after_long = get(&s.id).expect("listed");
     // Unused from then on: it hibernates; the other is destroyed.
@@ -2116,6 +2118,16 @@ fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
     // Any use wakes it, with its policy kept.
     let back = exec(&s.id, &["echo", "back"]).expect("exec");
     let woken = get(&s.id).expect("listed");
+    // Requests at moments around its idle time: each either comes before
+    // the hibernation looks for uses (which then leaves it running) or
+    // waits for the hibernation and wakes it; none is cut with the VMM.
+    let around: Vec<_> = [2800, 3000, 3200, 3400]
+        .into_iter()
+        .map(|ms| {
+            std::thread::sleep(Duration::from_millis(ms));
+            exec(&s.id, &["echo", "around"]).map(|r| r.stdout)
+        })
+        .collect();
     let audit = api().audit(Some(&s.id)).expect("audit");
     destroy(&s.id);
     let removed = api().remove_template(&t.name);
@@ -2126,6 +2138,12 @@ fn an_idle_sandbox_hibernates_or_goes_but_not_while_a_request_is_in_flight() {
     assert!(removed.is_ok(), "{removed:?}");
     assert_eq!(after_long.state, SandboxState::Running);
     assert_eq!(back.stdout, "back\n", "{}", back.stderr);
+    assert!(
+        around
+            .iter()
+            .all(|r| r.as_ref().is_ok_and(|o| o == "around\n")),
+        "{around:?}"
+    );
     assert_eq!(woken.state, SandboxState::Running);
     assert_eq!(
         woken.on_idle.map(|p| p.after_s),

@@ -1156,7 +1156,7 @@ impl Daemon {
     /// carries the guest's clock ahead of its request (see [`ClockGate`]);
     /// a sandbox whose clock could not be set is marked failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
-        let (rec, kept, clock, activity) = {
+        let (rec, kept, clock, lease) = {
             let mut inner = self.lock();
             let live = inner
                 .sandboxes
@@ -1176,9 +1176,20 @@ impl Daemon {
                 live.rec.clone(),
                 kept,
                 live.clock.clone(),
-                live.activity.clone(),
+                // In use from here on, while the caller holds the client.
+                Arc::new(InUse::of(&live.activity)),
             )
         };
+        // A hibernation or wake in progress ends first. An idle
+        // hibernation checks for uses once the sandbox is paused: one that
+        // checked before this use began goes on and would cut this
+        // connection, so this waits for it (and wakes the sandbox after);
+        // one that checks later sees this use and leaves the sandbox be.
+        if self.changing(id) {
+            drop((kept, lease));
+            self.wait_for_change(id);
+            return self.agent(id);
+        }
         match rec.state {
             SandboxState::Running => {}
             // Any use wakes it (one lock on the way for a running one).
@@ -1202,7 +1213,7 @@ impl Daemon {
             }
         };
         // In use while the caller holds it (see `on_idle`).
-        client.set_lease(Some(Arc::new(InUse::of(&activity))));
+        client.set_lease(Some(lease));
         if let Some(gate) = clock {
             if let Err(e) = client.carry_clock(gate) {
                 self.fail(id, &e.to_string());

@@ -180,6 +180,16 @@ impl Daemon {
         self.sandbox(id)
     }
 
+    /// Whether a hibernation or wake of sandbox `id` is in progress.
+    pub(super) fn changing(&self, id: &str) -> bool {
+        self.changes().contains_key(id)
+    }
+
+    /// Waits for sandbox `id`'s hibernation or wake in progress, if any.
+    pub(super) fn wait_for_change(&self, id: &str) {
+        drop(self.change(id));
+    }
+
     /// The hibernations and wakes in progress.
     fn changes(&self) -> MutexGuard<'_, HashMap<String, Option<u64>>> {
         self.changing.lock().unwrap_or_else(|e| e.into_inner())
