@@ -1307,10 +1307,15 @@ fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: V
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(KEEPALIVE);
         ticker.tick().await;
+        // Keepalives only after the first event: the SDK takes the first
+        // for the stream's `start` (a program slow to start on a busy
+        // guest must not be answered with a keepalive first).
+        let mut started = false;
         let end = loop {
             tokio::select! {
                 msg = rx.recv() => match msg {
                     Some(Ok(v)) => {
+                        started = true;
                         if tx.send(Ok(envelope(0, &v))).await.is_err() {
                             return;
                         }
@@ -1318,7 +1323,7 @@ fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: V
                     Some(Err(e)) => break json!({ "error": e.json() }),
                     None => break json!({}),
                 },
-                _ = ticker.tick() => {
+                _ = ticker.tick(), if started => {
                     if tx.send(Ok(envelope(0, &keepalive))).await.is_err() {
                         return;
                     }
