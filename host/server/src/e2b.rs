@@ -796,7 +796,7 @@ async fn fork(
             format!("a fork makes 1 to {MAX_FORKS} sandboxes, not {count}"),
         ));
     }
-    let timeout = body.timeout.unwrap_or(FORK_TIMEOUT_S).max(1);
+    let timeout = body.timeout.unwrap_or(FORK_TIMEOUT_S);
     let e = e2b.clone();
     let (forks, alias) = blocking(move || {
         e.forget_gone();

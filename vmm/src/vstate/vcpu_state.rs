@@ -264,13 +264,14 @@ pub fn settle_tsc(vm: &VmFd, vcpus: &[&VcpuFd], saved: &MicrovmTsc) -> Result<()
         return Ok(());
     }
     let elapsed_ns = i128::from(now.clock) - i128::from(saved.clock);
-    let offsets: Vec<u64> = saved
-        .vcpus
-        .iter()
-        .map(|&(tsc_at_clock, khz)| moved(tsc_at_clock, elapsed_ns, khz).wrapping_sub(now.host_tsc))
-        .collect();
-    tracing::debug!(?offsets, elapsed_ns, "TSC offsets set against the clock");
-    for (fd, mut offset) in vcpus.iter().zip(offsets) {
+    for (index, (fd, &(tsc_at_clock, khz))) in vcpus.iter().zip(&saved.vcpus).enumerate() {
+        let mut offset = moved(tsc_at_clock, elapsed_ns, khz).wrapping_sub(now.host_tsc);
+        tracing::debug!(
+            index,
+            offset,
+            elapsed_ns,
+            "TSC offset set against the clock"
+        );
         let attr = tsc_offset_attr(&mut offset);
         // SAFETY: as in `tsc_offset`; KVM reads only the u64.
         let rc = unsafe { ioctl_with_ref(*fd, KVM_SET_DEVICE_ATTR(), &attr) };
