@@ -2,7 +2,8 @@
 #   make run    build what is missing, start the daemon, build a template (one boot and a
 #               snapshot), fill a warm pool, create a sandbox from it, run a command in it,
 #               destroy it, showing the timings
-#   make test   run every test (unit tests and real-guest integration tests)
+#   make test   run every test (unit tests and real-guest integration tests), two test
+#               binaries at a time (HUSK_TEST_JOBS; tests/run.sh)
 #
 # The guest kernel is built once and cached under ~/.cache/husk (kernel-config/build.sh);
 # the initramfs and binaries live in target/.
@@ -38,7 +39,7 @@ test:
 	@export HUSK_KERNEL=$$(kernel-config/build.sh) HUSK_INITRAMFS=$$(guest-init/build-rootfs.sh) \
 		HUSK_TEST_PYTHON=$$(tests/py/setup.sh) HUSK_TEST_JS=$$(tests/js/setup.sh); \
 	cargo build --workspace --bins --locked; \
-	cargo test --workspace --locked
+	tests/run.sh
 
 # The hostile-guest tests (fork bombs, a memory hog, vsock and console
 # floods): minutes of emulated guest work each on a PVM host, so they are a
