@@ -10,7 +10,11 @@
 //!   pool holds a parked clone;
 //! - husk, not pooled, tree copied: the pod names `copied`, a template
 //!   without empty drives, so the container's tree is copied into the
-//!   VM's memory.
+//!   VM's memory;
+//! - runc and husk (restored, pooled) on the pod network: the pod gets a
+//!   network namespace that Debian's CNI plugins configure (a bridge,
+//!   host-local addresses) and husk's VM joins it (TAP moved in, tc
+//!   mirred both ways, the guest's interface configured by its agent).
 //!
 //! And the pod VM's memory (PSS of its VMM) with 1 and with 3 containers.
 //!
@@ -36,8 +40,8 @@ use std::time::{Duration, Instant};
 
 use common::containerd::{Containerd, PAUSE_IMAGE};
 use cri::{
-    connect, container_config, images, import, pod_config, remove_pod, run_pod, start_container,
-    BUSYBOX,
+    connect, container_config, images, import, in_pod_network, on_pod_network, pod_config,
+    remove_pod, run_pod, start_container, BUSYBOX,
 };
 use husk_bench::density::vmms_below;
 use husk_bench::report::Memory;
@@ -63,16 +67,20 @@ async fn pod(
     runtime: &mut RuntimeServiceClient<Channel>,
     handler: &str,
     annotations: &HashMap<String, String>,
-    (run, containers): (usize, usize),
+    (run, containers, network): (usize, usize, bool),
     ctrd: &Containerd,
 ) -> (Duration, Option<u64>) {
-    let name = format!("{handler}-{run}-{containers}");
+    let net = if network { "-net" } else { "" };
+    let name = format!("{handler}-{run}-{containers}{net}");
     let dir = ctrd.dir.join("pod-logs").join(&name);
     std::fs::create_dir_all(&dir).expect("log dir");
-    let config = husk_cri_api::PodSandboxConfig {
+    let mut config = husk_cri_api::PodSandboxConfig {
         annotations: annotations.clone(),
         ..pod_config(&name, &dir)
     };
+    if network {
+        config = on_pod_network(config, &[]);
+    }
     let started = Instant::now();
     let id = run_pod(runtime, &config, handler).await;
     let mut first = None;
@@ -82,12 +90,11 @@ async fn pod(
         } else {
             vec!["/bin/sleep", "100000"]
         };
-        start_container(
-            runtime,
-            (&id, &config),
-            container_config(&format!("c{c}"), &command),
-        )
-        .await;
+        let mut container = container_config(&format!("c{c}"), &command);
+        if network {
+            container = in_pod_network(container);
+        }
+        start_container(runtime, (&id, &config), container).await;
         if c == 0 {
             first = Some(first_line(&dir.join("c0.log")).await - started);
         }
@@ -117,7 +124,14 @@ fn main() {
         return;
     };
     let ctrd = Containerd::start_cri("bench");
-    ctrd.husk(&["template", "build", "base", "--drive-slots", "3"]);
+    ctrd.husk(&[
+        "template",
+        "build",
+        "base",
+        "--drive-slots",
+        "3",
+        "--network",
+    ]);
     ctrd.husk(&["template", "build", "copied"]);
     let (image, pause) = images();
     import(&ctrd, &image, BUSYBOX);
@@ -132,6 +146,8 @@ fn main() {
             RuntimeServiceClient::new(connect(ctrd.dir.join("containerd.sock")).await);
         let (mut runc, mut restored, mut claimed) = (Vec::new(), Vec::new(), Vec::new());
         let mut restored_copy = Vec::new();
+        let (mut runc_net, mut restored_net, mut claimed_net) =
+            (Vec::new(), Vec::new(), Vec::new());
         let mut pss = Vec::new();
         // runc's pods need what the host's runc can do with the CRI's spec
         // (namespaces, cgroups): said and left out where it cannot.
@@ -152,21 +168,40 @@ fn main() {
             }
         };
         for run in 0..runs {
-            if runc_works {
-                runc.push(pod(&mut runtime, "runc", &none, (run, 1), &ctrd).await.0);
+            for (network, runc, restored, claimed) in [
+                (false, &mut runc, &mut restored, &mut claimed),
+                (true, &mut runc_net, &mut restored_net, &mut claimed_net),
+            ] {
+                if runc_works {
+                    runc.push(
+                        pod(&mut runtime, "runc", &none, (run, 1, network), &ctrd)
+                            .await
+                            .0,
+                    );
+                }
+                ctrd.pool("base", 0);
+                let (t, m) = pod(&mut runtime, "husk", &none, (run, 1, network), &ctrd).await;
+                restored.push(t);
+                if !network {
+                    pss.extend(m.map(|m| (1, m)));
+                }
+                ctrd.pool("base", 1);
+                ctrd.wait_for_pool("base", 1);
+                claimed.push(
+                    pod(&mut runtime, "husk", &pooled, (run, 1, network), &ctrd)
+                        .await
+                        .0,
+                );
             }
             ctrd.pool("base", 0);
-            let (t, m) = pod(&mut runtime, "husk", &none, (run, 1), &ctrd).await;
-            restored.push(t);
-            pss.extend(m.map(|m| (1, m)));
-            ctrd.pool("base", 1);
-            ctrd.wait_for_pool("base", 1);
-            claimed.push(pod(&mut runtime, "husk", &pooled, (run, 1), &ctrd).await.0);
-            ctrd.pool("base", 0);
-            restored_copy.push(pod(&mut runtime, "husk", &copied, (run, 1), &ctrd).await.0);
+            restored_copy.push(
+                pod(&mut runtime, "husk", &copied, (run, 1, false), &ctrd)
+                    .await
+                    .0,
+            );
         }
         ctrd.pool("base", 0);
-        let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3), &ctrd).await;
+        let (_, three) = pod(&mut runtime, "husk", &none, (runs, 3, false), &ctrd).await;
         let version = std::process::Command::new("containerd")
             .arg("--version")
             .output()
@@ -182,6 +217,11 @@ fn main() {
         report("husk, not pooled (restore)", &restored);
         report("husk, pooled", &claimed);
         report("husk, not pooled, copied", &restored_copy);
+        if runc_works {
+            report("runc, pod network", &runc_net);
+        }
+        report("husk, restore, pod network", &restored_net);
+        report("husk, pooled, pod network", &claimed_net);
         let one: Vec<f64> = pss.iter().map(|(_, m)| *m as f64).collect();
         println!(
             "husk pod VM PSS: 1 container p50 {:.0} KiB; 3 containers {} KiB",

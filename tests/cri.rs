@@ -4,7 +4,10 @@
 //! runtime handler, images the test makes and imports itself (a busybox
 //! tree, and a pause image), one pod whose sandbox container becomes one
 //! husk VM and whose two containers run inside that VM, each with its own
-//! root file system, sharing localhost.
+//! root file system, sharing localhost. The pods are on a pod network
+//! that Debian's CNI plugins make in a node network namespace of the
+//! test's own: each has its pod IP, reached from the node, from the other
+//! pod and through a hostPort.
 
 mod common;
 #[path = "common/cri.rs"]
@@ -12,12 +15,16 @@ mod cri;
 #[path = "common/oci.rs"]
 mod oci;
 
+use std::path::Path;
 use std::time::Duration;
 
-use common::containerd::{processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
+use common::containerd::{
+    processes_with, shim_socket_in, Containerd, CRI_NAMESPACE, PAUSE_IMAGE, POD_GATEWAY,
+};
 use cri::{
-    connect, container_config, container_status, exec_sync, images, import, pod_config,
-    remove_container, remove_pod, run_pod, start_container, stop_container, Stream, BUSYBOX,
+    connect, container_config, container_status, exec_sync, images, import, in_pod_network,
+    on_pod_network, pod_config, remove_container, remove_pod, run_pod, start_container,
+    stop_container, Stream, BUSYBOX, CLUSTER_DNS, SEARCH,
 };
 use husk_bench::density::vmms_below;
 use husk_cri_api::image_service_client::ImageServiceClient;
@@ -25,7 +32,7 @@ use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     AttachRequest, ContainerState, ContainerStatsRequest, ExecRequest, ImageSpec,
     ImageStatusRequest, LinuxContainerResources, Mount, NamespaceMode, PodSandboxConfig,
-    UpdateContainerResourcesRequest, VersionRequest,
+    PodSandboxStatusRequest, UpdateContainerResourcesRequest, VersionRequest,
 };
 
 /// The husk sandboxes the daemon has, by id.
@@ -75,6 +82,50 @@ fn with_limits(mut config: PodSandboxConfig, limits: &LinuxContainerResources) -
     config
 }
 
+/// The web pod's hostPort for its server's port 8080.
+const HOST_PORT: u16 = 18080;
+
+/// `GET http://{addr}/` over HTTP/1.0 from the calling thread's network
+/// namespace: the body, or why not.
+fn http_get(addr: &str) -> Result<String, String> {
+    use std::io::{Read, Write};
+    let addr: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+    let mut conn = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(30))
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    conn.set_read_timeout(Some(Duration::from_secs(120)))
+        .map_err(|e| e.to_string())?;
+    conn.write_all(b"GET / HTTP/1.0\r\n\r\n")
+        .map_err(|e| format!("{addr}: {e}"))?;
+    let mut reply = String::new();
+    conn.read_to_string(&mut reply)
+        .map_err(|e| format!("{addr}: {e}"))?;
+    match reply.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200 ") => {
+            Ok(body.to_owned())
+        }
+        _ => Err(format!("{addr} answered {reply:?}")),
+    }
+}
+
+/// The pod's IP, as the CRI reports it (from its CNI's result).
+async fn pod_ip(
+    runtime: &mut RuntimeServiceClient<tonic::transport::Channel>,
+    pod: &str,
+) -> String {
+    runtime
+        .pod_sandbox_status(PodSandboxStatusRequest {
+            pod_sandbox_id: pod.to_owned(),
+            verbose: false,
+        })
+        .await
+        .expect("PodSandboxStatus")
+        .into_inner()
+        .status
+        .and_then(|s| s.network)
+        .map(|n| n.ip)
+        .unwrap_or_default()
+}
+
 /// The client's request to the server, on the pod's localhost.
 const FETCH: &[&str] = &[
     "wget",
@@ -86,7 +137,6 @@ const FETCH: &[&str] = &[
     "http://127.0.0.1:8080/",
 ];
 
-/// The husk shims running.
 /// Where the guest of pod VM `vm` has ext4 file systems mounted (the
 /// drives' media).
 fn media_roots(ctrd: &Containerd, vm: &str) -> std::collections::BTreeSet<String> {
@@ -112,15 +162,23 @@ fn shims(ctrd: &Containerd) -> usize {
 
 #[test]
 fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
-    if let Some(why) = common::containerd::missing() {
+    if let Some(why) = common::containerd::missing().or_else(common::containerd::missing_cni) {
         common::skip(&why);
         return;
     }
     let ctrd = Containerd::start_cri("cri");
-    // The pods' VMs are clones of `base` (its first build boots it). Its
-    // two empty drives take two containers' root file systems as media;
-    // a third container's tree is copied into the VM.
-    ctrd.husk(&["template", "build", "base", "--drive-slots", "2"]);
+    // The pods' VMs are clones of `base` (its first build boots it), with
+    // a network device for the pod network. Its two empty drives take two
+    // containers' root file systems as media; a third container's tree is
+    // copied into the VM.
+    ctrd.husk(&[
+        "template",
+        "build",
+        "base",
+        "--drive-slots",
+        "2",
+        "--network",
+    ]);
     let (image, pause) = images();
     import(&ctrd, &image, BUSYBOX);
     import(&ctrd, &pause, PAUSE_IMAGE);
@@ -164,7 +222,10 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             cpu_period: 100_000,
             ..Default::default()
         };
-        let config = with_limits(pod_config("web", &logs), &loner_limits);
+        let config = on_pod_network(
+            with_limits(pod_config("web", &logs), &loner_limits),
+            &[(HOST_PORT, 8080)],
+        );
         let pod = run_pod(&mut runtime, &config, "husk").await;
         let vms = husk_vms(&ctrd);
         assert_eq!(vms.len(), 1, "one VM for the pod: {vms:?}");
@@ -174,21 +235,21 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let server = start_container(
             &mut runtime,
             (&pod, &config),
-            container_config(
+            in_pod_network(container_config(
                 "server",
                 &[
                     "/bin/sh",
                     "-c",
                     "mkdir -p /www && echo hello-from-the-server > /www/index.html && \
-                     echo serving && exec httpd -f -p 127.0.0.1:8080 -h /www",
+                     echo serving && exec httpd -f -p 8080 -h /www",
                 ],
-            ),
+            )),
         )
         .await;
         let client = start_container(
             &mut runtime,
             (&pod, &config),
-            container_config("client", &["/bin/sleep", "100000"]),
+            in_pod_network(container_config("client", &["/bin/sleep", "100000"])),
         )
         .await;
         assert_eq!(husk_sandboxes(&ctrd).len(), 1, "the containers made VMs");
@@ -209,6 +270,30 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             fetched.as_deref().map(str::trim),
             Some("hello-from-the-server")
         );
+        // The pod has its IP on the pod network: the node reaches the
+        // server there (as a Service's traffic does), and through the
+        // pod's hostPort on the node's address (portmap's DNAT).
+        let web_ip = pod_ip(&mut runtime, &pod).await;
+        assert!(web_ip.starts_with("10.88.7."), "the pod's IP: {web_ip:?}");
+        let (direct, host_port) = ctrd.in_node(|| {
+            (
+                http_get(&format!("{web_ip}:8080")),
+                http_get(&format!("{POD_GATEWAY}:{HOST_PORT}")),
+            )
+        });
+        assert_eq!(
+            direct.as_deref().map(str::trim),
+            Ok("hello-from-the-server")
+        );
+        assert_eq!(
+            host_port.as_deref().map(str::trim),
+            Ok("hello-from-the-server")
+        );
+        // The guest's interface took the pod interface's MAC (the one the
+        // pod network expects its frames from).
+        let web_vm = husk_sandboxes(&ctrd).pop().expect("the pod's VM");
+        let (pod_netns, pod_mac) = netns_of(&mut runtime, &pod).await;
+        assert_eq!(guest_mac(&ctrd, &web_vm), pod_mac, "the guest's MAC");
         // Exit codes come back; each container has its own root: the
         // server's /www is not in the client's.
         let code = exec_sync(&mut runtime, &client, &["sh", "-c", "exit 3"]).await;
@@ -248,6 +333,12 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             String::from_utf8_lossy(&files.stdout),
             expected.join("@\n"),
             "{files:?}"
+        );
+        assert!(
+            expected[1].contains(&format!("nameserver {CLUSTER_DNS}"))
+                && expected[1].contains(SEARCH),
+            "the pod's DNS: {}",
+            expected[1]
         );
 
         // A container with a PID namespace of its own (Kubernetes'
@@ -475,7 +566,8 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             .expect("Attach")
             .into_inner()
             .url;
-        let mut attached = Stream::open(&url);
+        // The streaming server listens in the node's network namespace.
+        let mut attached = ctrd.in_node(|| Stream::open(&url));
         attached.stdin(b"through-attach\n");
         let said = attached.read_until(|s| s.stdout.ends_with(b"got:through-attach\n"));
         assert_eq!(
@@ -501,7 +593,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             .expect("Exec")
             .into_inner()
             .url;
-        let mut exec = Stream::open(&url);
+        let mut exec = ctrd.in_node(|| Stream::open(&url));
         exec.stdin(b"through-exec\n");
         let done = exec.read_until(|s| s.status.is_some());
         exec.close();
@@ -558,20 +650,6 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             .and_then(|m| m.working_set_bytes);
         assert!(memory.is_some_and(|m| m.value > 0), "no memory figure");
 
-        // Stop and remove the containers, then the pod.
-        for id in [&client, &server] {
-            stop_container(&mut runtime, id, 10).await;
-            let state = container_status(&mut runtime, id).await;
-            assert_eq!(state.state, ContainerState::ContainerExited as i32);
-            remove_container(&mut runtime, id).await;
-        }
-        assert_eq!(
-            husk_sandboxes(&ctrd).len(),
-            1,
-            "the pod's VM went with a container"
-        );
-        remove_pod(&mut runtime, &pod).await;
-
         // A pod whose limits (160 MiB, 1.5 CPUs) `base` cannot hold: its
         // VM is a copy of `base` at the pod's size (the limits and 64 MiB
         // for the guest, in 64 MiB steps: 256 MiB; 2 vCPUs).
@@ -581,15 +659,18 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             cpu_period: 100_000,
             ..Default::default()
         };
-        let doomed_config = with_limits(pod_config("doomed", &logs), &limits);
+        let doomed_config = on_pod_network(with_limits(pod_config("doomed", &logs), &limits), &[]);
         let doomed = run_pod(&mut runtime, &doomed_config, "husk").await;
         let vms = husk_vms(&ctrd);
         assert_eq!(
-            vms.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>(),
+            vms.iter()
+                .filter(|(id, _)| *id != web_vm)
+                .map(|(_, t)| t.as_str())
+                .collect::<Vec<_>>(),
             ["base-256m-2c"],
             "{vms:?}"
         );
-        let mut sleeper = container_config("sleeper", &["/bin/sleep", "100000"]);
+        let mut sleeper = in_pod_network(container_config("sleeper", &["/bin/sleep", "100000"]));
         if let Some(linux) = sleeper.linux.as_mut() {
             linux.resources = Some(limits);
         }
@@ -614,6 +695,48 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         // More than `base`'s 128 MiB could give (the kernel keeps some of
         // the 256).
         assert!(kib > 200 << 10, "the pod VM's memory: {kib} KiB");
+        // One pod reaches the other by its pod IP.
+        let doomed_ip = pod_ip(&mut runtime, &doomed).await;
+        assert!(
+            doomed_ip.starts_with("10.88.7.") && doomed_ip != web_ip,
+            "the second pod's IP: {doomed_ip:?}"
+        );
+        let across = exec_sync(
+            &mut runtime,
+            &sleeper,
+            &[
+                "wget",
+                "-Y",
+                "off",
+                "-q",
+                "-O",
+                "-",
+                &format!("http://{web_ip}:8080/"),
+            ],
+        )
+        .await;
+        assert_eq!(
+            String::from_utf8_lossy(&across.stdout).trim(),
+            "hello-from-the-server",
+            "pod to pod: {across:?}"
+        );
+
+        // Stop and remove the web pod's containers, then the pod.
+        for id in [&client, &server] {
+            stop_container(&mut runtime, id, 10).await;
+            let state = container_status(&mut runtime, id).await;
+            assert_eq!(state.state, ContainerState::ContainerExited as i32);
+            remove_container(&mut runtime, id).await;
+        }
+        assert!(
+            husk_sandboxes(&ctrd).contains(&web_vm),
+            "the pod's VM went with a container"
+        );
+        remove_pod(&mut runtime, &pod).await;
+        assert!(
+            !Path::new(&pod_netns).exists(),
+            "the web pod's network namespace is left"
+        );
 
         // It dies: its container is reported exited, with a failing
         // status.
@@ -633,8 +756,13 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let status = status.expect("the container of a dead VM is reported exited");
         assert_ne!(status.exit_code, 0, "{status:?}");
         assert!(!status.reason.is_empty(), "{status:?}");
+        let (doomed_netns, _) = netns_of(&mut runtime, &doomed).await;
         remove_container(&mut runtime, &sleeper).await;
         remove_pod(&mut runtime, &doomed).await;
+        assert!(
+            !Path::new(&doomed_netns).exists(),
+            "the second pod's network namespace is left"
+        );
         pod
     });
 
@@ -661,4 +789,80 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
     assert_eq!(vmms, 0, "VMMs left");
     assert_eq!(shims_after, shims_before, "a shim was left");
     assert!(!socket_left, "the pod's shim socket is left");
+    // Nothing of the pods is left on the node's network: no pod interface
+    // (the CNI's veths) or TAP beside the bridge, no per-pod iptables
+    // chain (portmap's hostPort), no address held by the IPAM.
+    let (links, nat) = ctrd.in_node(|| {
+        (
+            output("ip", &["-o", "link", "show"]),
+            output("iptables", &["-t", "nat", "-S"]),
+        )
+    });
+    let links: Vec<&str> = links
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1)?.split('@').next())
+        .collect();
+    assert_eq!(links, ["lo", "hkbr0"], "links left in the node's namespace");
+    assert!(
+        !nat.contains("CNI-DN-"),
+        "a pod's hostPort chain is left:\n{nat}"
+    );
+    let held: Vec<String> = std::fs::read_dir(ctrd.dir.join("cni/ipam/husk-test"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.starts_with("10.88.7."))
+        .collect();
+    assert!(held.is_empty(), "pod IPs still held: {held:?}");
+}
+
+/// The stdout of `program args` run here; fails unless it succeeds.
+fn output(program: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Pod `pod`'s network namespace and the MAC of its interface `eth0`, from
+/// the CRI's verbose status (the sandbox's spec, its CNI result).
+async fn netns_of(
+    runtime: &mut RuntimeServiceClient<tonic::transport::Channel>,
+    pod: &str,
+) -> (String, String) {
+    let info = runtime
+        .pod_sandbox_status(PodSandboxStatusRequest {
+            pod_sandbox_id: pod.to_owned(),
+            verbose: true,
+        })
+        .await
+        .expect("PodSandboxStatus")
+        .into_inner()
+        .info;
+    let info: serde_json::Value =
+        serde_json::from_str(info.get("info").map_or("{}", String::as_str)).expect("status info");
+    let netns = info["runtimeSpec"]["linux"]["namespaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|ns| ns["type"] == "network")
+        .and_then(|ns| ns["path"].as_str())
+        .unwrap_or_else(|| panic!("no network namespace in the pod's spec: {info}"));
+    let mac = info["cniResult"]["Interfaces"]["eth0"]["Mac"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no eth0 in the pod's CNI result: {info}"));
+    (netns.to_owned(), mac.to_owned())
+}
+
+/// The MAC address of the guest's network interface in VM `vm`.
+fn guest_mac(ctrd: &Containerd, vm: &str) -> String {
+    let out = ctrd.husk(&["exec", vm, "--", "/bin/cat", "/sys/class/net/eth0/address"]);
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }

@@ -2269,6 +2269,16 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
             400,
             "not a TCP port",
         ),
+        // A pod network is a CRI's namespace, never the host's.
+        (
+            raw(
+                "POST",
+                &format!("/v1/sandboxes/{}/network", s.id),
+                br#"{"netns":"/proc/self/ns/net"}"#,
+            ),
+            400,
+            "pod netns `/proc/self/ns/net`",
+        ),
         (
             raw(
                 "POST",

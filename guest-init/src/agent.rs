@@ -282,7 +282,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 ("add entropy", crate::sys::add_entropy(&entropy)),
                 (
                     "set the MAC address",
-                    mac.map_or(Ok(()), |mac| crate::sys::set_mac(&mac)),
+                    mac.map_or(Ok(()), |mac| crate::net::set_mac(&mac)),
                 ),
             ];
             for (what, result) in steps {
@@ -317,6 +317,13 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         } => {
             if let Err(e) = crate::container::bind(&root, &source, &target, readonly) {
                 let message = format!("binding {source} at {target} in {root}: {e}");
+                return Some(error(id, crate::files::kind_of(&e), message));
+            }
+            Body::Done
+        }
+        Body::Network(config) => {
+            if let Err(e) = crate::net::configure(&config) {
+                let message = format!("configuring the network: {e}");
                 return Some(error(id, crate::files::kind_of(&e), message));
             }
             Body::Done

@@ -27,7 +27,7 @@ pub fn proxy_url() -> Option<String> {
 
 /// Brings up loopback and starts forwarding.
 pub fn start() -> io::Result<()> {
-    crate::sys::loopback_up()?;
+    crate::net::loopback_up()?;
     let listener = TcpListener::bind(("127.0.0.1", EGRESS_PROXY_PORT))?;
     std::thread::Builder::new()
         .name("egress".into())

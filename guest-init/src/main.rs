@@ -30,6 +30,7 @@ mod exec;
 mod files;
 mod image;
 mod medium;
+mod net;
 mod ports;
 mod probe;
 mod process;

@@ -16,9 +16,19 @@ pub const CRI_NAMESPACE: &str = "k8s.io";
 /// The pause image the CRI plugin is configured with (the tests import it).
 pub const PAUSE_IMAGE: &str = "husk.test/pause:1";
 
+/// Where Debian's containernetworking-plugins are.
+const CNI_BIN: &str = "/usr/lib/cni";
+/// The pod network's subnet and its bridge's (the pods' gateway's) address,
+/// in the node's network namespace (see [`Containerd::start_cri`]).
+pub const POD_SUBNET: &str = "10.88.7.0/24";
+pub const POD_GATEWAY: &str = "10.88.7.1";
+
 /// containerd and `husk serve`, running.
 pub struct Containerd {
     pub dir: PathBuf,
+    /// With the CRI: the node's network namespace containerd (and so every
+    /// CNI plugin) runs in.
+    pub node_netns: Option<PathBuf>,
     /// `husk serve`, then containerd.
     children: Vec<Child>,
 }
@@ -63,6 +73,24 @@ pub fn bench_runs(name: &str) -> Option<usize> {
     )
 }
 
+/// Why the CRI's pod network cannot be made here, if it cannot.
+pub fn missing_cni() -> Option<String> {
+    let plugins = ["bridge", "host-local", "loopback", "portmap"];
+    if plugins.iter().any(|p| !Path::new(CNI_BIN).join(p).exists()) || !which("iptables") {
+        return Some(format!(
+            "the CNI plugins ({CNI_BIN}: {}) or iptables are missing \
+             (apt-get install containernetworking-plugins iptables)",
+            plugins.join(", ")
+        ));
+    }
+    None
+}
+
+/// The node network namespace of this process's CRI containerd.
+fn node_netns_name() -> String {
+    format!("husk-node-{}", std::process::id())
+}
+
 /// The directory of this process's containerd (`kind`: test or bench).
 fn dir_of(kind: &str) -> PathBuf {
     std::env::temp_dir().join(format!("husk-ctr-{kind}-{}", std::process::id()))
@@ -74,6 +102,12 @@ extern "C" fn cleanup() {
     let Some(kind) = KIND.get() else { return };
     let dir = dir_of(kind);
     super::kill_everything_under(&dir);
+    // The node's namespace, and with it the pod bridge, the CNI's
+    // iptables rules and every pod interface left in it.
+    let _ = Command::new("ip")
+        .args(["netns", "delete", &node_netns_name()])
+        .stderr(Stdio::null())
+        .status();
     super::remove_cgroups_of(&dir.join("husk"));
     // The sockets of shims killed just now (each bundle names its shim's).
     let tasks = dir.join("state/io.containerd.runtime.v2.task");
@@ -113,9 +147,15 @@ impl Containerd {
 
     /// Like [`Containerd::start`], with containerd's CRI plugin serving on
     /// `containerd.sock` as the kubelet reaches it: runtime handlers `husk`
-    /// (the default) and `runc`, images unpacked with overlayfs, the pause image
-    /// [`PAUSE_IMAGE`], no CNI (pods use the host's network namespace;
-    /// a husk pod's network is its VM's).
+    /// (the default) and `runc`, images unpacked with overlayfs, the pause
+    /// image [`PAUSE_IMAGE`], and a pod network made by Debian's CNI
+    /// plugins (a bridge with [`POD_GATEWAY`] on [`POD_SUBNET`],
+    /// host-local addresses, portmap for hostPorts). containerd runs in a
+    /// network namespace of the test's own (the node's: see
+    /// [`Containerd::in_node`]), so the bridge, the forwarding and the
+    /// CNI's iptables rules are there and go with it, and no pod has a
+    /// route off the machine. Pods on the node's network
+    /// ([`super::cri::namespaces`]) share that namespace.
     pub fn start_cri(kind: &'static str) -> Containerd {
         Containerd::start_with(kind, true)
     }
@@ -127,8 +167,35 @@ impl Containerd {
         unsafe { libc::atexit(cleanup) };
         let husk_dir = dir.join("husk");
         std::fs::create_dir_all(&husk_dir).expect("state dir");
-        let daemon = Command::new(super::husk_binary())
-            .arg("serve")
+        // The CRI's pod network namespaces are made under its state
+        // directory (`netns_mounts_under_state_dir`), which the daemon may
+        // join pods' sandboxes to.
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).expect("containerd state dir");
+        let node_netns = cri.then(|| {
+            let name = node_netns_name();
+            for args in [
+                &["netns", "add", &name][..],
+                &["-n", &name, "link", "set", "lo", "up"],
+            ] {
+                let out = Command::new("ip")
+                    .args(args)
+                    .output()
+                    .expect("ip (iproute2)");
+                assert!(
+                    out.status.success(),
+                    "ip {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Path::new("/run/netns").join(name)
+        });
+        let mut daemon = Command::new(super::husk_binary());
+        daemon.arg("serve");
+        if cri {
+            daemon.arg("--pod-netns-dir").arg(&state);
+        }
+        let daemon = daemon
             .arg("--state-dir")
             .arg(&husk_dir)
             .arg("--kernel")
@@ -159,9 +226,32 @@ impl Containerd {
             }
         );
         if cri {
-            for sub in ["cni/bin", "cni/conf"] {
-                std::fs::create_dir_all(dir.join(sub)).expect("cni dirs");
-            }
+            std::fs::create_dir_all(dir.join("cni/conf")).expect("cni dir");
+            let conflist = serde_json::json!({
+                "cniVersion": "1.0.0",
+                "name": "husk-test",
+                "plugins": [
+                    {
+                        "type": "bridge",
+                        "bridge": "hkbr0",
+                        "isGateway": true,
+                        "ipMasq": false,
+                        "hairpinMode": true,
+                        "ipam": {
+                            "type": "host-local",
+                            "ranges": [[{"subnet": POD_SUBNET, "gateway": POD_GATEWAY}]],
+                            "routes": [{"dst": "0.0.0.0/0"}],
+                            "dataDir": dir.join("cni/ipam"),
+                        },
+                    },
+                    {"type": "portmap", "capabilities": {"portMappings": true}},
+                ],
+            });
+            std::fs::write(
+                dir.join("cni/conf/10-husk.conflist"),
+                serde_json::to_vec_pretty(&conflist).expect("conflist"),
+            )
+            .expect("CNI config");
             // `restrict_oom_score_adj`: no OOM score below containerd's
             // own, as for a containerd in a user namespace. runc's pods
             // need it where even root may not lower a score (this host:
@@ -170,6 +260,7 @@ impl Containerd {
                 "[plugins.\"io.containerd.grpc.v1.cri\"]\n\
                  \x20 sandbox_image = \"{PAUSE_IMAGE}\"\n\
                  \x20 restrict_oom_score_adj = true\n\
+                 \x20 netns_mounts_under_state_dir = true\n\
                  \x20 stream_server_address = \"127.0.0.1\"\n\
                  \x20 stream_server_port = \"0\"\n\
                  [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n\
@@ -181,7 +272,7 @@ impl Containerd {
                  [plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n\
                  \x20 runtime_type = \"io.containerd.runc.v2\"\n\
                  [plugins.\"io.containerd.grpc.v1.cri\".cni]\n\
-                 \x20 bin_dir = \"{d}/cni/bin\"\n\
+                 \x20 bin_dir = \"{CNI_BIN}\"\n\
                  \x20 conf_dir = \"{d}/cni/conf\"\n"
             ));
         }
@@ -195,7 +286,25 @@ impl Containerd {
             "{} is missing: build it (`cargo build -p husk-shim`; make test builds every binary)",
             shim.display()
         );
-        let containerd = Command::new("containerd")
+        let mut containerd = Command::new("containerd");
+        // Open until containerd is spawned (below).
+        let node_ns = node_netns
+            .as_ref()
+            .map(|netns| std::fs::File::open(netns).expect("the node's network namespace"));
+        if let Some(ns) = &node_ns {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(ns);
+            // SAFETY: only setns(2) runs between fork and exec, on a
+            // descriptor open across the spawn.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut containerd, move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let containerd = containerd
             .arg("--config")
             .arg(&config)
             .env(
@@ -211,6 +320,7 @@ impl Containerd {
             .stderr(log_file(&dir.join("containerd.log")))
             .spawn()
             .expect("containerd");
+        drop(node_ns);
         let mut wait = WaitBudget::new(Duration::from_secs(60));
         while !(dir.join("containerd.sock").exists() && husk_dir.join("husk.sock").exists()) {
             assert!(
@@ -222,8 +332,29 @@ impl Containerd {
         }
         Containerd {
             dir,
+            node_netns,
             children: vec![daemon, containerd],
         }
+    }
+
+    /// Runs `f` on a thread in the node's network namespace (where the
+    /// pod network is, as on a Kubernetes node).
+    pub fn in_node<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let netns = self.node_netns.as_ref().expect("a CRI containerd");
+        let ns = std::fs::File::open(netns).expect("the node's network namespace");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: moves only this thread into the namespace; it
+                // ends with `f`.
+                let rc = unsafe {
+                    libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET)
+                };
+                assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .expect("the node's thread")
+        })
     }
 
     /// The husk daemon's pid (its VMMs run below it).

@@ -12,11 +12,11 @@ use super::oci;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     ContainerConfig, ContainerMetadata, ContainerStatus, ContainerStatusRequest,
-    CreateContainerRequest, ExecSyncRequest, ExecSyncResponse, ImageSpec, LinuxContainerConfig,
-    LinuxContainerSecurityContext, LinuxPodSandboxConfig, LinuxSandboxSecurityContext,
-    NamespaceMode, NamespaceOption, PodSandboxConfig, PodSandboxMetadata, RemoveContainerRequest,
-    RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest, StopContainerRequest,
-    StopPodSandboxRequest,
+    CreateContainerRequest, DnsConfig, ExecSyncRequest, ExecSyncResponse, ImageSpec,
+    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
+    PodSandboxMetadata, PortMapping, Protocol, RemoveContainerRequest, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopContainerRequest, StopPodSandboxRequest,
 };
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
@@ -103,6 +103,55 @@ pub fn namespaces() -> Option<NamespaceOption> {
         ipc: NamespaceMode::Pod as i32,
         ..Default::default()
     })
+}
+
+/// The pod's DNS server and search domain, as the kubelet sets them.
+pub const CLUSTER_DNS: &str = "10.96.0.10";
+pub const SEARCH: &str = "default.svc.cluster.local";
+
+/// `config` on the pod network (the kubelet's default: no hostNetwork),
+/// with the cluster's DNS ([`CLUSTER_DNS`], [`SEARCH`]) and `ports` as
+/// hostPort -> containerPort.
+pub fn on_pod_network(mut config: PodSandboxConfig, ports: &[(u16, u16)]) -> PodSandboxConfig {
+    config.hostname = config
+        .metadata
+        .as_ref()
+        .map_or_else(String::new, |m| m.name.clone());
+    config.dns_config = Some(DnsConfig {
+        servers: vec![CLUSTER_DNS.into()],
+        searches: vec![SEARCH.into()],
+        options: vec!["ndots:5".into()],
+    });
+    config.port_mappings = ports
+        .iter()
+        .map(|&(host, container)| PortMapping {
+            protocol: Protocol::Tcp as i32,
+            container_port: container.into(),
+            host_port: host.into(),
+            host_ip: String::new(),
+        })
+        .collect();
+    let ns = config
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+        .and_then(|c| c.namespace_options.as_mut())
+        .expect("namespace options");
+    ns.network = NamespaceMode::Pod as i32;
+    config
+}
+
+/// A container of a pod on the pod network, as the kubelet asks for it.
+pub fn in_pod_network(mut config: ContainerConfig) -> ContainerConfig {
+    if let Some(ns) = config
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+        .and_then(|c| c.namespace_options.as_mut())
+    {
+        ns.network = NamespaceMode::Pod as i32;
+    }
+    config
 }
 
 pub fn pod_config(name: &str, logs: &Path) -> PodSandboxConfig {

@@ -72,6 +72,7 @@
 //! | `Mount { root, source, target, readonly }` | host → guest | binds `source` (a directory, or a regular file) at `target` inside the container root `root` (a pod's volume, or a file such as `/etc/hosts`); `Done` |
 //! | `MountMedium { serial, size, root }` | host → guest | mounts the ext4 file system on the drive whose serial is `serial` at the new directory `root` (a container's root file system on a drive the host just gave a new medium of `size` bytes: it waits, bounded, until the drive has that size); `Done` |
 //! | `MountShare { tag, target, readonly }` | host → guest | mounts the host directory that virtio-fs device `tag` serves at `target` (made if missing; nosuid, nodev; read-only if asked); `Done` |
+//! | `Network(NetConfig)` | host → guest | gives the guest's network interface a pod's network: MAC, MTU, IPv4 address, routes (the pod network's interface, which the host connected to the guest's); `Done` |
 //! | `ContainerStats { root }` | host → guest | what a declared container uses now (its cgroup): `ContainerUsage` |
 //! | `ContainerUsage(usage)` | guest → host | memory, its limit, CPU time and tasks of a container |
 //! | `Done` | guest → host | the request succeeded and has nothing (more) to return |
@@ -378,6 +379,36 @@ pub enum Body {
         target: String,
         readonly: bool,
     },
+    /// Configures the guest's network interface (its virtio-net device)
+    /// as `NetConfig` says, replacing what it had: a Kubernetes pod's
+    /// network, whose interface the host has connected to the guest's.
+    /// `Done`.
+    Network(NetConfig),
+}
+
+/// A network interface's configuration: a pod's, as its CNI plugins made
+/// it on the host (IPv4; the interface's IPv6 addresses are not carried).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfig {
+    /// Its MAC address (the pod interface's, which the pod network
+    /// expects frames from).
+    pub mac: [u8; 6],
+    /// Its MTU.
+    pub mtu: u32,
+    /// Its IPv4 address and prefix length.
+    pub addr: ([u8; 4], u8),
+    /// Routes through it besides its own subnet's.
+    pub routes: Vec<Route>,
+}
+
+/// An IPv4 route through the network interface.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Route {
+    /// Destination network and prefix length (`0.0.0.0/0`: the default
+    /// route).
+    pub dst: ([u8; 4], u8),
+    /// The next hop; none: the destination is on the link.
+    pub via: Option<[u8; 4]>,
 }
 
 /// What a container's programs use together (its cgroup in the guest).

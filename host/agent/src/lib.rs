@@ -938,6 +938,15 @@ impl AgentClient {
         })
     }
 
+    /// Gives the guest's network interface `config` (a pod's network),
+    /// replacing what it had.
+    pub fn configure_network(
+        &mut self,
+        config: &husk_protocol::NetConfig,
+    ) -> Result<(), ClientError> {
+        self.expect_done(Body::Network(config.clone()))
+    }
+
     /// What the declared container rooted at guest directory `root` uses
     /// now.
     pub fn container_stats(

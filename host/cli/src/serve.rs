@@ -127,6 +127,12 @@ pub struct ServeArgs {
     /// Without one, no sandbox sees a host directory.
     #[arg(long = "mount-root")]
     pub mount_roots: Vec<PathBuf>,
+    /// A directory of Kubernetes pods' network namespaces (the CRI's)
+    /// whose pods' sandboxes may join them (`POST
+    /// /v1/sandboxes/{id}/network`, the containerd shim) (repeatable).
+    /// Default: /var/run/netns, containerd's.
+    #[arg(long = "pod-netns-dir")]
+    pub pod_netns_dirs: Vec<PathBuf>,
     /// Largest upload for a template build, in MiB (default 8192).
     #[arg(long)]
     pub max_upload_mib: Option<u64>,
@@ -201,6 +207,9 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     };
     cfg.template_sources = real_dirs("--template-source", &args.template_sources)?;
     cfg.mount_roots = real_dirs("--mount-root", &args.mount_roots)?;
+    if !args.pod_netns_dirs.is_empty() {
+        cfg.pod_netns_dirs = real_dirs("--pod-netns-dir", &args.pod_netns_dirs)?;
+    }
     // Real paths: builds run in jails that bind them by absolute path, and
     // the daemon's working directory is nobody's business.
     let real = |flag: &str, path: Option<PathBuf>| {

@@ -673,6 +673,20 @@ impl ApiClient {
         self.send("DELETE", &path, Payload::None).map(drop)
     }
 
+    /// Joins sandbox `id` to the Kubernetes pod network of network
+    /// namespace `netns` (`POST /v1/sandboxes/{id}/network`).
+    pub fn attach_pod_network(
+        &self,
+        id: &str,
+        netns: &str,
+    ) -> Result<husk_types::PodNetworkInfo, ApiClientError> {
+        let body = Self::json_body(&husk_types::PodNetworkRequest {
+            netns: netns.to_owned(),
+        })?;
+        self.send("POST", &Self::sandbox_path(id, "/network"), body)?
+            .json()
+    }
+
     /// Snapshots sandbox `id` into template `name`
     /// (`POST /v1/sandboxes/{id}/snapshot`).
     pub fn snapshot(&self, id: &str, name: &str) -> Result<TemplateRecord, ApiClientError> {

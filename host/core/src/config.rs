@@ -56,6 +56,10 @@ pub struct DaemonConfig {
     /// The only host directories whose trees sandboxes may be given live
     /// (`mounts`; real paths). None: no sandbox sees a host directory.
     pub mount_roots: Vec<PathBuf>,
+    /// The only directories whose network namespaces (real paths) a
+    /// sandbox may be joined to as a pod's (the CRI's; see
+    /// `Daemon::attach_pod_network`). Empty: none.
+    pub pod_netns_dirs: Vec<PathBuf>,
     /// Largest upload (`POST /v1/uploads`), in bytes.
     pub max_upload_bytes: u64,
     /// Destroy every sandbox (pooled ones included) when the host stops;
@@ -122,7 +126,8 @@ impl DaemonConfig {
     /// restores at once as many as CPUs; a clone's agent 120 s and a
     /// template boot 900 s to answer on a quiet host; cgroup limits where
     /// a writable hierarchy exists; each VMM in its jail when running as
-    /// root; no template sources (files come as uploads), uploads up to
+    /// root; no template sources (files come as uploads), the CRI's pod
+    /// network namespaces in `/var/run/netns` (where it exists), uploads up to
     /// 8 GiB; sandboxes left running when the host stops.
     pub fn new(state_dir: impl Into<PathBuf>) -> Self {
         let vmm = std::env::current_exe()
@@ -153,6 +158,9 @@ impl DaemonConfig {
             egress_upstream_ca: None,
             template_sources: Vec::new(),
             mount_roots: Vec::new(),
+            pod_netns_dirs: std::fs::canonicalize("/var/run/netns")
+                .into_iter()
+                .collect(),
             max_upload_bytes: 8 << 30,
             destroy_on_stop: false,
             front_door: None,

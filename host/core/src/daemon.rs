@@ -31,6 +31,7 @@ use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
 mod hibernate;
 mod media;
+mod podnet;
 mod ports;
 mod shares;
 mod volumes;
@@ -1028,6 +1029,7 @@ impl Daemon {
             hibernated_bytes: None,
             traffic_token: None,
             on_idle: None,
+            pod_netns: None,
             media: BTreeMap::new(),
             mounts: Vec::new(),
         };
@@ -1558,6 +1560,7 @@ impl Daemon {
                 }
             }
         }
+        podnet::leave_pod_network(&live.rec);
         let _ = std::fs::remove_dir_all(&live.rec.run_dir);
         self.remove_cgroup(id);
         self.give_uid(live.rec.uid);

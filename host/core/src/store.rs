@@ -126,6 +126,10 @@ pub struct SandboxRecord {
     /// What happens when nobody uses it for a while.
     #[serde(default)]
     pub on_idle: Option<husk_types::IdlePolicy>,
+    /// The pod network namespace its TAP was moved to (see
+    /// `Daemon::attach_pod_network`).
+    #[serde(default)]
+    pub pod_netns: Option<PathBuf>,
     /// Its drives that hold a medium in use: drive id -> the image's
     /// SHA-256 (see `Daemon::insert_medium`).
     #[serde(default)]
@@ -387,6 +391,7 @@ pub(crate) fn test_record(id: &str) -> SandboxRecord {
         hibernated_bytes: None,
         traffic_token: None,
         on_idle: None,
+        pod_netns: None,
         media: BTreeMap::new(),
         mounts: vec![husk_types::MountSpec {
             host: "/srv/work".to_owned(),

@@ -185,6 +185,7 @@ routes! {
     post "/v1/sandboxes/{id}/kill-all" => kill_all,
     post "/v1/sandboxes/{id}/media" => insert_medium,
     delete "/v1/sandboxes/{id}/media/{drive}" => release_drive,
+    post "/v1/sandboxes/{id}/network" => attach_pod_network,
     get "/v1/sandboxes/{id}/ports/{port}" => port,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
@@ -589,6 +590,17 @@ async fn release_drive(
 ) -> ApiResult<Response> {
     blocking(move || d.release_drive(&id, &drive, &who.0)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn attach_pod_network(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let req: husk_types::PodNetworkRequest = json(&body)?;
+    let info = blocking(move || d.attach_pod_network(&id, req, &who.0)).await?;
+    Ok(ok(StatusCode::OK, info))
 }
 
 async fn kill_all(

@@ -189,6 +189,10 @@ pub struct Bundle {
     pub volumes: Vec<Volume>,
     /// A pod's sandbox: its containers' limits, which size its VM.
     pub pod_resources: Option<PodResources>,
+    /// A pod's sandbox: the pod's network namespace, which the CRI made
+    /// and its CNI plugins configured (none: the pod is on the node's
+    /// network, `hostNetwork`).
+    pub netns: Option<PathBuf>,
 }
 
 /// Largest file a bind mount brings into a pod's container.
@@ -251,6 +255,19 @@ fn bind_mounts(spec: &Spec) -> (Vec<(String, PathBuf)>, Vec<Volume>) {
         }
     }
     (files, volumes)
+}
+
+/// The network namespace the spec joins (`linux.namespaces`, type
+/// `network` with a path): a CRI pod's. None for a new one or none.
+fn network_namespace(spec: &Spec) -> Option<PathBuf> {
+    spec.linux()
+        .as_ref()?
+        .namespaces()
+        .as_ref()?
+        .iter()
+        .find(|ns| ns.typ() == oci_spec::runtime::LinuxNamespaceType::Network)?
+        .path()
+        .clone()
 }
 
 impl Bundle {
@@ -320,6 +337,10 @@ impl Bundle {
             .transpose()?;
         let cpu_limit = resources.as_ref().and_then(cpu_limit);
         // A pod's container: the spec's mounts come into the pod's VM.
+        let netns = match pod {
+            Some(Pod::Sandbox) => network_namespace(&spec),
+            _ => None,
+        };
         let (files, volumes) = match sizes_a_vm {
             true => Default::default(),
             false => bind_mounts(&spec),
@@ -348,6 +369,7 @@ impl Bundle {
             volumes,
             pod,
             pod_resources,
+            netns,
         })
     }
 }

@@ -617,9 +617,23 @@ impl Inner {
                 ..Default::default()
             },
         );
-        let agent = match (confirmed, &sandbox.agent_socket) {
-            (Ok(_), Some(agent)) => PathBuf::from(agent),
-            (Ok(_), None) => {
+        // A pod on the cluster's network: its VM joins the pod's network
+        // namespace (CNI ran before this Create).
+        let joined = match (&bundle.netns, confirmed) {
+            (Some(netns), Ok(_)) => self
+                .daemon
+                .attach_pod_network(&sandbox.id, &netns.to_string_lossy())
+                .map(|net| {
+                    tracing::info!(
+                        task = %req.id, sandbox = %sandbox.id, address = %net.address,
+                        mac = %net.mac, "on the pod's network"
+                    )
+                }),
+            (_, confirmed) => confirmed.map(drop),
+        };
+        let agent = match (joined, &sandbox.agent_socket) {
+            (Ok(()), Some(agent)) => PathBuf::from(agent),
+            (Ok(()), None) => {
                 self.destroy(&sandbox.id);
                 return Err(ShimError::Agent(
                     "the daemon did not say where the sandbox's agent is (an older daemon?)".into(),

@@ -17,8 +17,8 @@ pub use exec::{ExecEvent, ExecSpec};
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,
-    Killed, MountSpec, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxState, SandboxUpdate,
-    SecretSpec, SnapshotRequest,
+    Killed, MountSpec, PodNetworkInfo, PodNetworkRequest, PoolInfo, PoolSize, PortInfo,
+    SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
 };
 pub use template::{
     check_template_name, drive_slot_id, fs_slot_id, BuildEvent, ImageConfig, KernelSource,

@@ -100,6 +100,30 @@ impl MountSpec {
     }
 }
 
+/// Joins a sandbox to a Kubernetes pod's network (`POST
+/// /v1/sandboxes/{id}/network`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodNetworkRequest {
+    /// The pod's network namespace (a CRI-made bind mount such as
+    /// `/var/run/netns/cni-...`, beneath one of the daemon's
+    /// `--pod-netns-dir`s), whose `eth0` its CNI plugins configured.
+    pub netns: String,
+}
+
+/// What the guest's interface took from the pod's `eth0`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodNetworkInfo {
+    /// Its MAC address.
+    pub mac: String,
+    /// Its MTU.
+    pub mtu: u32,
+    /// Its IPv4 address, `A.B.C.D/N`.
+    pub address: String,
+    /// Its routes besides its subnet's (`A.B.C.D/N [via A.B.C.D]`).
+    pub routes: Vec<String>,
+}
+
 /// What happens to a running sandbox nobody uses: no request reached it
 /// (exec, files, any agent call) and no connection to its ports was open
 /// for `after_s` seconds. A request in flight (a long exec, a watch, a

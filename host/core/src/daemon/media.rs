@@ -167,8 +167,16 @@ impl Daemon {
 
 /// Refuses what cannot be done to a sandbox while its drives hold media
 /// (a snapshot would name files of its run directory, which others cannot
-/// read and which go with it) or it has host directories mounted.
+/// read and which go with it), it has host directories mounted, or it is
+/// on a pod's network (a restored VMM's TAP is a new one, in its jail).
 pub(super) fn refuse_with_media(rec: &SandboxRecord, what: &str) -> Result<(), DaemonError> {
+    if let Some(netns) = &rec.pod_netns {
+        return Err(DaemonError::Conflict(format!(
+            "sandbox `{}` cannot be {what} while it is on the pod network of {}",
+            rec.id,
+            netns.display()
+        )));
+    }
     if !rec.mounts.is_empty() {
         let guest: Vec<&str> = rec.mounts.iter().map(|m| m.guest.as_str()).collect();
         return Err(DaemonError::Conflict(format!(
