@@ -1479,7 +1479,11 @@ impl Daemon {
     }
 
     /// Forks a sandbox: snapshots it into template `name` and creates
-    /// `count` sandboxes from that template.
+    /// `count` sandboxes from that template, at once (as many restores run
+    /// together as the daemon's `restore_parallel`), each with the
+    /// parent's labels, egress policy, port privacy and idle policy. All
+    /// or nothing: when one create fails, those made go and the first
+    /// failure is the answer.
     pub fn fork(
         &self,
         id: &str,
@@ -1494,29 +1498,37 @@ impl Daemon {
         }
         let parent = self.record(id)?;
         let t = self.snapshot(id, name, who)?;
-        let mut made = Vec::new();
-        for _ in 0..count {
-            let req = CreateRequest {
-                template: t.id.clone(),
-                labels: parent.labels.clone(),
-                egress: EgressSpec {
-                    allow: parent.egress_allow.clone(),
-                    secrets: parent.egress_secrets.clone(),
-                },
-                private_ports: parent.traffic_token.is_some(),
-                on_idle: parent.on_idle,
-                ..CreateRequest::default()
-            };
-            match self.create(req, who) {
-                Ok(c) => made.push(c),
-                Err(e) => {
-                    // All or nothing: the forks made so far go.
-                    for c in &made {
-                        let _ = self.destroy(&c.sandbox.id, who);
-                    }
-                    return Err(e);
-                }
+        let req = CreateRequest {
+            template: t.id.clone(),
+            labels: parent.labels.clone(),
+            egress: EgressSpec {
+                allow: parent.egress_allow.clone(),
+                secrets: parent.egress_secrets.clone(),
+            },
+            private_ports: parent.traffic_token.is_some(),
+            on_idle: parent.on_idle,
+            ..CreateRequest::default()
+        };
+        let results: Vec<Result<Created, DaemonError>> = std::thread::scope(|s| {
+            let creates: Vec<_> = (0..count)
+                .map(|_| s.spawn(|| self.create(req.clone(), who)))
+                .collect();
+            creates
+                .into_iter()
+                .map(|c| {
+                    c.join().unwrap_or_else(|_| {
+                        Err(DaemonError::Failed("a fork's create panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let (made, failed): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+        let made: Vec<Created> = made.into_iter().flatten().collect();
+        if let Some(Err(e)) = failed.into_iter().next() {
+            for c in &made {
+                let _ = self.destroy(&c.sandbox.id, who);
             }
+            return Err(e);
         }
         Ok((t, made))
     }
