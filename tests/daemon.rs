@@ -437,10 +437,18 @@ fn download(id: &str, path: &str) -> Result<Vec<u8>, ApiClientError> {
 }
 
 /// Waits (polling every 200 ms) until `check` holds; panics with `what`.
+/// The wait is [`PATIENCE`] of the CPU a quiet host gives, stretched by
+/// the host's load (`WaitBudget`): on a loaded 2-core host a guest program
+/// took five minutes to start listening.
 fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
+    let mut budget = husk_agent_client::readiness::WaitBudget::new(PATIENCE);
     while !check() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            !budget.expired(),
+            "timed out waiting for {what} ({:?}, CPU share {:.2})",
+            budget.elapsed(),
+            budget.last_share()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
