@@ -127,15 +127,12 @@ async fn pod_ip(
 }
 
 /// The client's request to the server, on the pod's localhost.
-const FETCH: &[&str] = &[
-    "wget",
-    "-Y",
-    "off",
-    "-q",
-    "-O",
-    "-",
-    "http://127.0.0.1:8080/",
-];
+const FETCH: &[&str] = &fetch("http://127.0.0.1:8080/");
+
+/// A container's command that prints what `url` serves (no proxy).
+const fn fetch(url: &str) -> [&str; 7] {
+    ["wget", "-Y", "off", "-q", "-O", "-", url]
+}
 
 /// Where the guest of pod VM `vm` has ext4 file systems mounted (the
 /// drives' media).
@@ -704,15 +701,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         let across = exec_sync(
             &mut runtime,
             &sleeper,
-            &[
-                "wget",
-                "-Y",
-                "off",
-                "-q",
-                "-O",
-                "-",
-                &format!("http://{web_ip}:8080/"),
-            ],
+            &fetch(&format!("http://{web_ip}:8080/")),
         )
         .await;
         assert_eq!(
