@@ -52,7 +52,7 @@ impl Daemon {
             SandboxState::Running,
             "a running sandbox joins a pod's network",
         )?;
-        let netns = self.check_pod_netns(&req.netns)?;
+        let (netns, ns) = self.check_pod_netns(&req.netns)?;
         let tap = rec.tap.clone().ok_or_else(|| {
             DaemonError::Invalid(format!(
                 "sandbox `{id}` has no network device: its template `{}` was built without one \
@@ -73,8 +73,8 @@ impl Daemon {
             }
         })?;
         self.store.put_sandbox(&rec)?;
-        let config = pod_interface(&netns)?;
-        join(rec.pid, &tap, &netns, config.mtu)?;
+        let config = pod_interface(&ns, &netns)?;
+        join(rec.pid, &tap, (&ns, &netns), config.mtu)?;
         self.agent(id)?.configure_network(&config)?;
         let info = PodNetworkInfo {
             mac: crate::vmm_process::mac_text(&config.mac),
@@ -92,9 +92,9 @@ impl Daemon {
         Ok(info)
     }
 
-    /// `path`, resolved, if it is a network namespace beneath one of the
-    /// daemon's pod namespace directories and not the daemon's own.
-    fn check_pod_netns(&self, path: &str) -> Result<PathBuf, DaemonError> {
+    /// `path`, resolved and open, if it is a network namespace beneath one
+    /// of the daemon's pod namespace directories and not the daemon's own.
+    fn check_pod_netns(&self, path: &str) -> Result<(PathBuf, File), DaemonError> {
         let bad = |why: String| Err(DaemonError::Invalid(format!("pod netns `{path}`: {why}")));
         if self.cfg.pod_netns_dirs.is_empty() {
             return bad(
@@ -127,7 +127,7 @@ impl Daemon {
         if (its.dev(), its.ino()) == (own.dev(), own.ino()) {
             return bad("the host's own network namespace".into());
         }
-        Ok(real)
+        Ok((real, file))
     }
 }
 
@@ -212,10 +212,9 @@ fn failed(step: &str) -> impl FnOnce(String) -> DaemonError + '_ {
 /// What the pod's interface has (a netlink dump through `ip -j`): its MAC
 /// and MTU, its IPv4 address, and the routes through it other than its
 /// subnet's (which the guest's address brings).
-fn pod_interface(netns: &Path) -> Result<NetConfig, DaemonError> {
-    let ns = open_netns(netns)?;
+fn pod_interface(ns: &File, netns: &Path) -> Result<NetConfig, DaemonError> {
     let json = |args: &[&str]| -> Result<serde_json::Value, DaemonError> {
-        let out = run_in(&ns, "ip", args).map_err(failed("reading the pod's interface"))?;
+        let out = run_in(ns, "ip", args).map_err(failed("reading the pod's interface"))?;
         serde_json::from_str(&out).map_err(|e| {
             DaemonError::Failed(format!(
                 "`ip {}` said something else than JSON: {e}",
@@ -300,14 +299,14 @@ fn parse_mac(text: &str) -> Option<[u8; 6]> {
 }
 
 /// Moves TAP `tap` from the network namespace of process `pid` (the
-/// sandbox's jail) into `netns`, and joins it to the pod's interface.
-fn join(pid: u32, tap: &str, netns: &Path, mtu: u32) -> Result<(), DaemonError> {
+/// sandbox's jail) into `netns` (open as `ns`), and joins it to the pod's
+/// interface.
+fn join(pid: u32, tap: &str, (ns, netns): (&File, &Path), mtu: u32) -> Result<(), DaemonError> {
     let jail = open_netns(Path::new(&format!("/proc/{pid}/ns/net")))?;
     let target = netns.display().to_string();
     run_in(&jail, "ip", &["link", "set", "dev", tap, "netns", &target]).map_err(failed(
         "moving the sandbox's TAP into the pod's network namespace",
     ))?;
-    let ns = open_netns(netns)?;
     let mtu = mtu.to_string();
     let steps: [(&str, &[&str]); 5] = [
         ("ip", &["link", "set", "dev", tap, "mtu", &mtu, "up"]),
@@ -317,7 +316,7 @@ fn join(pid: u32, tap: &str, netns: &Path, mtu: u32) -> Result<(), DaemonError> 
         ("tc", &redirect(tap, POD_INTERFACE)),
     ];
     for (program, args) in steps {
-        run_in(&ns, program, args).map_err(failed("joining the TAP to the pod's interface"))?;
+        run_in(ns, program, args).map_err(failed("joining the TAP to the pod's interface"))?;
     }
     Ok(())
 }
