@@ -32,6 +32,13 @@ const FRONT_DOMAIN: &str = "sbx.test";
 /// How long a guest-side step may take here before a test gives up.
 const PATIENCE: Duration = Duration::from_secs(300);
 
+/// [`PATIENCE`] stretched by the host's load now, for a deadline set once
+/// (a request's timeout): on a loaded host a guest program's fork and exec
+/// take minutes of emulated work.
+fn patience() -> Duration {
+    husk_agent_client::readiness::stretched(PATIENCE)
+}
+
 struct TestDaemon {
     state_dir: PathBuf,
     tcp: String,
@@ -127,7 +134,7 @@ impl TestDaemon {
             .spawn()
             .expect("husk serve");
         *self.child.lock().expect("lock") = Some(child);
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + patience();
         loop {
             if api().call::<Value>("GET", "/v1/info", None).is_ok() {
                 return;
@@ -290,7 +297,7 @@ fn exclusive() -> (&'static TestDaemon, RwLockWriteGuard<'static, ()>) {
 
 fn api() -> ApiClient {
     let dir = std::env::temp_dir().join(format!("husk-daemon-test-{}", std::process::id()));
-    ApiClient::new(Endpoint::Unix(dir.join("husk.sock"))).with_timeout(PATIENCE)
+    ApiClient::new(Endpoint::Unix(dir.join("husk.sock"))).with_timeout(patience())
 }
 
 /// The HTTP status of a failed call.
@@ -437,11 +444,11 @@ fn download(id: &str, path: &str) -> Result<Vec<u8>, ApiClientError> {
 }
 
 /// Waits (polling every 200 ms) until `check` holds; panics with `what`.
-/// The wait is [`PATIENCE`] of the CPU a quiet host gives, stretched by
+/// The wait is [`patience()`] of the CPU a quiet host gives, stretched by
 /// the host's load (`WaitBudget`): on a loaded 2-core host a guest program
 /// took five minutes to start listening.
 fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
-    let mut budget = husk_agent_client::readiness::WaitBudget::new(PATIENCE);
+    let mut budget = husk_agent_client::readiness::WaitBudget::new(patience());
     while !check() {
         assert!(
             !budget.expired(),
@@ -595,7 +602,7 @@ fn eight_concurrent_creates_against_a_pool_of_four_all_succeed() {
     // the pool refills behind them: each create may wait for the others.
     let create = || -> Created {
         api()
-            .with_timeout(PATIENCE * 2)
+            .with_timeout(patience() * 2)
             .call(
                 "POST",
                 "/v1/sandboxes",
@@ -906,7 +913,7 @@ fn a_sandbox_drive_takes_an_uploaded_tree_as_a_medium_the_guest_mounts() {
     };
     let mount = |m: &MediumInfo, at: &str| {
         let agent = s.agent_socket.as_deref().expect("the agent's socket");
-        husk_agent_client::AgentClient::connect(Path::new(agent), PATIENCE)
+        husk_agent_client::AgentClient::connect(Path::new(agent), patience())
             .and_then(|mut a| a.mount_medium(&m.drive, m.size, at))
     };
 
@@ -1683,7 +1690,7 @@ fn front_door_client(d: &TestDaemon, tls: Option<rustls::ClientConfig>) -> ureq:
     let door: std::net::SocketAddr = d.expose.parse().expect("front door address");
     let agent = ureq::AgentBuilder::new()
         .resolver(move |_: &str| Ok(vec![door]))
-        .timeout(PATIENCE);
+        .timeout(patience());
     match tls {
         Some(tls) => agent.tls_config(std::sync::Arc::new(tls)).build(),
         None => agent.build(),
@@ -1741,7 +1748,7 @@ fn a_sandbox_port_is_served_at_the_front_door_with_streams_websockets_and_privat
         .expect("echo body");
     // A WebSocket, with a client that checks the handshake.
     let tcp = std::net::TcpStream::connect(&d.expose).expect("connect to the front door");
-    tcp.set_read_timeout(Some(PATIENCE)).expect("timeout");
+    tcp.set_read_timeout(Some(patience())).expect("timeout");
     let ws_url = url(&open, 8000, "/ws").replacen("http", "ws", 1);
     let (mut ws, upgraded) = tungstenite::client::client(ws_url.as_str(), tcp).expect("upgrade");
     let text = "through the front door and back";
@@ -2543,7 +2550,7 @@ fn a_client_that_leaves_mid_stream_gets_its_program_killed() {
     // The guest's agent, asked directly: nothing of the flood is left.
     let vsock = d.state_dir.join("sandboxes").join(&s.id).join("vsock");
     wait_until("the flood to be killed", || {
-        let mut agent = husk_agent_client::AgentClient::connect(&vsock, PATIENCE).expect("agent");
+        let mut agent = husk_agent_client::AgentClient::connect(&vsock, patience()).expect("agent");
         agent
             .processes()
             .expect("processes")
@@ -2931,7 +2938,9 @@ fn e2b_client(program: impl AsRef<std::ffi::OsStr>, d: &TestDaemon) -> Command {
         .env("E2B_API_KEY", E2B_KEY)
         .env("HUSK_E2B_TEMPLATE", "base")
         .env("HUSK_FRONT_DOOR", &d.expose)
-        .env("HUSK_FRONT_DOMAIN", FRONT_DOMAIN);
+        .env("HUSK_FRONT_DOMAIN", FRONT_DOMAIN)
+        // The clients' request timeouts: patience() as the client starts.
+        .env("HUSK_PATIENCE_S", patience().as_secs().to_string());
     cmd
 }
 
@@ -3085,7 +3094,7 @@ fn listen_in_netns(
             match listener.accept() {
                 Ok((mut conn, _)) => {
                     let _ = conn.set_nonblocking(false);
-                    let _ = conn.set_read_timeout(Some(PATIENCE));
+                    let _ = conn.set_read_timeout(Some(patience()));
                     let mut got = String::new();
                     let _ = conn.read_to_string(&mut got);
                     log.lock().expect("lock").push(got);
@@ -3118,7 +3127,7 @@ fn egress_server(
         tx.send(listener.local_addr().expect("addr")).expect("send");
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
-            let _ = conn.set_read_timeout(Some(PATIENCE));
+            let _ = conn.set_read_timeout(Some(patience()));
             let mut got = Vec::new();
             let mut buf = [0u8; 4096];
             while let Ok(n @ 1..) = conn.read(&mut buf) {
@@ -3223,7 +3232,7 @@ fn tls_server(
         tx.send(listener.local_addr().expect("addr")).expect("send");
         for conn in listener.incoming() {
             let Ok(conn) = conn else { continue };
-            let _ = conn.set_read_timeout(Some(PATIENCE));
+            let _ = conn.set_read_timeout(Some(patience()));
             let Ok(server) = rustls::ServerConnection::new(cfg.clone()) else {
                 continue;
             };
@@ -3284,7 +3293,7 @@ impl<'a> GuestPipe<'a> {
             .start(husk_protocol::ExecRequest {
                 argv: vec!["nc".into(), "127.0.0.1".into(), "3128".into()],
                 stdin_open: true,
-                timeout_ms: Some(PATIENCE.as_millis() as u64),
+                timeout_ms: Some(patience().as_millis() as u64),
                 ..Default::default()
             })
             .expect("nc in the guest");
@@ -3349,7 +3358,7 @@ fn https_from_guest(
 ) -> (String, Result<String, String>) {
     use rustls::pki_types::pem::PemObject;
     use std::io::Write;
-    let mut agent = husk_agent_client::AgentClient::connect(vsock, PATIENCE).expect("agent");
+    let mut agent = husk_agent_client::AgentClient::connect(vsock, patience()).expect("agent");
     let mut pipe = GuestPipe::open(&mut agent);
     pipe.write_all(format!("CONNECT {to} HTTP/1.1\r\nHost: {to}\r\n\r\n").as_bytes())
         .expect("CONNECT");

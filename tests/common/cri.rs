@@ -6,9 +6,11 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use super::common::containerd::{Containerd, CRI_NAMESPACE, PAUSE_IMAGE};
 use super::oci;
+use husk_agent_client::readiness::WaitBudget;
 use husk_cri_api::runtime_service_client::RuntimeServiceClient;
 use husk_cri_api::{
     ContainerConfig, ContainerMetadata, ContainerStatus, ContainerStatusRequest,
@@ -259,21 +261,32 @@ pub async fn start_container(
     id
 }
 
-/// ExecSync of `cmd` in container `id` (within 300 s).
+/// ExecSync of `cmd` in container `id`, within 300 s of a quiet host's CPU
+/// (a `WaitBudget`, stretched by the host's load): containerd's own exec
+/// timeout is a fixed wall-clock one, so none is passed to it.
 pub async fn exec_sync(
     runtime: &mut RuntimeServiceClient<Channel>,
     id: &str,
     cmd: &[&str],
 ) -> ExecSyncResponse {
-    runtime
-        .exec_sync(ExecSyncRequest {
-            container_id: id.to_owned(),
-            cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
-            timeout: 300,
-        })
-        .await
-        .expect("ExecSync")
-        .into_inner()
+    let exec = runtime.exec_sync(ExecSyncRequest {
+        container_id: id.to_owned(),
+        cmd: cmd.iter().map(|s| (*s).to_owned()).collect(),
+        timeout: 0,
+    });
+    let mut budget = WaitBudget::new(Duration::from_secs(300));
+    let spent = async {
+        while !budget.expired() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        (budget.elapsed(), budget.last_share())
+    };
+    tokio::select! {
+        reply = exec => reply.expect("ExecSync").into_inner(),
+        (waited, share) = spent => panic!(
+            "ExecSync of {cmd:?} in {id}: no answer after {waited:?} (the host's CPU share {share:.2})"
+        ),
+    }
 }
 
 /// StopContainer of `id`, killed after `timeout` seconds.

@@ -3,9 +3,11 @@
 import { Sandbox, CommandExitError, NotFoundError } from 'e2b'
 
 const template = process.env.HUSK_E2B_TEMPLATE || 'base'
-// A guest on an emulating host is slow: generous timeouts.
-const slow = { requestTimeoutMs: 300_000 }
-const run = { ...slow, timeoutMs: 300_000 }
+// A guest on an emulating host is slow: generous timeouts, longer on a
+// loaded host (the test sets HUSK_PATIENCE_S by the host's load).
+const patienceMs = Number(process.env.HUSK_PATIENCE_S ?? 300) * 1000
+const slow = { requestTimeoutMs: patienceMs }
+const run = { ...slow, timeoutMs: patienceMs }
 
 function check(ok, what) {
   if (!ok) throw new Error(`check failed: ${what}`)
@@ -49,7 +51,7 @@ try {
   const seen = []
   const watch = await sbx.files.watchDir('/home/user/watched', (ev) => seen.push(ev.name), slow)
   await sbx.files.write('/home/user/watched/new.txt', 'x', slow)
-  const deadline = Date.now() + 300_000
+  const deadline = Date.now() + patienceMs
   while (!seen.includes('new.txt') && Date.now() < deadline) {
     await new Promise((r) => setTimeout(r, 200))
   }

@@ -67,6 +67,29 @@ impl WaitBudget {
     }
 }
 
+/// `budget` stretched by the host's load now (its 1-minute load average
+/// over its CPUs, at least 1, at most [`MAX_STRETCH`]): for a deadline set
+/// once, as a request's timeout is, where a [`WaitBudget`] cannot charge
+/// the wait as it goes.
+pub fn stretched(budget: Duration) -> Duration {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| parse_load(&text))
+        .unwrap_or(0.0);
+    budget.mul_f64(stretch(cpus, load))
+}
+
+/// How much a deadline stretches when `load` tasks (a load average) want
+/// `cpus` CPUs.
+fn stretch(cpus: u32, load: f64) -> f64 {
+    (load / f64::from(cpus)).clamp(1.0, f64::from(MAX_STRETCH))
+}
+
+fn parse_load(loadavg: &str) -> Option<f64> {
+    loadavg.split_whitespace().next()?.parse().ok()
+}
+
 /// The share of a CPU one runnable task gets when `runnable` other tasks
 /// compete for `cpus` CPUs.
 pub fn cpu_share(cpus: u32, runnable: u32) -> f64 {
@@ -105,6 +128,15 @@ mod tests {
     fn a_busy_host_charges_each_task_its_share() {
         assert_eq!(cpu_share(2, 4), 0.5);
         assert_eq!(cpu_share(2, 20), 0.1);
+    }
+
+    #[test]
+    fn a_deadline_stretches_with_the_load_average_within_bounds() {
+        assert_eq!(stretch(2, 0.4), 1.0);
+        assert_eq!(stretch(2, 6.0), 3.0);
+        assert_eq!(stretch(2, 400.0), f64::from(MAX_STRETCH));
+        assert_eq!(parse_load("5.98 3.10 0.42 3/92 24174\n"), Some(5.98));
+        assert_eq!(parse_load(""), None);
     }
 
     #[test]
