@@ -167,12 +167,14 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
     // The pods' VMs are clones of `base` (its first build boots it), with
     // a network device for the pod network. Its two empty drives take two
     // containers' root file systems as media; a third container's tree is
-    // copied into the VM.
+    // copied into the VM. Its two empty fs slots take volumes as shares.
     ctrd.husk(&[
         "template",
         "build",
         "base",
         "--drive-slots",
+        "2",
+        "--fs-slots",
         "2",
         "--network",
     ]);
@@ -352,18 +354,41 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             }
             linux.resources = Some(loner_limits);
         }
-        // A volume (a host directory, as the kubelet's emptyDir or
-        // configMap): the loner writes to it, the client (below) reads it.
+        // A volume (a host directory, as a hostPath or an emptyDir of a
+        // pod with an fsGroup: not root's): a live share in one of the
+        // VM's fs slots. The loner writes to it, the host sees that, the
+        // client (below) reads it.
         let volume = ctrd.dir.join("volume");
         std::fs::create_dir_all(volume.join("sub")).expect("volume");
         std::fs::write(volume.join("sub/seed.txt"), "seeded\n").expect("volume file");
-        let mount = |at: &str, readonly: bool| Mount {
+        for path in [&volume, &volume.join("sub"), &volume.join("sub/seed.txt")] {
+            std::os::unix::fs::chown(path, Some(4242), Some(4242)).expect("chown");
+        }
+        // A configMap as the kubelet writes one (root's, read-only, each
+        // key a link through `..data` to a timestamped directory that an
+        // update replaces): shared read-only, its update seen in the pod.
+        let config_map = ctrd.dir.join("config-map");
+        let kubelet_writes = |version: &str| {
+            let dated = format!("..{version}");
+            std::fs::create_dir_all(config_map.join(&dated)).expect("configMap");
+            std::fs::write(config_map.join(&dated).join("key"), version).expect("key");
+            let link = config_map.join("..data_tmp");
+            std::os::unix::fs::symlink(&dated, &link).expect("..data_tmp");
+            std::fs::rename(&link, config_map.join("..data")).expect("..data");
+        };
+        kubelet_writes("v1");
+        std::os::unix::fs::symlink("..data/key", config_map.join("key")).expect("key link");
+        let mount = |at: &str, dir: &Path, readonly: bool| Mount {
             container_path: at.into(),
-            host_path: volume.to_string_lossy().into_owned(),
+            host_path: dir.to_string_lossy().into_owned(),
             readonly,
             ..Default::default()
         };
-        loner.mounts = vec![mount("/data", false), mount("/escape/volume", true)];
+        loner.mounts = vec![
+            mount("/data", &volume, false),
+            mount("/escape/volume", &volume, true),
+            mount("/etc/config", &config_map, true),
+        ];
         let loner = start_container(&mut runtime, (&pod, &config), loner).await;
         let wrote = exec_sync(
             &mut runtime,
@@ -372,7 +397,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 "sh",
                 "-c",
                 "cat /data/sub/seed.txt /etc/volume/sub/seed.txt && \
-                     echo from-the-loner > /data/note",
+                     echo from-the-loner > /data/note && cat /etc/config/key",
             ],
         )
         .await;
@@ -381,8 +406,34 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 wrote.exit_code,
                 String::from_utf8_lossy(&wrote.stdout).as_ref()
             ),
-            (0, "seeded\nseeded\n"),
+            (0, "seeded\nseeded\nv1"),
             "{wrote:?}"
+        );
+        {
+            use std::os::unix::fs::MetadataExt;
+            let note =
+                std::fs::metadata(volume.join("note")).expect("the loner's note on the host");
+            assert_eq!(
+                std::fs::read_to_string(volume.join("note")).expect("note"),
+                "from-the-loner\n"
+            );
+            assert_eq!((note.uid(), note.gid()), (4242, 4242), "the note's owner");
+        }
+        kubelet_writes("v2");
+        let updated = exec_sync(
+            &mut runtime,
+            &loner,
+            &[
+                "sh",
+                "-c",
+                "cat /etc/config/key; (echo x > /etc/config/key) 2>&1",
+            ],
+        )
+        .await;
+        let updated = String::from_utf8_lossy(&updated.stdout).into_owned();
+        assert!(
+            updated.starts_with("v2") && updated.contains("Read-only"),
+            "the configMap's update in the pod: {updated:?}"
         );
         // The link was followed inside the container's root, not the VM's.
         let vm = husk_sandboxes(&ctrd).pop().expect("the pod's VM");
@@ -517,7 +568,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             m.attempt = 1;
         }
         again.stdin = true;
-        again.mounts = vec![mount("/shared", true)];
+        again.mounts = vec![mount("/shared", &volume, true)];
         let client = start_container(&mut runtime, (&pod, &config), again).await;
         // The restarted client's root is a medium again, in the drive the
         // first one's removal freed.

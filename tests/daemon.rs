@@ -444,11 +444,11 @@ fn download(id: &str, path: &str) -> Result<Vec<u8>, ApiClientError> {
 }
 
 /// Waits (polling every 200 ms) until `check` holds; panics with `what`.
-/// The wait is [`patience()`] of the CPU a quiet host gives, stretched by
+/// The wait is [`PATIENCE`] of the CPU a quiet host gives, stretched by
 /// the host's load (`WaitBudget`): on a loaded 2-core host a guest program
 /// took five minutes to start listening.
 fn wait_until(what: &str, mut check: impl FnMut() -> bool) {
-    let mut budget = husk_agent_client::readiness::WaitBudget::new(patience());
+    let mut budget = husk_agent_client::readiness::WaitBudget::new(PATIENCE);
     while !check() {
         assert!(
             !budget.expired(),
@@ -1120,6 +1120,40 @@ fn a_named_volume_outlives_its_sandboxes_and_goes_only_unmounted() {
     .expect("exec");
     let b = create_with(at_data(&made.id)).expect("a second sandbox with the volume");
     let both = sh(&b.sandbox.id, "cat /data/f && echo from-b > /data/d/g");
+    // A running sandbox takes one more mount in its free slot (as a pod's
+    // volume comes): a host directory of someone's, and a root's one
+    // read-only (root's files root's in the guest); a root's one written,
+    // a repeated guest path, a third slot and no sandbox are refused.
+    // SAFETY: getuid cannot fail.
+    let root = unsafe { libc::getuid() } == 0;
+    let late = mount_root(d).join("late");
+    std::fs::create_dir_all(&late).expect("a host directory");
+    std::fs::write(late.join("x"), "late-file\n").expect("a host file");
+    if root {
+        std::os::unix::fs::chown(&late, Some(4242), Some(4242)).expect("chown");
+    }
+    let roots = mount_root(d).join("roots");
+    std::fs::create_dir_all(&roots).expect("a host directory");
+    let add = |id: &str, body: Value| {
+        api().call::<SandboxInfo>("POST", &format!("/v1/sandboxes/{id}/mounts"), Some(&body))
+    };
+    let added = add(&b.sandbox.id, json!({ "host": late, "guest": "/late" }));
+    let seen_late = sh(&b.sandbox.id, "cat /late/x && echo from-b > /late/y");
+    let roots_written = status(add(&a.sandbox.id, json!({ "host": roots, "guest": "/r" })));
+    let same_place = status(add(
+        &a.sandbox.id,
+        json!({ "host": late, "guest": "/data" }),
+    ));
+    let roots_read = add(
+        &a.sandbox.id,
+        json!({ "host": roots, "guest": "/r", "readonly": true }),
+    );
+    let seen_roots = sh(&a.sandbox.id, "stat -c %u:%g /r; touch /r/z 2>&1");
+    let no_slot = status(add(
+        &b.sandbox.id,
+        json!({ "host": late, "guest": "/third" }),
+    ));
+    let nobody = status(add("sb-nope", json!({ "host": late, "guest": "/late" })));
     let listed: VolumeInfo = api()
         .call("GET", "/v1/volumes/cache", None)
         .expect("the volume");
@@ -1144,6 +1178,34 @@ fn a_named_volume_outlives_its_sandboxes_and_goes_only_unmounted() {
     assert!(unknown.1.contains("no volume `nope`"), "{unknown:?}");
     assert_eq!(wrote.code, Some(0), "{wrote:?}");
     assert_eq!(both.stdout, "from-a\n", "{both:?}");
+    let added = added.expect("a mount added");
+    let guests: Vec<&str> = added.mounts.iter().map(|m| m.guest.as_str()).collect();
+    assert_eq!(guests, ["/data", "/late"]);
+    assert_eq!(seen_late.stdout, "late-file\n", "{seen_late:?}");
+    assert_eq!(
+        std::fs::read_to_string(late.join("y")).expect("the guest's file on the host"),
+        "from-b\n"
+    );
+    if root {
+        assert_eq!(roots_written.0, 400, "{roots_written:?}");
+        assert!(
+            roots_written.1.contains("owned by root"),
+            "{roots_written:?}"
+        );
+    }
+    roots_read.expect("root's directory, read-only");
+    let seen: Vec<&str> = seen_roots.stdout.lines().collect();
+    assert_eq!(
+        seen[0],
+        if root { "0:0" } else { "1000:1000" },
+        "{seen_roots:?}"
+    );
+    assert!(seen[1].contains("Read-only"), "{seen_roots:?}");
+    assert_eq!(same_place.0, 409, "{same_place:?}");
+    assert!(same_place.1.contains("/data"), "{same_place:?}");
+    assert_eq!(no_slot.0, 409, "{no_slot:?}");
+    assert!(no_slot.1.contains("all taken"), "{no_slot:?}");
+    assert_eq!(nobody.0, 404, "{nobody:?}");
     let mut users = vec![a.sandbox.id.clone(), b.sandbox.id.clone()];
     users.sort();
     assert_eq!(listed.mounted_by, users);

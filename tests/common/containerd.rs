@@ -193,7 +193,10 @@ impl Containerd {
         let mut daemon = Command::new(super::husk_binary());
         daemon.arg("serve");
         if cri {
+            // The pods' network namespaces, and their volumes (the test's
+            // directories) as shares.
             daemon.arg("--pod-netns-dir").arg(&state);
+            daemon.arg("--mount-root").arg(&dir);
         }
         let daemon = daemon
             .arg("--state-dir")

@@ -687,6 +687,18 @@ impl ApiClient {
             .json()
     }
 
+    /// Gives running sandbox `id` one more host directory or volume, in its
+    /// template's next free fs slot (`POST /v1/sandboxes/{id}/mounts`).
+    pub fn add_mount(
+        &self,
+        id: &str,
+        mount: &husk_types::MountSpec,
+    ) -> Result<husk_types::SandboxInfo, ApiClientError> {
+        let body = Self::json_body(mount)?;
+        self.send("POST", &Self::sandbox_path(id, "/mounts"), body)?
+            .json()
+    }
+
     /// Snapshots sandbox `id` into template `name`
     /// (`POST /v1/sandboxes/{id}/snapshot`).
     pub fn snapshot(&self, id: &str, name: &str) -> Result<TemplateRecord, ApiClientError> {

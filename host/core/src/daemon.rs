@@ -766,6 +766,7 @@ impl Daemon {
         rec.traffic_token = traffic_token;
         rec.on_idle = req.on_idle;
         rec.mounts = mounts.iter().map(|m| m.spec.clone()).collect();
+        rec.fs_slots_used = mounts.len() as u8;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
@@ -1032,6 +1033,7 @@ impl Daemon {
             pod_netns: None,
             media: BTreeMap::new(),
             mounts: Vec::new(),
+            fs_slots_used: 0,
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.

@@ -138,6 +138,10 @@ pub struct SandboxRecord {
     /// resolved).
     #[serde(default)]
     pub mounts: Vec<husk_types::MountSpec>,
+    /// How many of its template's fs slots it has used: its mounts' and
+    /// any whose mount failed (the VMM may hold that share).
+    #[serde(default)]
+    pub fs_slots_used: u8,
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -400,6 +404,7 @@ pub(crate) fn test_record(id: &str) -> SandboxRecord {
             readonly: false,
             hide: vec![".env".to_owned()],
         }],
+        fs_slots_used: 1,
     }
 }
 

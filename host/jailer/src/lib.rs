@@ -127,6 +127,13 @@ pub struct Share {
 }
 
 impl Share {
+    /// A writable share of root's files: refused (the jail's uid would
+    /// stand for root there, and what it made would be root's on the
+    /// host). Read-only, root's files are only read (a pod's configMap).
+    fn root_owned_writable(&self) -> bool {
+        self.writable && (self.owner.0 == 0 || self.owner.1 == 0)
+    }
+
     /// `UID:GID:PATH` (as `--share` takes it).
     pub fn parse(spec: &str, writable: bool) -> Result<Self, String> {
         let mut parts = spec.splitn(3, ':');
@@ -254,13 +261,9 @@ impl Jail {
                 ));
             }
         }
-        if let Some(share) = self
-            .shares
-            .iter()
-            .find(|s| s.owner.0 == 0 || s.owner.1 == 0)
-        {
+        if let Some(share) = self.shares.iter().find(|s| s.root_owned_writable()) {
             return bad(format!(
-                "share {}: its owner must not be root",
+                "share {}: a writable share's owner must not be root",
                 share.path.display()
             ));
         }
@@ -696,9 +699,9 @@ pub fn share_into_running(
         .ok_or_else(|| {
             JailError::Invalid(format!("{}: not a name under {SHARES}", at.display()))
         })?;
-    if share.owner.0 == 0 || share.owner.1 == 0 {
+    if share.root_owned_writable() {
         return Err(JailError::Invalid(format!(
-            "share {}: its owner must not be root",
+            "share {}: a writable share's owner must not be root",
             share.path.display()
         )));
     }

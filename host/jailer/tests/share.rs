@@ -1,8 +1,9 @@
 //! A share through the real jailer (as root): the jail's uid works on the
 //! owner's files as its own, what it creates is the owner's on the host,
-//! files of anyone else are not its to write, and a read-only share is.
+//! files of anyone else are not its to write, and a read-only share is;
+//! root's files are shared read-only only.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
 
@@ -19,15 +20,15 @@ fn skip(why: &str) {
 fn jailed(
     dir: &Path,
     name: &str,
-    shares: &[(&str, &Path)],
+    shares: &[(&str, &str, &Path)],
     script: &str,
 ) -> (bool, String, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_husk-jailer"));
     cmd.args([
         "--id", name, "--uid", "200097", "--gid", "200097", "--nofile", "64",
     ]);
-    for (flag, path) in shares {
-        cmd.arg(flag).arg(format!("1000:1000:{}", path.display()));
+    for (flag, owner, path) in shares {
+        cmd.arg(flag).arg(format!("{owner}:{}", path.display()));
     }
     let out = cmd
         .args(["--", "/bin/busybox", "sh", "-c", script])
@@ -51,7 +52,12 @@ fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
         return skip("no /bin/busybox (busybox-static) to run in the jail");
     }
     let base = std::env::temp_dir().join(format!("husk-jailer-share-{}", std::process::id()));
-    let (work, src) = (base.join("work"), base.join("src"));
+    let (work, src, cfg) = (base.join("work"), base.join("src"), base.join("cfg"));
+    std::fs::create_dir_all(&cfg).expect("mkdir");
+    // Root's, read by root only: a pod's secret volume.
+    std::fs::write(cfg.join("key"), "root-only\n").expect("write");
+    std::fs::set_permissions(cfg.join("key"), std::fs::Permissions::from_mode(0o600))
+        .expect("chmod");
     for dir in [&work, &src] {
         std::fs::create_dir_all(dir).expect("mkdir");
         std::os::unix::fs::chown(dir, Some(1000), Some(1000)).expect("chown");
@@ -65,14 +71,20 @@ fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
     let script = format!(
         "set -e; id -u; stat -c %u {w}/owned; echo jail >> {w}/owned; echo new > {w}/new; \
          mkdir {w}/dir; (echo no >> {w}/roots) && echo roots-written || echo roots-refused; \
-         (echo no > {s}/new) && echo ro-written || echo ro-refused; cat {s}/code",
+         (echo no > {s}/new) && echo ro-written || echo ro-refused; cat {s}/code; \
+         cat {c}/key; (echo no > {c}/key) && echo cfg-written || echo cfg-refused",
         w = work.display(),
-        s = src.display()
+        s = src.display(),
+        c = cfg.display()
     );
     let (ok, out, err) = jailed(
         &base,
         "share-test",
-        &[("--share", &work), ("--share-ro", &src)],
+        &[
+            ("--share", "1000:1000", &work),
+            ("--share-ro", "1000:1000", &src),
+            ("--share-ro", "0:0", &cfg),
+        ],
         &script,
     );
     let owner = |p: &Path| {
@@ -95,12 +107,22 @@ fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
         .args(["--", "/bin/busybox", "true"])
         .output()
         .expect("husk-jailer");
+    let key = std::fs::read_to_string(cfg.join("key"));
     let _ = std::fs::remove_dir_all(&base);
 
     assert!(ok, "{out}{err}");
+    assert_eq!(key.expect("key"), "root-only\n");
     assert_eq!(
         out.lines().collect::<Vec<_>>(),
-        ["200097", "200097", "roots-refused", "ro-refused", "code"],
+        [
+            "200097",
+            "200097",
+            "roots-refused",
+            "ro-refused",
+            "code",
+            "root-only",
+            "cfg-refused"
+        ],
         "{err}"
     );
     assert!(

@@ -186,6 +186,7 @@ routes! {
     post "/v1/sandboxes/{id}/media" => insert_medium,
     delete "/v1/sandboxes/{id}/media/{drive}" => release_drive,
     post "/v1/sandboxes/{id}/network" => attach_pod_network,
+    post "/v1/sandboxes/{id}/mounts" => add_mount,
     get "/v1/sandboxes/{id}/ports/{port}" => port,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
@@ -600,6 +601,17 @@ async fn attach_pod_network(
 ) -> ApiResult<Response> {
     let req: husk_types::PodNetworkRequest = json(&body)?;
     let info = blocking(move || d.attach_pod_network(&id, req, &who.0)).await?;
+    Ok(ok(StatusCode::OK, info))
+}
+
+async fn add_mount(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let mount: husk_types::MountSpec = json(&body)?;
+    let info = blocking(move || d.add_mount(&id, mount, &who.0)).await?;
     Ok(ok(StatusCode::OK, info))
 }
 

@@ -278,9 +278,14 @@ struct Vm {
     /// Its template's empty drives, which its containers' root file
     /// systems take as media (none: they are copied into its memory).
     drive_slots: u8,
+    /// Its template's empty fs slots, which its containers' volumes take
+    /// as live shares (none left, or a volume that cannot be shared: it is
+    /// copied into its memory).
+    fs_slots: u8,
     paused: std::sync::atomic::AtomicBool,
-    /// A pod's volumes copied into its VM so far, by host directory (held
-    /// while one is copied, so that two containers copy it once).
+    /// A pod's volumes in its VM so far, by host directory: where in the
+    /// guest (held while one is placed, so that two containers place it
+    /// once).
     volumes: Mutex<HashMap<PathBuf, String>>,
 }
 
@@ -356,41 +361,105 @@ const CONTAINERS_DIR: &str = "/run/husk/containers";
 /// Where a pod's volumes go in the guest.
 const VOLUMES_DIR: &str = "/run/husk/volumes";
 
-/// Binds `bundle`'s volumes into the container root `root`, copying each
-/// into the pod's VM on its first use (a copy at that time: later changes
-/// on the host do not follow; the pod's containers share it).
+/// Where a pod's shared volumes go in the guest.
+const SHARES_DIR: &str = "/run/husk/shares";
+
+/// Binds `bundle`'s volumes into the container root `root`, placing each
+/// in the pod's VM on its first use: a live share in one of its template's
+/// fs slots (writes reach the host, the host's changes, a configMap's
+/// update among them, reach the pod), or where that cannot be (no slot
+/// left, no mount root of the daemon's above it, root's and written), a
+/// copy at that time. The pod's containers share either.
 fn bind_volumes(
     vm: &Vm,
+    daemon: &ApiClient,
     agent: &mut husk_agent_client::AgentClient,
     root: &str,
     volumes: &[bundle::Volume],
 ) -> Result<(), husk_agent_client::ClientError> {
     use sha2::{Digest, Sha256};
     for v in volumes {
-        let mut copied = vm.volumes.lock().unwrap_or_else(|e| e.into_inner());
-        let dir = match copied.get(&v.source) {
+        let mut placed = vm.volumes.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = match placed.get(&v.source) {
             Some(dir) => dir.clone(),
             None => {
                 let key = Sha256::digest(v.source.as_os_str().as_encoded_bytes());
-                let dir = format!("{VOLUMES_DIR}/{}", bundle::hex(&key[..8]));
-                let started = std::time::Instant::now();
-                let size = agent.unpack(&dir, &v.source, &[]).inspect_err(|_| {
-                    // What came of it goes: the next container copies it
-                    // again.
-                    let _ = agent.remove(&dir, true);
-                })?;
-                tracing::info!(
-                    source = %v.source.display(), guest = %dir, bytes = size,
-                    ms = started.elapsed().as_millis() as u64, "a volume copied into the pod's VM"
-                );
-                copied.insert(v.source.clone(), dir.clone());
+                let key = bundle::hex(&key[..8]);
+                let dir = match share_volume(vm, daemon, v, &format!("{SHARES_DIR}/{key}")) {
+                    Some(dir) => dir,
+                    None => copy_volume(agent, v, &format!("{VOLUMES_DIR}/{key}"))?,
+                };
+                placed.insert(v.source.clone(), dir.clone());
                 dir
             }
         };
-        drop(copied);
+        drop(placed);
         agent.mount(root, &dir, &v.target, v.readonly)?;
     }
     Ok(())
+}
+
+/// Volume `v` as a live share at `dir` in the pod's VM, if it can be one
+/// (why not is logged).
+fn share_volume(vm: &Vm, daemon: &ApiClient, v: &bundle::Volume, dir: &str) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    if vm.fs_slots == 0 {
+        return None;
+    }
+    let meta = std::fs::metadata(&v.source).ok()?;
+    // Root's files are shared read-only only (the daemon's rule); a root
+    // directory a container writes (an emptyDir) is copied.
+    let roots = meta.uid() == 0 || meta.gid() == 0;
+    if roots && !v.readonly {
+        tracing::info!(
+            source = %v.source.display(),
+            "a written volume of root's is copied into the pod's VM, not shared"
+        );
+        return None;
+    }
+    let mount = husk_types::MountSpec {
+        host: v.source.to_string_lossy().into_owned(),
+        volume: None,
+        guest: dir.to_owned(),
+        readonly: roots,
+        hide: Vec::new(),
+    };
+    let started = std::time::Instant::now();
+    match daemon.add_mount(&vm.sandbox.id, &mount) {
+        Ok(_) => {
+            tracing::info!(
+                source = %v.source.display(), guest = %dir, readonly = roots,
+                ms = started.elapsed().as_millis() as u64, "a volume shared with the pod's VM"
+            );
+            Some(dir.to_owned())
+        }
+        Err(e) => {
+            tracing::warn!(
+                source = %v.source.display(),
+                "a volume the daemon did not share is copied into the pod's VM: {e}"
+            );
+            None
+        }
+    }
+}
+
+/// Volume `v` copied into the pod's VM at `dir` (a copy at this time:
+/// later changes on the host do not follow).
+fn copy_volume(
+    agent: &mut husk_agent_client::AgentClient,
+    v: &bundle::Volume,
+    dir: &str,
+) -> Result<String, husk_agent_client::ClientError> {
+    let started = std::time::Instant::now();
+    let size = agent.unpack(dir, &v.source, &[]).inspect_err(|_| {
+        // What came of it goes: the next container copies it again.
+        let _ = agent.remove(dir, true);
+    })?;
+    tracing::info!(
+        source = %v.source.display(), guest = %dir, bytes = size,
+        ms = started.elapsed().as_millis() as u64, "a volume copied into the pod's VM"
+    );
+    Ok(dir.to_owned())
 }
 
 fn timestamp(t: SystemTime) -> Timestamp {
@@ -511,6 +580,7 @@ impl Inner {
                 block_limit: record.block_limit.clone(),
                 net_limit: record.net_limit.clone(),
                 drive_slots: record.drive_slots,
+                fs_slots: record.fs_slots,
                 ..husk_types::TemplateSpec::new(name.clone())
             })
         })
@@ -658,16 +728,20 @@ impl Inner {
             stdio,
             self.on_exit(&req.id, &req.id, Some(pid)),
         );
-        // A pod's containers take its template's empty drives.
-        let drive_slots = if is_pod {
-            self.daemon.template(&template).map_or(0, |t| t.drive_slots)
-        } else {
-            0
+        // A pod's containers take its template's empty drives, its
+        // volumes the empty fs slots.
+        let (drive_slots, fs_slots) = match is_pod {
+            true => self
+                .daemon
+                .template(&template)
+                .map_or((0, 0), |t| (t.drive_slots, t.fs_slots)),
+            false => (0, 0),
         };
         let vm = Arc::new(Vm {
             sandbox,
             agent,
             drive_slots,
+            fs_slots,
             paused: Default::default(),
             volumes: Default::default(),
         });
@@ -726,7 +800,7 @@ impl Inner {
                 placed_ms = started.elapsed().as_millis() as u64;
                 // Its volumes, its memory and CPU limits (a cgroup of its
                 // own in the pod's VM) and its PID namespace.
-                bind_volumes(&vm, &mut agent, &root, &bundle.volumes)?;
+                bind_volumes(&vm, &self.daemon, &mut agent, &root, &bundle.volumes)?;
                 let asked = bundle.container_memory.is_some()
                     || bundle.container_cpu.is_some()
                     || bundle.own_pids;

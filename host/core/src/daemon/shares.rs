@@ -1,11 +1,12 @@
-//! Host directories a sandbox sees live (a create's `mounts`): each goes in
-//! one of its template's empty virtio-fs slots after the clone is restored
-//! or claimed from the pool, so pooled clones take them too, and the
-//! template's snapshot holds no share.
+//! Host directories a sandbox sees live (a create's `mounts`, or one added
+//! to a running sandbox, as a pod's volume is): each goes in one of its
+//! template's empty virtio-fs slots after the clone is restored or claimed
+//! from the pool, so pooled clones take them too, and the template's
+//! snapshot holds no share.
 //!
 //! For each mount, in order: the host directory is checked (beneath one of
 //! the daemon's mount roots, a directory, owned by someone other than
-//! root); a jailed VMM gets it bound into its running jail at
+//! root unless read-only); a jailed VMM gets it bound into its running jail at
 //! `/shares/fsN` by `husk-jailer --enter`, idmapped so that the owner's
 //! files are the jail uid's there (what the guest creates is the owner's on
 //! the host); the VMM's slot serves it (its `share` request), the owner
@@ -65,28 +66,121 @@ impl Daemon {
         }
         let mut resolved = Vec::with_capacity(mounts.len());
         for (index, mount) in mounts.iter().enumerate() {
-            let (mount, real, owner) = match &mount.volume {
-                Some(volume) => self.check_volume_mount(mount, volume)?,
-                None => {
-                    let (real, owner) = self.check_mount(mount)?;
-                    (mount.clone(), real, owner)
-                }
-            };
             if mounts[..index].iter().any(|m| m.guest == mount.guest) {
                 return Err(DaemonError::Invalid(format!(
                     "two mounts at {} in the guest",
                     mount.guest
                 )));
             }
-            resolved.push(CheckedMount {
-                spec: MountSpec {
-                    host: real.display().to_string(),
-                    ..mount
-                },
-                owner,
-            });
+            resolved.push(self.check_one_mount(mount)?);
         }
         Ok(resolved)
+    }
+
+    /// One mount, checked: a volume's or a host directory's.
+    fn check_one_mount(&self, mount: &MountSpec) -> Result<CheckedMount, DaemonError> {
+        let (mount, real, owner) = match &mount.volume {
+            Some(volume) => self.check_volume_mount(mount, volume)?,
+            None => {
+                let (real, owner) = self.check_mount(mount)?;
+                (mount.clone(), real, owner)
+            }
+        };
+        Ok(CheckedMount {
+            spec: MountSpec {
+                host: real.display().to_string(),
+                ..mount
+            },
+            owner,
+        })
+    }
+
+    /// Gives running sandbox `id` one more mount, in its next free fs slot
+    /// (a pod's volume, when the pod's container that mounts it is made).
+    /// A slot whose mount failed is not used again: the VMM may hold its
+    /// share.
+    pub fn add_mount(
+        &self,
+        id: &str,
+        mount: MountSpec,
+        who: &str,
+    ) -> Result<SandboxInfo, DaemonError> {
+        let rec = self.in_state(id, SandboxState::Running, "a running sandbox takes a mount")?;
+        if rec
+            .on_idle
+            .is_some_and(|p| p.action == IdleAction::Hibernate)
+        {
+            return Err(DaemonError::Conflict(format!(
+                "sandbox `{id}` hibernates when idle, and a live share is not saved: \
+                 give it on_idle destroy first"
+            )));
+        }
+        if self.cfg.mount_roots.is_empty() && mount.volume.is_none() {
+            return Err(DaemonError::Invalid(
+                "this daemon gives sandboxes no host directories: start it with \
+                 --mount-root DIR to allow those beneath DIR (named volumes need none)"
+                    .into(),
+            ));
+        }
+        let t = self.template(&rec.template)?;
+        let checked = self.check_one_mount(&mount)?;
+        // The slot is taken under the lock, so that two mounts at once get
+        // two slots.
+        let (slot, _) = self.change_record(id, |rec| {
+            if rec.state != SandboxState::Running {
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` is {}: only a running sandbox takes a mount",
+                    rec.state.name()
+                )));
+            }
+            if rec.mounts.iter().any(|m| m.guest == checked.spec.guest) {
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` has a mount at {} already",
+                    checked.spec.guest
+                )));
+            }
+            let slot = rec.fs_slots_used.max(rec.mounts.len() as u8);
+            if slot >= t.fs_slots {
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}`'s template `{}` has {} fs slots, all taken \
+                     (husk template build --fs-slots N)",
+                    t.name, t.fs_slots
+                )));
+            }
+            rec.fs_slots_used = slot + 1;
+            Ok(slot)
+        })?;
+        let tag = fs_slot_id(slot);
+        let attached = self.attach_mount(&rec, &tag, &checked.spec, checked.owner, who);
+        let ((), rec) = self.change_record(id, |rec| {
+            if attached.is_ok() {
+                rec.mounts.push(checked.spec.clone());
+            }
+            Ok(())
+        })?;
+        self.store.put_sandbox(&rec)?;
+        let (host_ms, guest_ms) = attached.map_err(|e| match e {
+            DaemonError::Failed(why) => DaemonError::Failed(format!(
+                "mount {} at {}: {why}",
+                checked.spec.host, checked.spec.guest
+            )),
+            other => other,
+        })?;
+        let what = match &checked.spec.volume {
+            Some(volume) => format!("volume {volume}"),
+            None => checked.spec.host.clone(),
+        };
+        self.store.audit(
+            who,
+            "mount",
+            Some(id),
+            None,
+            &format!(
+                "{what} at {} in {tag} mount_ms={host_ms:.1}+{guest_ms:.1}",
+                checked.spec.guest
+            ),
+        )?;
+        Ok(info(&rec))
     }
 
     /// What a mount's guest side must be, whatever it mounts: `what` names
@@ -164,10 +258,10 @@ impl Daemon {
         if !meta.is_dir() {
             return bad("not a directory".into());
         }
-        if self.cfg.jail.is_some() && (meta.uid() == 0 || meta.gid() == 0) {
+        if self.cfg.jail.is_some() && !mount.readonly && (meta.uid() == 0 || meta.gid() == 0) {
             return bad(
                 "owned by root: what the guest creates there would be root's; chown it to the \
-                 user whose files these are"
+                 user whose files these are, or mount it read-only"
                     .into(),
             );
         }
@@ -247,9 +341,15 @@ impl Daemon {
             None => (mount.host.clone(), owner),
         };
         let jail_ms = started.elapsed().as_secs_f64() * 1000.0;
+        // A root-owned directory (only ever read-only, see `check_mount`:
+        // a pod's configMap or secret) shows its files as root's.
+        let guest_owner = match owner.0 == 0 || owner.1 == 0 {
+            true => (0, 0),
+            false => GUEST_USER,
+        };
         let mut spec = format!(
             "tag={tag},path={path},owner={}:{},guest-owner={}:{}",
-            ids.0, ids.1, GUEST_USER.0, GUEST_USER.1
+            ids.0, ids.1, guest_owner.0, guest_owner.1
         );
         if mount.readonly {
             spec.push_str(",ro");
