@@ -240,6 +240,8 @@ const FEATURE_WORDS: &[FeatureWord] = &[
             (17, "avx512dq"),
             (18, "rdseed"),
             (19, "adx"),
+            (26, "avx512pf"),
+            (27, "avx512er"),
             (29, "sha_ni"),
             (30, "avx512bw"),
             (31, "avx512vl"),
@@ -264,7 +266,13 @@ const FEATURE_WORDS: &[FeatureWord] = &[
         subleaf: 0,
         reg: Reg::Edx,
         runtime: 0,
-        names: &[(4, "fsrm"), (24, "amx_tile"), (25, "amx_int8")],
+        names: &[
+            (2, "avx512_4vnniw"),
+            (3, "avx512_4fmaps"),
+            (4, "fsrm"),
+            (24, "amx_tile"),
+            (25, "amx_int8"),
+        ],
     },
     FeatureWord {
         leaf: LEAF_EXT_FEATURES,
