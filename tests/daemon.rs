@@ -2356,6 +2356,31 @@ fn bad_requests_get_clear_errors_and_change_nothing() {
             400,
             "pod netns `/proc/self/ns/net`",
         ),
+        // An egress policy replaced with a bad entry, or a mount without
+        // a guest path, changes nothing.
+        (
+            raw(
+                "PUT",
+                &format!("/v1/sandboxes/{}/egress", s.id),
+                br#"{"allow":["http://x/y"]}"#,
+            ),
+            400,
+            "`egress.allow`",
+        ),
+        (
+            raw("PUT", "/v1/sandboxes/sb-nope/egress", br#"{"allow":[]}"#),
+            404,
+            "no sandbox",
+        ),
+        (
+            raw(
+                "POST",
+                &format!("/v1/sandboxes/{}/mounts", s.id),
+                br#"{"host":"/tmp"}"#,
+            ),
+            400,
+            "missing field `guest`",
+        ),
         (
             raw(
                 "POST",

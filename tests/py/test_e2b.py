@@ -289,6 +289,20 @@ def test_network_options_are_the_sandboxs_egress_policy():
         )
         assert "blocked.example:80 is not in this sandbox's allowlist" in r.stdout, r.stdout
         assert "127.0.0.1 is a loopback address" in r.stdout, r.stdout
+        # The policy replaced while it runs (what is left out is cleared):
+        # closed, 127.0.0.1 is refused by the allowlist now; opened again
+        # for it, by the address check.
+        s.update_network({"deny_out": ["0.0.0.0/0"]}, request_timeout=SLOW)
+        r = s.commands.run(ask.format("127.0.0.1"), timeout=SLOW, request_timeout=SLOW)
+        assert "127.0.0.1:80 is not in this sandbox's allowlist" in r.stdout, r.stdout
+        s.update_network(
+            {"deny_out": ["0.0.0.0/0"], "allow_out": ["127.0.0.1"]}, request_timeout=SLOW
+        )
+        r = s.commands.run(ask.format("127.0.0.1"), timeout=SLOW, request_timeout=SLOW)
+        assert "127.0.0.1 is a loopback address" in r.stdout, r.stdout
+        with pytest.raises(Exception) as e:
+            s.update_network({"deny_out": ["10.0.0.0/8"]}, request_timeout=SLOW)
+        assert "denyOut" in str(e.value)
     finally:
         s.kill()
     # What husk cannot enforce is refused, not dropped.
@@ -406,3 +420,36 @@ def test_fork_copies_a_running_sandbox_with_its_files_and_programs():
         src.kill()
     with pytest.raises(NotFoundException):
         Sandbox.fork("sb-000000000000")
+
+
+def test_a_snapshot_outlives_its_sandbox_and_starts_sandboxes():
+    src = Sandbox.create(
+        TEMPLATE, timeout=600, metadata={"suite": "snapshot"}, request_timeout=SLOW
+    )
+    try:
+        src.files.write("/home/user/kept", "before", request_timeout=SLOW)
+        snap = src.create_snapshot(request_timeout=SLOW)
+        assert snap.snapshot_id and snap.names, snap
+        # The source runs on after its snapshot.
+        src.files.write("/home/user/kept", "after", request_timeout=SLOW)
+        with pytest.raises(Exception) as e:
+            src.create_snapshot(mode="filesystem", request_timeout=SLOW)
+        assert "file-system-only" in str(e.value)
+    finally:
+        src.kill()
+    listed = Sandbox.list_snapshots(sandbox_id=src.sandbox_id).next_items()
+    assert [s.snapshot_id for s in listed] == [snap.snapshot_id], listed
+    restored = Sandbox.create(snap.snapshot_id, timeout=600, request_timeout=SLOW)
+    try:
+        assert restored.files.read("/home/user/kept", request_timeout=SLOW) == "before"
+        # Not deleted while a sandbox is restored from it.
+        with pytest.raises(Exception) as e:
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        assert "used by sandboxes" in str(e.value), e.value
+    finally:
+        restored.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+    assert Sandbox.list_snapshots(sandbox_id=src.sandbox_id).next_items() == []
+    with pytest.raises(NotFoundException):
+        Sandbox.create_snapshot("sb-000000000000")

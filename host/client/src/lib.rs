@@ -699,6 +699,18 @@ impl ApiClient {
             .json()
     }
 
+    /// Replaces sandbox `id`'s egress policy; connections made from now on
+    /// follow it (`PUT /v1/sandboxes/{id}/egress`).
+    pub fn set_egress(
+        &self,
+        id: &str,
+        egress: &husk_types::EgressSpec,
+    ) -> Result<husk_types::SandboxInfo, ApiClientError> {
+        let body = Self::json_body(egress)?;
+        self.send("PUT", &Self::sandbox_path(id, "/egress"), body)?
+            .json()
+    }
+
     /// Snapshots sandbox `id` into template `name`
     /// (`POST /v1/sandboxes/{id}/snapshot`).
     pub fn snapshot(&self, id: &str, name: &str) -> Result<TemplateRecord, ApiClientError> {

@@ -1425,6 +1425,50 @@ impl Daemon {
         Ok((done, live.rec.clone()))
     }
 
+    /// Replaces a sandbox's egress policy (where it may connect, what its
+    /// proxy adds): connections made from now on follow it, those open
+    /// keep theirs. A hibernated sandbox takes it at its wake.
+    pub fn set_egress(
+        &self,
+        id: &str,
+        egress: EgressSpec,
+        who: &str,
+    ) -> Result<SandboxInfo, DaemonError> {
+        let allow = allowlist(&egress)?;
+        let bound = secrets(&egress)?;
+        let hosts: Vec<&str> = egress.secrets.iter().map(|s| s.host.as_str()).collect();
+        let detail = format!(
+            "allow [{}] credentials for [{}]",
+            egress.allow.join(", "),
+            hosts.join(", ")
+        );
+        let rec = {
+            let mut inner = self.lock();
+            let live = inner
+                .sandboxes
+                .get_mut(id)
+                .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
+            if matches!(
+                live.rec.state,
+                SandboxState::Starting | SandboxState::Pooled | SandboxState::Failed
+            ) {
+                return Err(DaemonError::Conflict(format!(
+                    "sandbox `{id}` is {}: its egress policy cannot change",
+                    live.rec.state.name()
+                )));
+            }
+            live.rec.egress_allow = egress.allow;
+            live.rec.egress_secrets = egress.secrets;
+            if let Some(proxy) = &live.proxy {
+                proxy.set_policy(allow, bound);
+            }
+            live.rec.clone()
+        };
+        self.store.put_sandbox(&rec)?;
+        self.store.audit(who, "egress", Some(id), None, &detail)?;
+        Ok(info(&rec))
+    }
+
     /// Changes a sandbox's time to live, expiry policy or labels.
     pub fn update(
         &self,

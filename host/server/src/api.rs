@@ -187,6 +187,7 @@ routes! {
     delete "/v1/sandboxes/{id}/media/{drive}" => release_drive,
     post "/v1/sandboxes/{id}/network" => attach_pod_network,
     post "/v1/sandboxes/{id}/mounts" => add_mount,
+    put "/v1/sandboxes/{id}/egress" => set_egress,
     get "/v1/sandboxes/{id}/ports/{port}" => port,
     post "/v1/sandboxes/{id}/snapshot" => snapshot,
     post "/v1/sandboxes/{id}/fork" => fork,
@@ -612,6 +613,17 @@ async fn add_mount(
 ) -> ApiResult<Response> {
     let mount: husk_types::MountSpec = json(&body)?;
     let info = blocking(move || d.add_mount(&id, mount, &who.0)).await?;
+    Ok(ok(StatusCode::OK, info))
+}
+
+async fn set_egress(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let egress: husk_types::EgressSpec = json(&body)?;
+    let info = blocking(move || d.set_egress(&id, egress, &who.0)).await?;
     Ok(ok(StatusCode::OK, info))
 }
 

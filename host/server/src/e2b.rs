@@ -32,7 +32,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::Router;
 use base64::Engine;
 use serde::Deserialize;
@@ -46,6 +46,8 @@ use husk_types::{
     CreateRequest, EgressSpec, ExpiryPolicy, MountSpec, SandboxInfo, SandboxState, SandboxUpdate,
     SecretSpec, VolumeInfo, VolumeRequest,
 };
+
+mod snapshots;
 
 /// What husk's envd speaks (see the module docs).
 pub const ENVD_VERSION: &str = "0.6.2";
@@ -289,6 +291,13 @@ pub fn router(e2b: Shared) -> Router {
         .route("/sandboxes/{id}/resume", post(connect))
         .route("/sandboxes/{id}/metrics", get(metrics))
         .route("/sandboxes/{id}/fork", post(fork))
+        .route("/sandboxes/{id}/network", put(update_network))
+        .route(
+            "/sandboxes/{id}/snapshots",
+            post(snapshots::create_snapshot),
+        )
+        .route("/snapshots", get(snapshots::list_snapshots))
+        .route("/templates/{id}", delete(snapshots::delete_template))
         .route("/volumes", post(create_volume).get(list_volumes))
         .route("/volumes/{id}", get(volume).delete(delete_volume))
         .route("/health", get(health))
@@ -511,7 +520,12 @@ struct Transform {
 /// `denyOut` blocks, wider `allowOut` blocks, DNS servers, a SOCKS proxy,
 /// host masks, HTTPS ports.
 fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
-    let n = &body.network;
+    network_egress(&body.network, body.allow_internet_access)
+}
+
+/// [`egress_of`] for a `network` and an `allow_internet_access` (a
+/// create's, or `PUT /sandboxes/{id}/network`'s).
+fn network_egress(n: &Network, allow_internet_access: Option<bool>) -> Result<EgressSpec, String> {
     for (given, name) in [
         (&n.egress_proxy, "egressProxy"),
         (&n.mask_request_host, "maskRequestHost"),
@@ -537,7 +551,7 @@ fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
              allows by allowOut"
         ));
     }
-    let closed = body.allow_internet_access == Some(false) || !deny.is_empty();
+    let closed = allow_internet_access == Some(false) || !deny.is_empty();
     let mut allow: Vec<String> = if closed { Vec::new() } else { vec!["*".into()] };
     for entry in n.allow_out.as_deref().unwrap_or_default() {
         allow.push(match entry.split_once('/') {
@@ -776,6 +790,40 @@ const MAX_FORKS: u32 = 20;
 
 /// E2B's default time to live of a fork.
 const FORK_TIMEOUT_S: u64 = 15;
+
+/// `PUT /sandboxes/{id}/network` as the SDK's `update_network` sends it:
+/// the whole egress policy, replaced (what is left out is cleared).
+#[derive(Debug, Default, Deserialize)]
+struct NetworkUpdate {
+    #[serde(flatten)]
+    network: Network,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+/// `PUT /sandboxes/{id}/network`: the sandbox's egress policy replaced
+/// while it runs (husk's `set_egress`): connections made from now on
+/// follow it.
+async fn update_network(
+    State(e2b): State<Shared>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Response, RestError> {
+    check_key(&e2b, &headers)?;
+    let body: NetworkUpdate = rest_json_or_default(&body, "network update")?;
+    if body.network.allow_public_traffic.is_some() {
+        return Err(RestError(
+            StatusCode::BAD_REQUEST,
+            "network.allowPublicTraffic is set at create, not updated".into(),
+        ));
+    }
+    let egress = network_egress(&body.network, body.allow_internet_access)
+        .map_err(|e| RestError(StatusCode::BAD_REQUEST, e))?;
+    let e = e2b.clone();
+    blocking(move || Ok::<_, RestError>(e.daemon.set_egress(&id, egress, "e2b")?)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
 
 /// `POST /sandboxes/{id}/fork`: husk's fork (the running sandbox
 /// snapshotted copy-on-write, then resumed; each fork a clone of that

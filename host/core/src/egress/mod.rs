@@ -37,7 +37,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, RwLock};
 use std::time::Duration;
 
 /// Largest request head (request line and headers) read from the guest.
@@ -365,10 +365,10 @@ impl Egress {
             std::os::unix::fs::chown(&socket, Some(uid), Some(uid))?;
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let policy = Arc::new(RwLock::new(Arc::new(Policy { allow, secrets })));
         let shared = Arc::new(Sandbox {
             id: sandbox.to_owned(),
-            allow,
-            secrets,
+            policy: policy.clone(),
             egress: self.clone(),
             active: AtomicUsize::new(0),
         });
@@ -381,6 +381,7 @@ impl Egress {
             socket,
             listener,
             stop,
+            policy,
         })
     }
 
@@ -406,6 +407,23 @@ pub struct Proxy {
     socket: PathBuf,
     listener: UnixListener,
     stop: Arc<AtomicBool>,
+    policy: Arc<RwLock<Arc<Policy>>>,
+}
+
+impl Proxy {
+    /// Replaces the sandbox's policy: connections made from now on follow
+    /// it; those open keep the policy they were checked by.
+    pub fn set_policy(&self, allow: Allowlist, secrets: Vec<Secret>) {
+        *self.policy.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Policy { allow, secrets });
+    }
+}
+
+/// Where a sandbox may connect, and what the proxy adds on the way.
+#[derive(Debug)]
+struct Policy {
+    allow: Allowlist,
+    secrets: Vec<Secret>,
 }
 
 impl Drop for Proxy {
@@ -421,10 +439,19 @@ impl Drop for Proxy {
 #[derive(Debug)]
 struct Sandbox {
     id: String,
-    allow: Allowlist,
-    secrets: Vec<Secret>,
+    policy: Arc<RwLock<Arc<Policy>>>,
     egress: Arc<Egress>,
     active: AtomicUsize,
+}
+
+impl Sandbox {
+    /// The policy a connection made now is checked by.
+    fn policy(&self) -> Arc<Policy> {
+        self.policy
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
 }
 
 fn accept_loop(listener: UnixListener, sandbox: Arc<Sandbox>, stop: Arc<AtomicBool>) {
@@ -773,7 +800,8 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
         Err(r) => return refuse(&mut conn, sandbox, None, r),
     };
     let what = format!("{} {}", req.method, authority_of(&req.host, Some(req.port)));
-    let checked = if sandbox.allow.allows(&req.host, req.port) {
+    let policy = sandbox.policy();
+    let checked = if policy.allow.allows(&req.host, req.port) {
         enter_netns(egress)
             .map_err(|e| Refused::Unreachable(format!("the egress network namespace: {e}")))
             .and_then(|()| connect(&req))
@@ -798,7 +826,7 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     let (Ok(mut guest_out), Ok(mut upstream_in)) = (conn.try_clone(), upstream.try_clone()) else {
         return;
     };
-    let bound: Vec<&Secret> = sandbox
+    let bound: Vec<&Secret> = policy
         .secrets
         .iter()
         .filter(|s| s.hosts.allows(&req.host, req.port))
@@ -837,7 +865,7 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
         first_bytes(&mut conn, rest).and_then(|(first, hello)| match hello {
             First::Hello {
                 server_name: Some(name),
-            } if !sandbox.allow.allows(&name, req.port) => Err(format!(
+            } if !policy.allow.allows(&name, req.port) => Err(format!(
                 "blocked by sandbox policy: TLS server name {name} is not in this sandbox's allowlist"
             )),
             First::Hello {
