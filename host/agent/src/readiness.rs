@@ -67,10 +67,15 @@ impl WaitBudget {
     }
 }
 
+/// The most a deadline set once stretches: less than a [`WaitBudget`],
+/// since it is charged whether the host stays busy or not, and a request
+/// that hangs should still fail in reasonable time.
+pub const MAX_DEADLINE_STRETCH: u32 = 4;
+
 /// `budget` stretched by the host's load now (its 1-minute load average
-/// over its CPUs, at least 1, at most [`MAX_STRETCH`]): for a deadline set
-/// once, as a request's timeout is, where a [`WaitBudget`] cannot charge
-/// the wait as it goes.
+/// over its CPUs, at least 1, at most [`MAX_DEADLINE_STRETCH`]): for a
+/// deadline set once, as a request's timeout is, where a [`WaitBudget`]
+/// cannot charge the wait as it goes.
 pub fn stretched(budget: Duration) -> Duration {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
     let load = std::fs::read_to_string("/proc/loadavg")
@@ -83,7 +88,7 @@ pub fn stretched(budget: Duration) -> Duration {
 /// How much a deadline stretches when `load` tasks (a load average) want
 /// `cpus` CPUs.
 fn stretch(cpus: u32, load: f64) -> f64 {
-    (load / f64::from(cpus)).clamp(1.0, f64::from(MAX_STRETCH))
+    (load / f64::from(cpus)).clamp(1.0, f64::from(MAX_DEADLINE_STRETCH))
 }
 
 fn parse_load(loadavg: &str) -> Option<f64> {
@@ -134,7 +139,7 @@ mod tests {
     fn a_deadline_stretches_with_the_load_average_within_bounds() {
         assert_eq!(stretch(2, 0.4), 1.0);
         assert_eq!(stretch(2, 6.0), 3.0);
-        assert_eq!(stretch(2, 400.0), f64::from(MAX_STRETCH));
+        assert_eq!(stretch(2, 400.0), f64::from(MAX_DEADLINE_STRETCH));
         assert_eq!(parse_load("5.98 3.10 0.42 3/92 24174\n"), Some(5.98));
         assert_eq!(parse_load(""), None);
     }
