@@ -6,15 +6,16 @@
 #   tests/second-kvm/suite.sh LABEL NAME=CRATE_DIR:BINARY...
 #   tests/second-kvm/suite.sh --l1 SECONDS LABEL NAME=CRATE_DIR:BINARY...
 #
-# With --l1 it runs itself in L1 (run.sh), within SECONDS in all. L1's
-# kernel is Debian's kvm_amd under QEMU's TCG, and it has died there, rarely,
-# in the emulation of SVM itself (a host interrupt taken on the instruction
-# after VMRUN, before the host's GS is back: a page-fault loop, "Kernel panic"
-# on its console; or a vCPU thread's stack overrun in error_entry), in about
-# one L1 run of five. When L1 panics before the suite's end, the binaries it
-# had not finished (the one in flight included) run again in a fresh L1, up
-# to two more times; a binary that ended, passed or failed, keeps its
-# verdict, and a third panic fails the suite.
+# With --l1 it runs itself in L1 (run.sh), within SECONDS in all. L1's kernel
+# is Debian's kvm_amd under QEMU's TCG, and it has died there, rarely, in the
+# emulation of SVM itself (a host interrupt taken on the instruction after
+# VMRUN, before the host's GS is back: a page-fault loop, "Kernel panic" on
+# its console; or a vCPU thread's stack overrun in error_entry), in about one
+# L1 run of five while L1 had two vCPUs (run.sh now gives it one, and none has
+# died since; see its header). When L1 panics before the suite's end, the
+# binaries it had not finished (the one in flight included) run again in a
+# fresh L1, up to two more times; a binary that ended, passed or failed, keeps
+# its verdict, and a third panic fails the suite.
 set -uo pipefail
 
 if [[ ${1:-} == --l1 ]]; then
