@@ -207,7 +207,18 @@ def test_list_timeout_pause_connect_kill():
     s.set_timeout(900)
     info = s.get_info()
     assert info.sandbox_id == s.sandbox_id
-    assert s.pause() is not False
+    # husk's pause keeps memory: a file-system-only one is refused, and the
+    # sandbox runs on.
+    with pytest.raises(Exception, match="file-system-only"):
+        s.pause(mode="filesystem", request_timeout=SLOW)
+    assert s.is_running()
+    # strict: the agent must answer first (it does).
+    assert s.pause(strict=True, request_timeout=SLOW) is not False
+    paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "lifecycle"})).next_items()
+    assert paused[0].state.value == "paused"
+    # A resume by cold boot is refused the same way; the sandbox stays paused.
+    with pytest.raises(Exception, match="file-system-only"):
+        Sandbox.connect(s.sandbox_id, on_resume="reboot", request_timeout=SLOW)
     paused = Sandbox.list(query=SandboxQuery(metadata={"suite": "lifecycle"})).next_items()
     assert paused[0].state.value == "paused"
     s2 = Sandbox.connect(s.sandbox_id, request_timeout=SLOW)

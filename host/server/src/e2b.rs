@@ -961,6 +961,32 @@ struct TimeoutBody {
     timeout: Option<u64>,
 }
 
+/// `POST /sandboxes/{id}/pause` as SDK 2.63 sends it (`pause(mode=,
+/// strict=)`).
+#[derive(Debug, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct PauseBody {
+    /// `false` (mode "filesystem"): only the disk kept, the next resume a
+    /// cold boot. husk's pause keeps memory: refused.
+    memory: Option<bool>,
+    /// Refuse the pause (503, the sandbox runs on) while the guest's agent
+    /// does not answer, rather than keep an unresponsive guest's memory.
+    require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/connect` (and `/v2/...`): a timeout, and
+/// `memory: false` to resume a paused sandbox by a cold boot.
+#[derive(Debug, Deserialize, Default)]
+struct ConnectBody {
+    timeout: Option<u64>,
+    memory: Option<bool>,
+}
+
+/// Why husk refuses a pause or resume without memory.
+const NO_FILESYSTEM_ONLY: &str = "husk keeps a paused sandbox's memory and resumes it from there \
+     (mode=\"full\"); a file-system-only pause or a resume by cold boot (memory: false) is not \
+     supported";
+
 fn set_ttl(e2b: &E2b, id: &str, timeout: u64) -> Result<SandboxInfo, RestError> {
     Ok(e2b.daemon.update(
         id,
@@ -992,8 +1018,16 @@ async fn pause(
     State(e2b): State<Shared>,
     headers: HeaderMap,
     Path(id): Path<String>,
+    body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
+    let body: PauseBody = rest_json_or_default(&body, "request")?;
+    if body.memory == Some(false) {
+        return Err(RestError(
+            StatusCode::BAD_REQUEST,
+            NO_FILESYSTEM_ONLY.into(),
+        ));
+    }
     let e = e2b.clone();
     blocking(move || {
         let info = e.daemon.sandbox(&id)?;
@@ -1002,6 +1036,16 @@ async fn pause(
                 StatusCode::CONFLICT,
                 format!("sandbox {id} is already paused"),
             ));
+        }
+        if body.require_healthy_guest == Some(true) {
+            e.daemon
+                .with_agent(&id, "e2b", ("ping", "before a pause"), |c| c.ping())
+                .map_err(|err| {
+                    RestError(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("sandbox {id}'s agent does not answer ({err}): not paused"),
+                    )
+                })?;
         }
         // E2B's pause persists the sandbox: here, a hibernation (its
         // memory on disk, its VMM gone; connect or auto-resume wakes it).
@@ -1019,11 +1063,19 @@ async fn connect(
     body: Bytes,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let body: TimeoutBody = rest_json_or_default(&body, "request")?;
+    let body: ConnectBody = rest_json_or_default(&body, "request")?;
     let e = e2b.clone();
     let (status, info, alias) = blocking(move || {
         let info = e.daemon.sandbox(&id)?;
         let status = match info.state {
+            // Only a paused sandbox is resumed, so only there does a cold
+            // boot come into it.
+            SandboxState::Paused | SandboxState::Hibernated if body.memory == Some(false) => {
+                return Err(RestError(
+                    StatusCode::BAD_REQUEST,
+                    NO_FILESYSTEM_ONLY.into(),
+                ))
+            }
             // A hibernated one wakes.
             SandboxState::Paused | SandboxState::Hibernated => {
                 e.daemon.resume(&id, "e2b")?;
