@@ -982,10 +982,20 @@ struct ConnectBody {
     memory: Option<bool>,
 }
 
-/// Why husk refuses a pause or resume without memory.
-const NO_FILESYSTEM_ONLY: &str = "husk keeps a paused sandbox's memory and resumes it from there \
-     (mode=\"full\"); a file-system-only pause or a resume by cold boot (memory: false) is not \
-     supported";
+/// Refuses `memory: false` (E2B's mode "filesystem": only the disk kept, a
+/// cold boot after) for `what`: husk keeps a sandbox's memory.
+fn memory_kept(memory: Option<bool>, what: &str) -> Result<(), RestError> {
+    match memory {
+        Some(false) => Err(RestError(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "a file-system-only {what} (memory: false, mode \"filesystem\") is not offered: \
+                 husk keeps the sandbox's memory and running programs (mode \"full\")"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
 
 fn set_ttl(e2b: &E2b, id: &str, timeout: u64) -> Result<SandboxInfo, RestError> {
     Ok(e2b.daemon.update(
@@ -1022,12 +1032,7 @@ async fn pause(
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
     let body: PauseBody = rest_json_or_default(&body, "request")?;
-    if body.memory == Some(false) {
-        return Err(RestError(
-            StatusCode::BAD_REQUEST,
-            NO_FILESYSTEM_ONLY.into(),
-        ));
-    }
+    memory_kept(body.memory, "pause")?;
     let e = e2b.clone();
     blocking(move || {
         let info = e.daemon.sandbox(&id)?;
@@ -1068,16 +1073,10 @@ async fn connect(
     let (status, info, alias) = blocking(move || {
         let info = e.daemon.sandbox(&id)?;
         let status = match info.state {
-            // Only a paused sandbox is resumed, so only there does a cold
-            // boot come into it.
-            SandboxState::Paused | SandboxState::Hibernated if body.memory == Some(false) => {
-                return Err(RestError(
-                    StatusCode::BAD_REQUEST,
-                    NO_FILESYSTEM_ONLY.into(),
-                ))
-            }
-            // A hibernated one wakes.
+            // A hibernated one wakes (only a paused one is resumed, so
+            // only there does a cold boot come into it).
             SandboxState::Paused | SandboxState::Hibernated => {
+                memory_kept(body.memory, "resume")?;
                 e.daemon.resume(&id, "e2b")?;
                 StatusCode::CREATED
             }

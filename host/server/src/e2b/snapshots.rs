@@ -27,14 +27,7 @@ pub(super) async fn create_snapshot(
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
     let body: SnapshotBody = rest_json_or_default(&body, "snapshot request")?;
-    if body.memory == Some(false) {
-        return Err(RestError(
-            StatusCode::BAD_REQUEST,
-            "a file-system-only snapshot (memory: false, mode \"filesystem\") is not offered: \
-             husk's snapshots keep the sandbox's memory and running programs (mode \"full\")"
-                .into(),
-        ));
-    }
+    memory_kept(body.memory, "snapshot")?;
     let name = body
         .name
         .unwrap_or_else(|| format!("snapshot-{id}-{}", husk_core::store::now_unix_ms()));
