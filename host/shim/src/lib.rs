@@ -118,6 +118,8 @@ pub struct HuskShim {
     bundle: PathBuf,
     /// containerd's address.
     containerd: String,
+    /// The socket this shim serves on (`unix://PATH`; empty before `start`).
+    socket: String,
 }
 
 impl std::fmt::Debug for HuskShim {
@@ -145,6 +147,7 @@ impl shim::Shim for HuskShim {
             id: args.id.clone(),
             bundle,
             containerd: args.address.clone(),
+            socket: args.socket.clone(),
         }
     }
 
@@ -179,6 +182,15 @@ impl shim::Shim for HuskShim {
 
     fn wait(&mut self) {
         self.exit.wait();
+        // The shim crate removes the socket after its server stops, by the
+        // `address` file in the bundle; containerd removes the bundle as
+        // soon as Shutdown returns, so on a busy host the file can be gone
+        // first and the socket left behind. Unlinking the path now refuses
+        // only new connections: the server's listener and containerd's
+        // connection are open files.
+        if let Some(path) = self.socket.strip_prefix("unix://") {
+            let _ = std::fs::remove_file(path);
+        }
     }
 
     fn create_task_service(&self, publisher: RemotePublisher) -> TaskService {
