@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use base64::Engine;
 use husk_client::{ApiClient, ApiClientError, Endpoint, Payload, Response};
 use husk_types::{
-    AuditEntry, Created, ExecEvent, MediumInfo, PoolInfo, SandboxInfo, SandboxState,
-    TemplateRecord, VolumeInfo,
+    AuditEntry, Created, ExecEvent, MediumInfo, PoolInfo, ProcessEvent, ProcessExit, ProcessSpec,
+    SandboxInfo, SandboxState, TemplateRecord, TerminalSize, VolumeInfo,
 };
 use serde_json::{json, Value};
 
@@ -101,6 +101,7 @@ impl TestDaemon {
             .arg("--mount-root")
             .arg(mount_root(self))
             .args(["--mcp-max-sandboxes", "1", "--mcp-max-command-s", "60"])
+            .args(["--max-processes", "3"])
             .args(["--expose", &self.expose, "--expose-domain", FRONT_DOMAIN])
             .args(["--e2b", &self.e2b, "--e2b-api-key-file"])
             .arg(self.state_dir.with_extension("e2bkeys"))
@@ -1394,6 +1395,20 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
         std::fs::read(common::cpucheck_tool()).expect("husk-cpucheck (built with guest-init)");
     upload(&s.id, "/tmp/husk-cpucheck", &tool).expect("upload husk-cpucheck");
     let (awake, _) = clock_of(&s.id);
+    // A background program of the process API, waiting for its input.
+    let waiting = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["/bin/sh", "-c", "echo before; read x; echo after $x"]),
+            stdin: true,
+            ..Default::default()
+        },
+    );
+    wait_until("the program to write", || {
+        api()
+            .process(&s.id, waiting.pid)
+            .is_ok_and(|p| p.written > 0)
+    });
 
     let slept = api().hibernate(&s.id).expect("hibernate");
     let listed = get(&s.id).expect("listed");
@@ -1411,6 +1426,13 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     let (first_wake, first_log) = clock_of(&s.id);
     let counted = count(&s.id);
     wait_until("the counter to go on", || count(&s.id) > counted);
+    // The program and what it wrote outlived the hibernation and the
+    // daemon: its kept output, then its answer to new input.
+    let kept_output = read_output(&s.id, waiting.pid, 0, false);
+    api()
+        .write_process_stdin(&s.id, waiting.pid, b"waking\n", true)
+        .expect("stdin after the wake");
+    let answered = read_output(&s.id, waiting.pid, 0, true);
     // A second cycle, woken explicitly: only its last hibernation keeps
     // memory on disk.
     api().hibernate(&s.id).expect("hibernate again");
@@ -1440,6 +1462,10 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     assert_eq!(after_restart.state, SandboxState::Hibernated);
     assert_eq!(kept, b"kept while it slept");
     assert_eq!(woken.state, SandboxState::Running);
+    assert_eq!(kept_output.output, b"before\n");
+    assert_eq!(kept_output.end, ProcessEvent::Caught { offset: 7 });
+    assert_eq!(answered.output, b"before\nafter waking\n");
+    assert_eq!(exit_code(&answered.end), Some(0));
     assert!(woken.pid != 0 && woken.pid != s.pid, "{woken:?}");
     assert_eq!(hibernations.len(), 1, "{hibernations:?}");
     assert_eq!(again.state, SandboxState::Running);
@@ -1456,6 +1482,371 @@ fn a_hibernated_sandbox_wakes_on_use_with_its_files_programs_and_clock_across_a_
     }
     destroy(&s.id);
     assert!(!d.state_dir.join("sandboxes").join(&s.id).exists());
+}
+
+/// What a reader of program `pid`'s output from `from` got: the replay's
+/// dropped bytes, the output (offsets checked to follow on), and the end.
+struct ReadBack {
+    dropped: u64,
+    output: Vec<u8>,
+    end: ProcessEvent,
+}
+
+fn read_output(id: &str, pid: i32, from: u64, follow: bool) -> ReadBack {
+    let mut events = api().process_output(id, pid, from, follow).expect("output");
+    let Some(ProcessEvent::Replay { offset, dropped }) = events.next_event().expect("replay")
+    else {
+        panic!("no replay first");
+    };
+    let mut at = offset;
+    let mut output = Vec::new();
+    loop {
+        match events.next_event().expect("event").expect("an end") {
+            ProcessEvent::Stdout { offset, data } | ProcessEvent::Stderr { offset, data } => {
+                assert_eq!(offset, at, "output at {offset}, expected {at}");
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(data)
+                    .expect("base64");
+                at += data.len() as u64;
+                output.extend(data);
+            }
+            end => {
+                return ReadBack {
+                    dropped,
+                    output,
+                    end,
+                }
+            }
+        }
+    }
+}
+
+fn exit_code(end: &ProcessEvent) -> Option<i32> {
+    match end {
+        ProcessEvent::Exit {
+            exit: ProcessExit { code, .. },
+            ..
+        } => *code,
+        other => panic!("not an exit: {other:?}"),
+    }
+}
+
+fn start_process(id: &str, spec: ProcessSpec) -> husk_types::ProcessInfo {
+    api().start_process(id, &spec).expect("start a process")
+}
+
+fn argv(words: &[&str]) -> Vec<String> {
+    words.iter().map(|w| (*w).to_owned()).collect()
+}
+
+#[test]
+fn background_programs_keep_their_output_for_readers_from_any_offset() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+    let counter = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&[
+                "/bin/sh",
+                "-c",
+                "for i in 1 2 3 4 5; do echo line $i; sleep 1; done",
+            ]),
+            tag: Some("counter".into()),
+            ..Default::default()
+        },
+    );
+    assert_eq!((counter.state.as_str(), counter.kept), ("running", true));
+    assert_eq!(counter.tag.as_deref(), Some("counter"));
+    // Two lines, then this reader goes away.
+    let mut first = api()
+        .process_output(&s.id, counter.pid, 0, true)
+        .expect("output");
+    let mut seen = Vec::new();
+    while seen.iter().filter(|b| **b == b'\n').count() < 2 {
+        match first.next_event().expect("event").expect("more") {
+            ProcessEvent::Replay { offset, dropped } => assert_eq!((offset, dropped), (0, 0)),
+            ProcessEvent::Stdout { offset, data } => {
+                assert_eq!(offset, seen.len() as u64);
+                seen.extend(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(data)
+                        .expect("base64"),
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    drop(first);
+    // From where it stopped: the rest; from 0: everything.
+    let rest = read_output(&s.id, counter.pid, seen.len() as u64, true);
+    let all = read_output(&s.id, counter.pid, 0, true);
+    let listed = api().processes(&s.id).expect("list");
+
+    assert_eq!(
+        String::from_utf8_lossy(&all.output),
+        "line 1\nline 2\nline 3\nline 4\nline 5\n"
+    );
+    assert_eq!([seen, rest.output].concat(), all.output);
+    assert_eq!(
+        (exit_code(&rest.end), exit_code(&all.end)),
+        (Some(0), Some(0))
+    );
+    let listed = listed
+        .iter()
+        .find(|p| p.pid == counter.pid)
+        .expect("still listed once it ended");
+    assert_eq!(listed.state, "exited");
+    assert_eq!(listed.written, all.output.len() as u64);
+
+    // Its stdin, written and closed.
+    let cat = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["cat"]),
+            stdin: true,
+            ..Default::default()
+        },
+    );
+    api()
+        .write_process_stdin(&s.id, cat.pid, b"to cat\n", true)
+        .expect("stdin");
+    let catted = read_output(&s.id, cat.pid, 0, true);
+    assert_eq!(catted.output, b"to cat\n");
+    assert_eq!(exit_code(&catted.end), Some(0));
+
+    // A flood nobody reads runs to its end; a reader learns what went.
+    let flood = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["/bin/sh", "-c", "yes | head -c 1000000; echo end"]),
+            keep_bytes: Some(65536),
+            ..Default::default()
+        },
+    );
+    wait_until("the flood to end", || {
+        api()
+            .process(&s.id, flood.pid)
+            .is_ok_and(|p| p.state == "exited")
+    });
+    let flooded = read_output(&s.id, flood.pid, 0, true);
+    assert!(
+        flooded.dropped > 900_000 && flooded.output.ends_with(b"y\ny\nend\n"),
+        "dropped {}, kept {} bytes",
+        flooded.dropped,
+        flooded.output.len()
+    );
+    assert_eq!(flooded.dropped + flooded.output.len() as u64, 1_000_004);
+
+    // On a terminal of the size asked for.
+    let tty = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["stty", "size"]),
+            terminal: Some(TerminalSize { rows: 33, cols: 77 }),
+            ..Default::default()
+        },
+    );
+    let sized = read_output(&s.id, tty.pid, 0, true);
+    assert_eq!(String::from_utf8_lossy(&sized.output).trim(), "33 77");
+
+    // Signals, and what is refused.
+    let sleeper = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["sleep", "1000"]),
+            ..Default::default()
+        },
+    );
+    let caught = read_output(&s.id, sleeper.pid, 0, false);
+    assert_eq!(caught.end, ProcessEvent::Caught { offset: 0 });
+    let running_removed = status(api().remove_process(&s.id, sleeper.pid));
+    let unknown = status(api().process(&s.id, 999_999));
+    let stdin_gone = status(api().write_process_stdin(&s.id, cat.pid, b"x", false));
+    let no_terminal =
+        status(api().resize_process(&s.id, sleeper.pid, TerminalSize { rows: 10, cols: 10 }));
+    let bad_signal = status(api().signal_process(&s.id, sleeper.pid, "NOPE"));
+    // Three running is the test daemon's --max-processes.
+    let more: Vec<i32> = (0..2)
+        .map(|_| {
+            start_process(
+                &s.id,
+                ProcessSpec {
+                    argv: argv(&["sleep", "1000"]),
+                    ..Default::default()
+                },
+            )
+            .pid
+        })
+        .collect();
+    let over = status(api().start_process(
+        &s.id,
+        &ProcessSpec {
+            argv: argv(&["true"]),
+            ..Default::default()
+        },
+    ));
+    api()
+        .signal_process(&s.id, sleeper.pid, "KILL")
+        .expect("kill");
+    let killed = read_output(&s.id, sleeper.pid, 0, true);
+    api()
+        .remove_process(&s.id, sleeper.pid)
+        .expect("remove an ended one");
+    let removed = status(api().process(&s.id, sleeper.pid));
+
+    assert_eq!(running_removed.0, 409, "{}", running_removed.1);
+    assert_eq!(unknown.0, 404, "{}", unknown.1);
+    assert_eq!(stdin_gone.0, 409, "{}", stdin_gone.1);
+    assert_eq!(no_terminal.0, 400, "{}", no_terminal.1);
+    assert_eq!(bad_signal.0, 400, "{}", bad_signal.1);
+    assert_eq!(more.len(), 2);
+    assert_eq!(over.0, 429, "{}", over.1);
+    assert!(over.1.contains("--max-processes 3"), "{}", over.1);
+    match killed.end {
+        ProcessEvent::Exit { exit, .. } => assert_eq!(exit.signal, Some(9)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(removed.0, 404, "{}", removed.1);
+    destroy(&s.id);
+}
+
+/// A pseudo-terminal pair: what the test types into and reads from
+/// (`master`) and what a program runs on (`slave`), `rows` x `cols`.
+fn open_pty(rows: u16, cols: u16) -> (std::fs::File, std::fs::File) {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (0, 0);
+    let size = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty fills two descriptors; the name and termios may be null.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &size,
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both descriptors are fresh and owned here from now on.
+    unsafe {
+        (
+            std::fs::File::from_raw_fd(master),
+            std::fs::File::from_raw_fd(slave),
+        )
+    }
+}
+
+#[test]
+fn husk_exec_it_is_a_terminal_through_the_daemon_with_keys_resizes_and_the_exit_code() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let (mut master, slave) = open_pty(30, 90);
+    let mut cmd = Command::new(common::husk_binary());
+    cmd.args(["exec", "-it", &s.id, "--", "/bin/sh"])
+        .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .stdin(slave.try_clone().expect("slave"))
+        .stdout(slave.try_clone().expect("slave"))
+        .stderr(slave.try_clone().expect("slave"));
+    // SAFETY: in the child before exec: a session of its own, with the
+    // terminal as its controlling one (so a resize signals it).
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut husk = cmd.spawn().expect("husk exec -it");
+    // Only husk keeps the terminal open: the reader below ends with it.
+    drop(cmd);
+    drop(slave);
+    // What the terminal shows, read as it comes.
+    let screen = std::sync::Arc::new(Mutex::new(Vec::<u8>::new()));
+    let reader = {
+        let screen = screen.clone();
+        let mut master = master.try_clone().expect("master");
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            // EIO once the last user of the terminal is gone.
+            while let Ok(n @ 1..) = master.read(&mut buf) {
+                screen.lock().expect("screen").extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    let shown =
+        |what: &str| String::from_utf8_lossy(&screen.lock().expect("screen")).contains(what);
+    // Each command echoes a mark the typed line does not contain.
+    let mut mark = 0;
+    let mut run = |master: &mut std::fs::File, command: &str| -> String {
+        mark += 1;
+        let start = screen.lock().expect("screen").len();
+        write!(master, "{command}; echo M$((1000+{mark}))\r").expect("type");
+        let want = format!("M{}", 1000 + mark);
+        wait_until(&want, || shown(&want));
+        String::from_utf8_lossy(&screen.lock().expect("screen")[start..]).into_owned()
+    };
+    let first = run(&mut master, "stty size");
+    // The host terminal resized: the program's follows.
+    let bigger = libc::winsize {
+        ws_row: 40,
+        ws_col: 100,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads a winsize.
+    unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &bigger) };
+    let mut resized = String::new();
+    wait_until("the resize to reach the program", || {
+        resized = run(&mut master, "stty size");
+        resized.contains("40 100")
+    });
+    // Ctrl-C reaches the program (the terminal is raw here): it ends a
+    // sleep that would outlast the test.
+    write!(master, "sleep 1000\r").expect("type");
+    wait_until("the sleep to start", || {
+        sh(&s.id, "pidof sleep").code == Some(0)
+    });
+    master.write_all(b"\x03").expect("type ^C");
+    let interrupted = run(&mut master, "echo interrupted");
+    write!(master, "echo hi; exit 3\r").expect("type");
+    let mut budget = husk_agent_client::readiness::WaitBudget::new(PATIENCE);
+    let code = loop {
+        if let Some(status) = husk.try_wait().expect("wait") {
+            break status.code();
+        }
+        assert!(!budget.expired(), "husk exec -it did not exit");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    drop(master);
+    let _ = reader.join();
+    let listed = api().processes(&s.id).expect("list");
+
+    assert!(first.contains("30 90"), "{first:?}");
+    assert!(resized.contains("40 100"), "{resized:?}");
+    assert!(interrupted.contains("interrupted"), "{interrupted:?}");
+    assert!(
+        shown("hi"),
+        "{:?}",
+        String::from_utf8_lossy(&screen.lock().expect("screen"))
+    );
+    assert_eq!(code, Some(3));
+    // The program it ran is gone from the sandbox's table with it.
+    assert!(
+        listed
+            .iter()
+            .all(|p| p.tag.as_deref() != Some("husk exec -t")),
+        "{listed:?}"
+    );
+    destroy(&s.id);
 }
 
 /// `husk-cpucheck clock` (uploaded to /tmp) in sandbox `id`: its TSC
@@ -2681,7 +3072,8 @@ fn every_documented_route_is_served() {
         for method in item.as_object().expect("item").keys() {
             let concrete = path
                 .replace("{id}", "sb-000000000000")
-                .replace("{template}", "nope");
+                .replace("{template}", "nope")
+                .replace("{pid}", "1");
             let result = api().send(
                 &method.to_uppercase(),
                 &format!("{concrete}?path=/x"),

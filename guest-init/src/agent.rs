@@ -372,6 +372,8 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         }
         Body::Signal { pid, signal } => return Some(crate::exec::signal(id, pid, signal)),
         Body::Processes => return Some(crate::exec::processes(id)),
+        Body::Table => return Some(crate::exec::table(id)),
+        Body::Forget { pid } => return Some(crate::exec::forget(id, pid)),
         body @ (Body::Stdin { .. } | Body::StdinClose { .. } | Body::Resize { .. }) => {
             return crate::exec::input(id, body)
         }
@@ -390,6 +392,8 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         body @ (Body::Exec(_)
         | Body::ExecIn { .. }
         | Body::Attach { .. }
+        | Body::Spawn { .. }
+        | Body::Follow { .. }
         | Body::Wait { .. }
         | Body::ReadFile { .. }
         | Body::List { .. }
@@ -465,6 +469,8 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::Exec(req) => crate::exec::exec(id, req, None, &conn),
                 Body::ExecIn { root, request } => crate::exec::exec(id, request, Some(root), &conn),
                 Body::Attach { pid } => crate::exec::attach(id, pid, &conn),
+                Body::Spawn { request, tag, ring } => crate::exec::spawn(id, request, tag, ring),
+                Body::Follow { pid, from } => crate::exec::follow(id, pid, from, &conn),
                 Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
                 Body::ReadFile { path } => crate::files::read(id, &path, &conn),
                 Body::List { path } => crate::files::list(id, &path, &conn),

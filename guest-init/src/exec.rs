@@ -1,5 +1,6 @@
 //! Program requests: `Exec` (foreground or background), `Attach`, `Wait`,
-//! `Signal`, `Stdin`, `StdinClose`, `Resize` and `Processes`. The programs
+//! `Signal`, `Stdin`, `StdinClose`, `Resize` and `Processes`; the kept
+//! programs' `Spawn`, `Follow`, `Table` and `Forget`. The programs
 //! themselves live in `process`.
 
 use std::io::ErrorKind as IoErrorKind;
@@ -33,21 +34,7 @@ pub fn exec(id: u64, req: ExecRequest, root: Option<String>, conn: &Conn) -> Fra
     };
     let process = match process::start(&req, root.as_deref()) {
         Ok(p) => p,
-        Err(StartError::Full) => {
-            let max = process::MAX_PROCESSES;
-            let msg = format!("{max} programs are running already; wait for or kill some");
-            return error(id, ErrorKind::Limit, msg);
-        }
-        Err(StartError::Io(e)) => {
-            let kind = match e.kind() {
-                IoErrorKind::NotFound => ErrorKind::NotFound,
-                IoErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
-                IoErrorKind::InvalidInput => ErrorKind::Invalid,
-                _ if e.raw_os_error() == Some(libc::EAGAIN) => ErrorKind::Limit,
-                _ => ErrorKind::Internal,
-            };
-            return error(id, kind, format!("cannot run {program}: {e}"));
-        }
+        Err(e) => return start_error(id, &program, e),
     };
     let pid = process.pid;
     let started = Frame {
@@ -70,6 +57,26 @@ pub fn exec(id: u64, req: ExecRequest, root: Option<String>, conn: &Conn) -> Fra
             // Nobody is left to see it: a foreground program ends with its client.
             let _ = process.signal(libc::SIGKILL);
             error(id, ErrorKind::Internal, "the client went away".into())
+        }
+    }
+}
+
+fn start_error(id: u64, program: &str, e: StartError) -> Frame {
+    match e {
+        StartError::Full => {
+            let max = process::MAX_PROCESSES;
+            let msg = format!("{max} programs are running already; wait for or kill some");
+            error(id, ErrorKind::Limit, msg)
+        }
+        StartError::Io(e) => {
+            let kind = match e.kind() {
+                IoErrorKind::NotFound => ErrorKind::NotFound,
+                IoErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+                IoErrorKind::InvalidInput => ErrorKind::Invalid,
+                _ if e.raw_os_error() == Some(libc::EAGAIN) => ErrorKind::Limit,
+                _ => ErrorKind::Internal,
+            };
+            error(id, kind, format!("cannot run {program}: {e}"))
         }
     }
 }
@@ -108,6 +115,9 @@ enum Streamed {
     Superseded,
 }
 
+/// Most bytes of output in one frame.
+const FRAME_DATA: usize = 32 << 10;
+
 /// Sends the program's output to the client until it is complete.
 fn stream(id: u64, p: &Process, conn: &Conn) -> Streamed {
     let generation = p.attach();
@@ -116,7 +126,7 @@ fn stream(id: u64, p: &Process, conn: &Conn) -> Streamed {
         while out.attached == generation
             && !conn.is_closed()
             && out.unreported_lost == 0
-            && out.chunks.is_empty()
+            && out.undelivered() == 0
             && !out.finished
         {
             out = p.wait_change(out, Duration::from_secs(1));
@@ -130,8 +140,8 @@ fn stream(id: u64, p: &Process, conn: &Conn) -> Streamed {
             Some(Body::Lost {
                 bytes: std::mem::take(&mut out.unreported_lost),
             })
-        } else if let Some((stream, data)) = out.chunks.pop_front() {
-            out.buffered -= data.len();
+        } else if let Some((stream, data)) = out.ring.read(out.delivered, FRAME_DATA) {
+            out.delivered += data.len() as u64;
             p.changed.notify_all();
             Some(Body::Output { stream, data })
         } else {
@@ -146,6 +156,99 @@ fn stream(id: u64, p: &Process, conn: &Conn) -> Streamed {
             p.detach(generation);
             return Streamed::ClientGone;
         }
+    }
+}
+
+/// `Spawn`: a background program kept in the table.
+pub fn spawn(id: u64, mut req: ExecRequest, tag: Option<String>, ring: Option<u32>) -> Frame {
+    if req.argv.is_empty() {
+        return error(id, ErrorKind::Invalid, "argv is empty".into());
+    }
+    req.background = true;
+    let keep = process::Keep { tag, ring };
+    match process::start_kept(&req, None, Some(keep)) {
+        Ok(p) => Frame {
+            id,
+            body: Body::Started { pid: p.pid },
+        },
+        Err(e) => start_error(id, &req.argv[0], e),
+    }
+}
+
+/// `Follow`: a program's output from offset `from`, live, then its end.
+pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
+    let Some(p) = process::find(pid) else {
+        return not_found(id, pid);
+    };
+    let (mut at, dropped) = {
+        let out = p.output();
+        let at = from.clamp(out.ring.start(), out.ring.end());
+        (at, out.ring.start().saturating_sub(from))
+    };
+    let replay = Frame {
+        id,
+        body: Body::Replay {
+            offset: at,
+            dropped,
+        },
+    };
+    if conn.send(&replay).is_err() {
+        return error(id, ErrorKind::Internal, "the client went away".into());
+    }
+    loop {
+        let mut out = p.output();
+        while !conn.is_closed() && at >= out.ring.end() && !out.finished {
+            out = p.wait_change(out, Duration::from_secs(1));
+        }
+        let body = if conn.is_closed() {
+            return error(id, ErrorKind::Internal, "the client went away".into());
+        } else if at < out.ring.start() {
+            let bytes = out.ring.start() - at;
+            at = out.ring.start();
+            Body::Lost { bytes }
+        } else if let Some((stream, data)) = out.ring.read(at, FRAME_DATA) {
+            at += data.len() as u64;
+            Body::Output { stream, data }
+        } else {
+            let ended = out.ended;
+            drop(out);
+            return match ended {
+                Some(ended) => final_frame(id, &p, ended),
+                None => error(
+                    id,
+                    ErrorKind::Internal,
+                    "the program's output ended early".into(),
+                ),
+            };
+        };
+        drop(out);
+        if conn.send(&Frame { id, body }).is_err() {
+            return error(id, ErrorKind::Internal, "the client went away".into());
+        }
+    }
+}
+
+/// `Forget`: an ended program and its kept output.
+pub fn forget(id: u64, pid: i32) -> Frame {
+    let Some(p) = process::find(pid) else {
+        return not_found(id, pid);
+    };
+    if p.output().ended.is_none() {
+        let msg = format!("pid {pid} is still running; signal it first");
+        return error(id, ErrorKind::Conflict, msg);
+    }
+    process::remove(pid);
+    Frame {
+        id,
+        body: Body::Done,
+    }
+}
+
+/// `Table`.
+pub fn table(id: u64) -> Frame {
+    Frame {
+        id,
+        body: Body::Programs(process::programs()),
     }
 }
 

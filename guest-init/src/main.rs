@@ -35,6 +35,7 @@ mod ports;
 mod probe;
 mod process;
 mod reaper;
+mod ring;
 mod simd;
 mod splice;
 mod sys;

@@ -3,12 +3,14 @@
 //!
 //! Every program has a waiter thread (its exit, its timeout) and one pump
 //! thread per output pipe (or one for its PTY). Pumps put output into the
-//! program's buffer. While a client is attached, a full buffer makes the
-//! pump wait, so the program waits for the client; with nobody attached
-//! the oldest output is dropped and counted instead, so a background
-//! program can never fill the guest's memory.
+//! program's ring (`ring`), which keeps the newest of it. While a
+//! collecting client (`Exec`, `Attach`) is attached, a ring full of what
+//! that client has not had yet makes the pump wait, so the program waits
+//! for the client; otherwise the oldest output goes, counted as lost when
+//! no collecting client had it, so a background program can never fill
+//! the guest's memory. `Follow` readers never hold a program up.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::{ErrorKind as IoErrorKind, Read, Write};
@@ -17,12 +19,14 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use husk_protocol::{
-    ExecRequest, ExitReport, ProcessInfo, Stream, Termination, WindowSize, OUTPUT_BUFFER,
+    ExecRequest, ExitReport, ProcessInfo, Program, ProgramEnd, Stream, Termination, WindowSize,
+    MAX_RING, MIN_RING, OUTPUT_BUFFER,
 };
 
 use crate::cgroup::Cgroup;
 use crate::container::PidNs;
 use crate::reaper;
+use crate::ring::Ring;
 
 const DEFAULT_PATH: &str = "/bin:/sbin:/usr/bin:/usr/sbin";
 /// Where templates put the egress proxy's CA certificate
@@ -40,8 +44,7 @@ const OUTPUT_DRAIN: Duration = Duration::from_secs(120);
 const KILL_DRAIN: Duration = Duration::from_secs(60);
 const CHUNK: usize = 32 << 10;
 const OOM_SCORE_ADJ: &std::ffi::CStr = c"/proc/self/oom_score_adj";
-/// Programs kept at once, running or ended but not collected.
-pub const MAX_PROCESSES: usize = 64;
+pub use husk_protocol::MAX_PROCESSES;
 /// Stdin chunks queued for a program that is slow to read them.
 const STDIN_QUEUE: usize = 16;
 
@@ -52,10 +55,11 @@ pub struct Ended {
     pub timed_out: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Output {
-    pub chunks: VecDeque<(Stream, Vec<u8>)>,
-    pub buffered: usize,
+    pub ring: Ring,
+    /// How far collecting clients (`Exec`, `Attach`) have had the output.
+    pub delivered: u64,
     pub lost: u64,
     /// Lost bytes not yet reported to an attached client.
     pub unreported_lost: u64,
@@ -72,11 +76,38 @@ pub struct Output {
     pub over_limit: bool,
 }
 
+impl Output {
+    fn new(ring: usize, pumps_open: usize) -> Output {
+        Output {
+            ring: Ring::new(ring),
+            delivered: 0,
+            lost: 0,
+            unreported_lost: 0,
+            attached: 0,
+            next_attach: 0,
+            pumps_open,
+            ended: None,
+            finished: false,
+            written: 0,
+            over_limit: false,
+        }
+    }
+
+    /// Output kept that collecting clients have not had yet.
+    pub fn undelivered(&self) -> u64 {
+        self.ring.end() - self.delivered
+    }
+}
+
 #[derive(Debug)]
 pub struct Process {
     pub pid: libc::pid_t,
     pub argv: Vec<String>,
     pub background: bool,
+    /// Started by `Spawn`: kept in the table until `Forget`.
+    pub kept: bool,
+    pub tag: Option<String>,
+    pub started_unix_ms: u64,
     pub timeout_ms: Option<u64>,
     pub output_max: Option<u64>,
     cgroup: Option<Cgroup>,
@@ -184,8 +215,36 @@ impl Process {
             argv: self.argv.clone(),
             background: self.background,
             exit: out.ended.map(|e| e.report.termination),
-            buffered: out.buffered as u64,
+            buffered: out.undelivered(),
             lost: out.lost,
+        }
+    }
+
+    pub fn program(&self) -> Program {
+        let stdin_open = self
+            .stdin
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        let out = self.output();
+        Program {
+            pid: self.pid,
+            argv: self.argv.clone(),
+            tag: self.tag.clone(),
+            kept: self.kept,
+            background: self.background,
+            terminal: self.pty.is_some(),
+            stdin_open: stdin_open && out.ended.is_none(),
+            started_unix_ms: self.started_unix_ms,
+            end: out.ended.map(|e| ProgramEnd {
+                report: e.report,
+                timed_out: e.timed_out,
+                over_limit: out.over_limit,
+                output_complete: out.finished,
+            }),
+            kept_from: out.ring.start(),
+            written: out.ring.end(),
+            ring: out.ring.capacity() as u64,
         }
     }
 
@@ -206,18 +265,20 @@ impl Process {
                 return;
             }
         }
-        while out.attached != 0 && out.buffered > 0 && out.buffered + data.len() > OUTPUT_BUFFER {
+        while out.attached != 0
+            && out.undelivered() > 0
+            && out.ring.cost_from(out.delivered, data.len()) > out.ring.capacity()
+        {
             out = self.wait_change(out, Duration::from_secs(1));
         }
-        while out.buffered > 0 && out.buffered + data.len() > OUTPUT_BUFFER {
-            if let Some((_, old)) = out.chunks.pop_front() {
-                out.buffered -= old.len();
-                out.lost += old.len() as u64;
-                out.unreported_lost += old.len() as u64;
-            }
+        out.ring.push(stream, &data);
+        let start = out.ring.start();
+        if start > out.delivered {
+            let gone = start - out.delivered;
+            out.lost += gone;
+            out.unreported_lost += gone;
+            out.delivered = start;
         }
-        out.buffered += data.len();
-        out.chunks.push_back((stream, data));
         self.changed.notify_all();
     }
 }
@@ -238,6 +299,17 @@ pub fn remove(pid: libc::pid_t) {
     if let Some(t) = table().as_mut() {
         t.remove(&pid);
     }
+}
+
+/// Every program in the table, by pid.
+pub fn programs() -> Vec<Program> {
+    let all: Vec<Arc<Process>> = table()
+        .as_ref()
+        .map(|t| t.values().cloned().collect())
+        .unwrap_or_default();
+    let mut programs: Vec<Program> = all.iter().map(|p| p.program()).collect();
+    programs.sort_by_key(|p| p.pid);
+    programs
 }
 
 pub fn list() -> Vec<ProcessInfo> {
@@ -283,6 +355,22 @@ pub enum StartError {
 /// Starts `req` and registers it; its threads are running when this
 /// returns.
 pub fn start(req: &ExecRequest, root: Option<&str>) -> Result<Arc<Process>, StartError> {
+    start_kept(req, root, None)
+}
+
+/// How a `Spawn` keeps its program: its tag and ring size.
+#[derive(Debug)]
+pub struct Keep {
+    pub tag: Option<String>,
+    pub ring: Option<u32>,
+}
+
+/// [`start`], for `Spawn` with `keep`.
+pub fn start_kept(
+    req: &ExecRequest,
+    root: Option<&str>,
+    keep: Option<Keep>,
+) -> Result<Arc<Process>, StartError> {
     if !make_room() {
         return Err(StartError::Full);
     }
@@ -308,19 +396,26 @@ pub fn start(req: &ExecRequest, root: Option<&str>) -> Result<Arc<Process>, Star
         }
     };
     let (stdin_tx, stdin_rx) = mpsc::sync_channel::<Vec<u8>>(STDIN_QUEUE);
+    let ring = keep
+        .as_ref()
+        .and_then(|k| k.ring)
+        .map_or(OUTPUT_BUFFER, |r| r.clamp(MIN_RING, MAX_RING) as usize);
+    let started_unix_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
     let process = Arc::new(Process {
         pid: spawned.pid,
         argv: req.argv.clone(),
         background: req.background,
+        kept: keep.is_some(),
+        tag: keep.and_then(|k| k.tag),
+        started_unix_ms,
         timeout_ms: req.timeout_ms,
         output_max: req.output_max,
         cgroup,
         stdin: Mutex::new(req.stdin_open.then(|| stdin_tx.clone())),
         pty: spawned.pty,
-        output: Mutex::new(Output {
-            pumps_open: spawned.outputs.len(),
-            ..Output::default()
-        }),
+        output: Mutex::new(Output::new(ring, spawned.outputs.len())),
         changed: Condvar::new(),
     });
     drop(stdin_tx); // without stdin_open, the writer ends after `req.stdin`

@@ -22,6 +22,10 @@ TOOLS = {
     "write_file",
     "list_files",
     "destroy_sandbox",
+    "start_command",
+    "command_output",
+    "send_input",
+    "kill_command",
 }
 
 
@@ -97,6 +101,45 @@ async def scenario(connect):
                 s, "run_command", {"sandbox": sandbox, "command": "cat /tmp/mcp/hello.txt"}
             )
             assert "stdout:\nhello mcp\n" in by_shell, by_shell
+
+            # A background command: it runs on between calls, takes input,
+            # and its output is read from an offset.
+            started = await call(
+                s,
+                "start_command",
+                {"sandbox": sandbox, "command": "echo ready; read x; echo got $x; exit 4"},
+            )
+            assert started.startswith("started pid "), started
+            pid = int(started.split()[2].rstrip(";"))
+            ready = await call(s, "command_output", {"sandbox": sandbox, "pid": pid})
+            for _ in range(300):
+                if "ready" in ready:
+                    break
+                await asyncio.sleep(1)
+                ready = await call(s, "command_output", {"sandbox": sandbox, "pid": pid})
+            assert "still running" in ready and "ready\n" in ready, ready
+            offset = int(ready.rsplit("next offset: ", 1)[1])
+            await call(
+                s, "send_input", {"sandbox": sandbox, "pid": pid, "input": "hi\n", "close": True}
+            )
+            rest = await call(
+                s, "command_output", {"sandbox": sandbox, "pid": pid, "offset": offset}
+            )
+            for _ in range(300):
+                if "exited" in rest:
+                    break
+                await asyncio.sleep(1)
+                rest = await call(
+                    s, "command_output", {"sandbox": sandbox, "pid": pid, "offset": offset}
+                )
+            assert "exited with code 4" in rest and "got hi\n" in rest, rest
+            assert "ready" not in rest, rest
+            sleeper = await call(s, "start_command", {"sandbox": sandbox, "command": "sleep 600"})
+            spid = int(sleeper.split()[2].rstrip(";"))
+            killed = await call(
+                s, "kill_command", {"sandbox": sandbox, "pid": spid, "signal": "KILL"}
+            )
+            assert "sent KILL" in killed, killed
 
             # Refusals an agent can act on.
             timed_out = await call(

@@ -384,6 +384,86 @@ pub enum Body {
     /// network, whose interface the host has connected to the guest's.
     /// `Done`.
     Network(NetConfig),
+    /// Starts a program in the background and keeps it in the agent's
+    /// table with the caller's `tag`, its output in a ring of `ring` bytes
+    /// ([`OUTPUT_BUFFER`] if none, clamped to [`MIN_RING`]..=[`MAX_RING`]):
+    /// `Started`. Nothing collects it: its output is read with `Follow`
+    /// from any offset still kept, as often as wanted, and it stays
+    /// listed until `Forget` (or, once it ended, until the table is full).
+    Spawn {
+        request: ExecRequest,
+        tag: Option<String>,
+        ring: Option<u32>,
+    },
+    /// Streams program `pid`'s output from byte `from` of everything it
+    /// wrote (stdout and stderr together, in the order written): `Replay`,
+    /// then `Output`s, then live output, then `Exited` once it has ended
+    /// and all was sent. Never slows the program: a reader that falls
+    /// behind the ring gets `Lost` for what it missed. Any number of
+    /// readers; none collects the program.
+    Follow {
+        pid: i32,
+        from: u64,
+    },
+    /// The start of a `Follow`: the offset of the first byte to follow,
+    /// and how many bytes from the requested offset are no longer kept.
+    Replay {
+        offset: u64,
+        dropped: u64,
+    },
+    /// The table, with what each program was started with: `Programs`.
+    Table,
+    Programs(Vec<Program>),
+    /// Forgets a program that has ended, and its kept output. `Done`;
+    /// `Conflict` while it runs.
+    Forget {
+        pid: i32,
+    },
+}
+
+/// Programs the agent keeps at once, running or ended but not collected;
+/// a start past it fails with `Limit`.
+pub const MAX_PROCESSES: usize = 64;
+/// The smallest output ring a `Spawn` may ask for.
+pub const MIN_RING: u32 = 4 << 10;
+/// The largest output ring a `Spawn` may ask for.
+pub const MAX_RING: u32 = 16 << 20;
+
+/// A program in the agent's table.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Program {
+    pub pid: i32,
+    pub argv: Vec<String>,
+    /// The caller's tag (`Spawn`).
+    pub tag: Option<String>,
+    /// Started with `Spawn`: kept until forgotten.
+    pub kept: bool,
+    pub background: bool,
+    /// It runs on a terminal.
+    pub terminal: bool,
+    /// Its stdin takes `Stdin`.
+    pub stdin_open: bool,
+    /// When it started, by the guest's clock.
+    pub started_unix_ms: u64,
+    /// How it ended; `None` while it runs.
+    pub end: Option<ProgramEnd>,
+    /// The oldest byte of output still kept, and the end of all it wrote.
+    pub kept_from: u64,
+    pub written: u64,
+    /// The size of its output ring.
+    pub ring: u64,
+}
+
+/// How a program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProgramEnd {
+    pub report: ExitReport,
+    /// Killed at its timeout.
+    pub timed_out: bool,
+    /// Killed past its `output_max`.
+    pub over_limit: bool,
+    /// All of its output has been read from its pipes.
+    pub output_complete: bool,
 }
 
 /// A network interface's configuration: a pod's, as its CNI plugins made

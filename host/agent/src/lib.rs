@@ -165,6 +165,24 @@ impl ProgramInput {
     }
 }
 
+/// A program's output being read by [`AgentClient::follow`].
+#[derive(Debug)]
+pub struct Following<'a> {
+    client: &'a mut AgentClient,
+    id: u64,
+    /// The offset of the first byte to come.
+    pub offset: u64,
+    /// Bytes from the offset asked for that are no longer kept.
+    pub dropped: u64,
+}
+
+impl Following<'_> {
+    /// The next output chunk (or bytes missed), or how the program ended.
+    pub fn next_event(&mut self) -> Result<Event, ClientError> {
+        self.client.event(self.id)
+    }
+}
+
 /// A foreground program started by [`AgentClient::start`].
 #[derive(Debug)]
 pub struct Running<'a> {
@@ -707,6 +725,58 @@ impl AgentClient {
                 return Ok(report);
             }
         }
+    }
+
+    /// Starts a background program kept in the agent's table with `tag`
+    /// and an output ring of `ring` bytes (the agent's default if none);
+    /// returns its pid. Read its output with `follow`; `forget` it once it
+    /// ended.
+    pub fn spawn_kept(
+        &mut self,
+        req: ExecRequest,
+        tag: Option<String>,
+        ring: Option<u32>,
+    ) -> Result<i32, ClientError> {
+        let request = ExecRequest {
+            background: true,
+            ..req
+        };
+        match self.call(Body::Spawn { request, tag, ring })? {
+            Body::Started { pid } => Ok(pid),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Reads program `pid`'s output from byte `from` of all it wrote: the
+    /// reader knows where it starts; its events are the output kept from
+    /// there on, then live output, then how the program ended (a timeout
+    /// or the output limit: `ClientError::Agent { kind: Timeout | Limit }`).
+    /// Nothing is collected. A reader stopped early leaves the request
+    /// running: drop the connection.
+    pub fn follow(&mut self, pid: i32, from: u64) -> Result<Following<'_>, ClientError> {
+        let id = self.send(Body::Follow { pid, from })?;
+        match self.reply(id)? {
+            Body::Replay { offset, dropped } => Ok(Following {
+                client: self,
+                id,
+                offset,
+                dropped,
+            }),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Every program in the agent's table, with how it was started.
+    pub fn programs(&mut self) -> Result<Vec<husk_protocol::Program>, ClientError> {
+        match self.call(Body::Table)? {
+            Body::Programs(list) => Ok(list),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Forgets an ended program and its kept output.
+    pub fn forget(&mut self, pid: i32) -> Result<(), ClientError> {
+        self.expect_done(Body::Forget { pid })
     }
 
     /// Waits for a background program to end and collects it (its

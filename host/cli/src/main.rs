@@ -68,6 +68,7 @@ use sandboxes::Lifecycle;
 
 mod bench;
 mod mcp;
+mod processes;
 mod sandboxes;
 mod serve;
 
@@ -125,10 +126,11 @@ enum Command {
         #[arg(last = true, required = true)]
         argv: Vec<String>,
     },
-    /// List the daemon's sandboxes; with a VM socket, the programs its
-    /// agent started that were not collected yet.
+    /// List the daemon's sandboxes; with a sandbox id, its programs; with
+    /// a VM socket, the programs its agent started that were not collected
+    /// yet.
     Ps {
-        vm: Option<PathBuf>,
+        vm: Option<String>,
         /// Only sandboxes with this label (repeatable).
         #[arg(long = "label", value_parser = parse_env)]
         labels: Vec<(String, String)>,
@@ -139,12 +141,25 @@ enum Command {
         json: bool,
     },
     /// Stream a background program's output until it ends; exit like it.
-    Attach { vm: PathBuf, pid: i32 },
+    Attach {
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
+        pid: i32,
+        /// With a sandbox id: the offset of its output to start from (0:
+        /// all the guest kept; what is no longer kept is reported).
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+    },
     /// Wait for a background program to end; exit like it.
-    Wait { vm: PathBuf, pid: i32 },
+    Wait {
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
+        pid: i32,
+    },
     /// Send a signal to a program's process group (default SIGTERM).
     Kill {
-        vm: PathBuf,
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
         pid: i32,
         #[arg(long, short, default_value_t = libc::SIGTERM)]
         signal: i32,
@@ -807,19 +822,7 @@ fn forward_stdin(input: ProgramInput) {
 /// blocked in every thread and taken here with sigwait).
 fn forward_resizes(input: ProgramInput) {
     std::thread::spawn(move || {
-        // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
-        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is valid.
-        unsafe {
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGWINCH);
-        }
-        loop {
-            let mut sig = 0;
-            // SAFETY: valid set and output pointer.
-            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
-                return;
-            }
+        while next_sigwinch() {
             if let Some(size) = terminal_size() {
                 if input.resize(size.rows, size.cols).is_err() {
                     return;
@@ -827,6 +830,21 @@ fn forward_resizes(input: ProgramInput) {
             }
         }
     });
+}
+
+/// Waits for this terminal's next resize (SIGWINCH, blocked in every
+/// thread by [`block_sigwinch`]); false if it cannot.
+fn next_sigwinch() -> bool {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is valid.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGWINCH);
+    }
+    let mut sig = 0;
+    // SAFETY: valid set and output pointer.
+    unsafe { libc::sigwait(&set, &mut sig) == 0 }
 }
 
 fn block_sigwinch() {
@@ -844,7 +862,10 @@ fn block_sigwinch() {
 fn through_daemon(command: &Command) -> bool {
     match command {
         Command::Exec { vm, .. } => sandboxes::is_sandbox_id(vm),
-        Command::Ps { vm, .. } => vm.is_none(),
+        Command::Ps { vm, .. } => vm.as_deref().is_none_or(sandboxes::is_sandbox_id),
+        Command::Attach { vm, .. } | Command::Wait { vm, .. } | Command::Kill { vm, .. } => {
+            sandboxes::is_sandbox_id(vm)
+        }
         Command::Pause { target } | Command::Resume { target } => sandboxes::is_sandbox_id(target),
         Command::Hibernate { .. } | Command::Wake { .. } => true,
         Command::Snapshot { target, .. } => sandboxes::is_sandbox_id(target),
@@ -884,8 +905,21 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             argv,
         } => {
             if tty || detach {
-                eprintln!("husk: -t and -d need the VM's socket (husk exec <vm socket>), not a sandbox id");
-                return Ok(HUSK_FAILED);
+                let spec = husk_types::ProcessSpec {
+                    argv,
+                    env: env.into_iter().collect(),
+                    cwd,
+                    user,
+                    timeout_ms,
+                    pids_max,
+                    output_max,
+                    ..Default::default()
+                };
+                return if detach {
+                    processes::detach(&vm, &spec)
+                } else {
+                    processes::terminal(&vm, spec, interactive)
+                };
             }
             let mut stdin = String::new();
             if interactive {
@@ -906,11 +940,17 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             )
         }
         Command::Ps {
+            vm: Some(id), json, ..
+        } => processes::ps(&id, json),
+        Command::Ps {
             labels,
             state,
             json,
             ..
         } => sandboxes::ps(&labels, state.as_deref(), json),
+        Command::Attach { vm, pid, from } => processes::attach(&vm, pid, from),
+        Command::Wait { vm, pid } => processes::wait(&vm, pid),
+        Command::Kill { vm, pid, signal } => processes::kill(&vm, pid, signal),
         Command::Pause { target } => sandboxes::lifecycle(&target, Lifecycle::Pause),
         Command::Resume { target } => sandboxes::lifecycle(&target, Lifecycle::Resume),
         Command::Hibernate { id } => sandboxes::lifecycle(&id, Lifecycle::Hibernate),
@@ -1136,7 +1176,7 @@ fn run(command: Command) -> Result<u8, ClientError> {
             }
         }
         Command::Ps { vm: Some(vm), .. } => {
-            let list = AgentClient::connect(&vm, READ_TIMEOUT)?.processes()?;
+            let list = AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?.processes()?;
             println!(
                 "{:>7}  {:<10}  {:>9}  {:>9}  COMMAND",
                 "PID", "STATE", "BUFFERED", "LOST"
@@ -1159,8 +1199,8 @@ fn run(command: Command) -> Result<u8, ClientError> {
             }
             Ok(0)
         }
-        Command::Attach { vm, pid } => {
-            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+        Command::Attach { vm, pid, .. } => {
+            let mut client = AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?;
             client.set_read_timeout(None)?;
             let report = client.attach_streaming(pid, |event| match event {
                 Event::Output(stream, data) => write_out(*stream, data),
@@ -1170,12 +1210,12 @@ fn run(command: Command) -> Result<u8, ClientError> {
             Ok(exit_code(&report))
         }
         Command::Wait { vm, pid } => {
-            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+            let mut client = AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?;
             client.set_read_timeout(None)?;
             Ok(exit_code(&client.wait(pid)?))
         }
         Command::Kill { vm, pid, signal } => {
-            AgentClient::connect(&vm, READ_TIMEOUT)?.signal(pid, signal)?;
+            AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?.signal(pid, signal)?;
             Ok(0)
         }
         Command::Watch { vm, dir, recursive } => {

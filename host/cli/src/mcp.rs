@@ -6,8 +6,8 @@ use std::io::Read;
 use base64::Engine;
 use husk_client::{ApiClient, ApiClientError};
 use husk_protocol::{Stream, Termination};
-use husk_server::mcp::{too_long, Backend, ExecFailure, Refusal};
-use husk_types::{CreateRequest, DirEntry, ExecEvent, ExecSpec};
+use husk_server::mcp::{too_long, Backend, CommandOutput, ExecFailure, Refusal};
+use husk_types::{CreateRequest, DirEntry, ExecEvent, ExecSpec, ProcessSpec};
 
 /// The tools' backend: the daemon's REST API.
 #[derive(Debug)]
@@ -76,5 +76,28 @@ impl Backend for Remote {
 
     fn destroy(&self, id: &str) -> Result<(), Refusal> {
         Ok(self.0.destroy_sandbox(id)?)
+    }
+
+    fn start(&self, id: &str, spec: ProcessSpec, _who: &str) -> Result<i32, Refusal> {
+        Ok(self.0.start_process(id, &spec)?.pid)
+    }
+
+    fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
+        let mut events = self.0.process_output(id, pid, from, false)?;
+        let mut out = CommandOutput::default();
+        while let Some(event) = events.next_event()? {
+            if !out.take(event, max) {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    fn input(&self, id: &str, pid: i32, data: &[u8], close: bool) -> Result<(), Refusal> {
+        Ok(self.0.write_process_stdin(id, pid, data, close)?)
+    }
+
+    fn signal(&self, id: &str, pid: i32, signal: i32, _who: &str) -> Result<(), Refusal> {
+        Ok(self.0.signal_process(id, pid, &signal.to_string())?)
     }
 }

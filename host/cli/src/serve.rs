@@ -136,6 +136,11 @@ pub struct ServeArgs {
     /// Largest upload for a template build, in MiB (default 8192).
     #[arg(long)]
     pub max_upload_mib: Option<u64>,
+    /// Most background programs (the process API's: `husk exec -d`, `POST
+    /// /v1/sandboxes/{id}/processes`) running at once in one sandbox
+    /// (default 32).
+    #[arg(long)]
+    pub max_processes: Option<u32>,
 }
 
 /// The state directory when none is given.
@@ -246,6 +251,15 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     cfg.egress_upstream_ca = args.egress_upstream_ca;
     if let Some(mib) = args.max_upload_mib {
         cfg.max_upload_bytes = mib.saturating_mul(1 << 20);
+    }
+    if let Some(max) = args.max_processes {
+        if max == 0 || max as usize > husk_protocol::MAX_PROCESSES {
+            return Err(format!(
+                "--max-processes {max}: give 1 to {}",
+                husk_protocol::MAX_PROCESSES
+            ));
+        }
+        cfg.max_processes = max;
     }
     let expose = match &args.expose {
         Some(addr) => {

@@ -24,8 +24,9 @@ use tokio::sync::mpsc;
 
 use husk_types::{
     AuditEntry, BuildEvent, CreateRequest, Created, DirEntry, ExecEvent, ExecSpec, ForkRequest,
-    Forked, Killed, PoolInfo, PoolSize, PortInfo, SandboxInfo, SandboxUpdate, SnapshotRequest,
-    TemplateRecord, TemplateSpec, VolumeInfo, VolumeRequest,
+    Forked, Killed, PoolInfo, PoolSize, PortInfo, ProcessEvent, ProcessInfo, ProcessSpec,
+    SandboxInfo, SandboxUpdate, SignalName, SignalRequest, SnapshotRequest, TemplateRecord,
+    TemplateSpec, TerminalSize, VolumeInfo, VolumeRequest,
 };
 
 /// Errors talking to the daemon.
@@ -747,6 +748,99 @@ impl ApiClient {
         Ok(ExecStream(resp))
     }
 
+    /// Starts a program in the background in sandbox `id`
+    /// (`POST /v1/sandboxes/{id}/processes`).
+    pub fn start_process(
+        &self,
+        id: &str,
+        spec: &ProcessSpec,
+    ) -> Result<ProcessInfo, ApiClientError> {
+        self.send(
+            "POST",
+            &Self::sandbox_path(id, "/processes"),
+            Self::json_body(spec)?,
+        )?
+        .json()
+    }
+
+    /// Sandbox `id`'s programs (`GET /v1/sandboxes/{id}/processes`).
+    pub fn processes(&self, id: &str) -> Result<Vec<ProcessInfo>, ApiClientError> {
+        self.send("GET", &Self::sandbox_path(id, "/processes"), Payload::None)?
+            .json()
+    }
+
+    fn process_path(id: &str, pid: i32, rest: &str) -> String {
+        Self::sandbox_path(id, &format!("/processes/{pid}{rest}"))
+    }
+
+    /// Program `pid` of sandbox `id`.
+    pub fn process(&self, id: &str, pid: i32) -> Result<ProcessInfo, ApiClientError> {
+        self.send("GET", &Self::process_path(id, pid, ""), Payload::None)?
+            .json()
+    }
+
+    /// Program `pid`'s output from byte `from`: what the guest kept, then,
+    /// with `follow`, live output until it ends.
+    pub fn process_output(
+        &self,
+        id: &str,
+        pid: i32,
+        from: u64,
+        follow: bool,
+    ) -> Result<ProcessStream, ApiClientError> {
+        let route = Self::process_path(id, pid, &format!("/output?from={from}&follow={follow}"));
+        Ok(ProcessStream(self.send("GET", &route, Payload::None)?))
+    }
+
+    /// Writes `data` to program `pid`'s stdin; with `close`, then ends it.
+    pub fn write_process_stdin(
+        &self,
+        id: &str,
+        pid: i32,
+        data: &[u8],
+        close: bool,
+    ) -> Result<(), ApiClientError> {
+        let route = Self::process_path(id, pid, &format!("/stdin?close={close}"));
+        let mut data = data;
+        self.send("POST", &route, Payload::Stream(&mut data))
+            .map(drop)
+    }
+
+    /// Sends `signal` (a name such as `TERM`, or a number) to program `pid`.
+    pub fn signal_process(&self, id: &str, pid: i32, signal: &str) -> Result<(), ApiClientError> {
+        let signal = match signal.parse::<i32>() {
+            Ok(n) => SignalName::Number(n),
+            Err(_) => SignalName::Name(signal.to_owned()),
+        };
+        self.send(
+            "POST",
+            &Self::process_path(id, pid, "/signal"),
+            Self::json_body(&SignalRequest { signal })?,
+        )
+        .map(drop)
+    }
+
+    /// Resizes program `pid`'s terminal.
+    pub fn resize_process(
+        &self,
+        id: &str,
+        pid: i32,
+        size: TerminalSize,
+    ) -> Result<(), ApiClientError> {
+        self.send(
+            "POST",
+            &Self::process_path(id, pid, "/resize"),
+            Self::json_body(&size)?,
+        )
+        .map(drop)
+    }
+
+    /// Removes ended program `pid` and its kept output.
+    pub fn remove_process(&self, id: &str, pid: i32) -> Result<(), ApiClientError> {
+        self.send("DELETE", &Self::process_path(id, pid, ""), Payload::None)
+            .map(drop)
+    }
+
     /// The guest file `path`, its body read as it comes (its size in
     /// `content-length`) (`GET /v1/sandboxes/{id}/files`).
     pub fn read_file(&self, id: &str, path: &str) -> Result<Response, ApiClientError> {
@@ -904,6 +998,18 @@ impl ExecStream {
     /// The next event; None when the stream ended (after `exit` or
     /// `error`, or cut off).
     pub fn next_event(&mut self) -> Result<Option<ExecEvent>, ApiClientError> {
+        self.0.next_line()
+    }
+}
+
+/// A program's output events, as they come.
+#[derive(Debug)]
+pub struct ProcessStream(Response);
+
+impl ProcessStream {
+    /// The next event; None when the stream ended (after `exit`, `caught`
+    /// or `error`, or cut off).
+    pub fn next_event(&mut self) -> Result<Option<ProcessEvent>, ApiClientError> {
         self.0.next_line()
     }
 }

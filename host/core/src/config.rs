@@ -62,6 +62,9 @@ pub struct DaemonConfig {
     pub pod_netns_dirs: Vec<PathBuf>,
     /// Largest upload (`POST /v1/uploads`), in bytes.
     pub max_upload_bytes: u64,
+    /// Most background programs (the process API's) running at once in
+    /// one sandbox.
+    pub max_processes: u32,
     /// Destroy every sandbox (pooled ones included) when the host stops;
     /// otherwise they run on for the next host on this state directory.
     pub destroy_on_stop: bool,
@@ -162,6 +165,7 @@ impl DaemonConfig {
                 .into_iter()
                 .collect(),
             max_upload_bytes: 8 << 30,
+            max_processes: 32,
             destroy_on_stop: false,
             front_door: None,
         };

@@ -33,6 +33,7 @@ mod hibernate;
 mod media;
 mod podnet;
 mod ports;
+mod processes;
 mod shares;
 mod volumes;
 pub use ports::{PortStream, MAX_PORT_CONNS};

@@ -37,6 +37,8 @@ use husk_types::{
 use crate::mcp::HttpService;
 pub use crate::peer::Peer;
 
+mod processes;
+
 /// Largest JSON request body.
 pub const MAX_JSON: usize = 1 << 20;
 /// Most bytes of a console `logs` returns (its end).
@@ -175,6 +177,14 @@ routes! {
     patch "/v1/sandboxes/{id}" => update_sandbox,
     delete "/v1/sandboxes/{id}" => destroy_sandbox,
     post "/v1/sandboxes/{id}/exec" => exec,
+    get "/v1/sandboxes/{id}/processes" => processes::list,
+    post "/v1/sandboxes/{id}/processes" => processes::start,
+    get "/v1/sandboxes/{id}/processes/{pid}" => processes::get,
+    delete "/v1/sandboxes/{id}/processes/{pid}" => processes::remove,
+    get "/v1/sandboxes/{id}/processes/{pid}/output" => processes::output,
+    post "/v1/sandboxes/{id}/processes/{pid}/stdin" => processes::stdin,
+    post "/v1/sandboxes/{id}/processes/{pid}/signal" => processes::signal,
+    post "/v1/sandboxes/{id}/processes/{pid}/resize" => processes::resize,
     get "/v1/sandboxes/{id}/files" => download,
     put "/v1/sandboxes/{id}/files" => upload,
     get "/v1/sandboxes/{id}/dir" => list_dir,

@@ -44,7 +44,7 @@ use serde_json::{json, Value};
 use husk_core::daemon::{Daemon, DaemonError};
 use husk_core::sandbox::Sandbox;
 use husk_protocol::{DirEntry, ErrorKind, FileKind, Stream, Termination};
-use husk_types::{CreateRequest, ExecSpec};
+use husk_types::{CreateRequest, ExecSpec, ProcessEvent, ProcessExit, ProcessSpec};
 
 use crate::peer::Peer;
 
@@ -117,6 +117,67 @@ pub trait Backend: Send + Sync + 'static {
     fn list(&self, id: &str, path: &str) -> Result<Vec<DirEntry>, Refusal>;
     /// Destroys sandbox `id`.
     fn destroy(&self, id: &str) -> Result<(), Refusal>;
+    /// Starts `spec` in the background in sandbox `id`; its pid.
+    fn start(&self, id: &str, spec: ProcessSpec, who: &str) -> Result<i32, Refusal>;
+    /// Program `pid`'s output from offset `from`, as far as it was
+    /// written, at most `max` bytes of it.
+    fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal>;
+    /// Writes `data` to program `pid`'s stdin; with `close`, then ends it.
+    fn input(&self, id: &str, pid: i32, data: &[u8], close: bool) -> Result<(), Refusal>;
+    /// Sends `signal` to program `pid`.
+    fn signal(&self, id: &str, pid: i32, signal: i32, who: &str) -> Result<(), Refusal>;
+}
+
+/// What a background command wrote, read from an offset.
+#[derive(Debug, Default)]
+pub struct CommandOutput {
+    /// Bytes from the offset asked for that the guest no longer keeps.
+    pub dropped: u64,
+    /// Where `data` starts.
+    pub offset: u64,
+    /// Its output (stdout and stderr as written).
+    pub data: Vec<u8>,
+    /// Bytes that went before they were read, within `data`'s range.
+    pub lost: u64,
+    /// How it ended, once it has and all its output was read.
+    pub exit: Option<ProcessExit>,
+    /// More output is kept than `max` allowed in one call.
+    pub more: bool,
+}
+
+impl CommandOutput {
+    /// Takes one event of a program's output stream; false once this call
+    /// has what it can return.
+    pub fn take(&mut self, event: ProcessEvent, max: u64) -> bool {
+        match event {
+            ProcessEvent::Replay { offset, dropped } => {
+                self.offset = offset;
+                self.dropped = dropped;
+            }
+            ProcessEvent::Stdout { data, .. } | ProcessEvent::Stderr { data, .. } => {
+                use base64::Engine as _;
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(data)
+                    .unwrap_or_default();
+                let room = max.saturating_sub(self.data.len() as u64) as usize;
+                self.more = data.len() > room;
+                self.data.extend_from_slice(&data[..data.len().min(room)]);
+                return !self.more;
+            }
+            ProcessEvent::Lost { bytes, .. } => self.lost += bytes,
+            ProcessEvent::Exit { exit, .. } => {
+                self.exit = Some(exit);
+                return false;
+            }
+            ProcessEvent::Caught { .. } | ProcessEvent::Error { .. } => return false,
+        }
+        true
+    }
+
+    /// The offset to read from next.
+    pub fn next(&self) -> u64 {
+        self.offset + self.lost + self.data.len() as u64
+    }
 }
 
 /// The refusal of a file longer than a client's limit (`size` when known).
@@ -140,6 +201,13 @@ fn arg_opt_str<'a>(args: &'a JsonObject, name: &str) -> Result<Option<&'a str>, 
         None | Some(Value::Null) => Ok(None),
         Some(_) => arg_str(args, name).map(Some),
     }
+}
+
+fn arg_pid(args: &JsonObject) -> Result<i32, Refusal> {
+    arg_u64(args, "pid")?
+        .and_then(|p| i32::try_from(p).ok())
+        .filter(|p| *p > 0)
+        .ok_or_else(|| Refusal("`pid` (the number start_command returned) is required".into()))
 }
 
 fn arg_u64(args: &JsonObject, name: &str) -> Result<Option<u64>, Refusal> {
@@ -187,6 +255,60 @@ fn tools() -> Vec<Tool> {
                     "timeout_s": { "type": "integer", "minimum": 1, "description": "Kill it after this many seconds" }
                 },
                 "required": ["sandbox", "command"]
+            }),
+        ),
+        tool(
+            "start_command",
+            "Start a shell command (/bin/sh -c) in the background in a sandbox (a server, a long build); returns its pid. It runs on after this call; read its output with command_output.",
+            json!({
+                "type": "object",
+                "properties": {
+                    "sandbox": sandbox,
+                    "command": { "type": "string" },
+                    "cwd": { "type": "string", "description": "Working directory (default /)" },
+                    "timeout_s": { "type": "integer", "minimum": 1, "description": "Kill it after this many seconds (default: this client's longest)" }
+                },
+                "required": ["sandbox", "command"]
+            }),
+        ),
+        tool(
+            "command_output",
+            "A background command's output from an offset (0: from its start, as far as the sandbox kept it) up to now, whether it still runs or how it ended, and the offset to read from next.",
+            json!({
+                "type": "object",
+                "properties": {
+                    "sandbox": sandbox,
+                    "pid": { "type": "integer" },
+                    "offset": { "type": "integer", "minimum": 0, "description": "Where to read from (default 0)" }
+                },
+                "required": ["sandbox", "pid"]
+            }),
+        ),
+        tool(
+            "send_input",
+            "Write text to a background command's stdin; with close, then end its input.",
+            json!({
+                "type": "object",
+                "properties": {
+                    "sandbox": sandbox,
+                    "pid": { "type": "integer" },
+                    "input": { "type": "string" },
+                    "close": { "type": "boolean" }
+                },
+                "required": ["sandbox", "pid", "input"]
+            }),
+        ),
+        tool(
+            "kill_command",
+            "Send a signal to a background command (default TERM; KILL ends it and all it started).",
+            json!({
+                "type": "object",
+                "properties": {
+                    "sandbox": sandbox,
+                    "pid": { "type": "integer" },
+                    "signal": { "type": "string", "description": "TERM, INT, KILL, HUP... (default TERM)" }
+                },
+                "required": ["sandbox", "pid"]
             }),
         ),
         tool(
@@ -298,6 +420,10 @@ impl Tools {
         match name {
             "create_sandbox" => self.create(args, who),
             "run_command" => self.run(args),
+            "start_command" => self.start(args, who),
+            "command_output" => self.output(args),
+            "send_input" => self.input(args),
+            "kill_command" => self.kill(args, who),
             "read_file" => self.read(args),
             "write_file" => self.write(args),
             "list_files" => self.list(args),
@@ -383,6 +509,96 @@ impl Tools {
                 Err(Refusal(format!("{why}\n{shown}")))
             }
         }
+    }
+
+    fn start(&self, args: &JsonObject, who: &str) -> Result<String, Refusal> {
+        let id = self.sandbox(args)?;
+        let command = arg_str(args, "command")?;
+        let timeout_s = arg_u64(args, "timeout_s")?.unwrap_or(self.limits.command_s);
+        if timeout_s == 0 || timeout_s > self.limits.command_s {
+            return Err(Refusal(format!(
+                "refused: timeout_s must be 1-{} for this MCP client",
+                self.limits.command_s
+            )));
+        }
+        let spec = ProcessSpec {
+            argv: vec!["/bin/sh".into(), "-c".into(), command.to_owned()],
+            cwd: arg_opt_str(args, "cwd")?.map(str::to_owned),
+            timeout_ms: Some(timeout_s * 1000),
+            stdin: true,
+            tag: Some("mcp".into()),
+            ..Default::default()
+        };
+        let pid = self.backend.start(id, spec, who)?;
+        Ok(format!(
+            "started pid {pid}; it runs for up to {timeout_s} s. Read its output with \
+             command_output (offset 0 for all of it)"
+        ))
+    }
+
+    fn output(&self, args: &JsonObject) -> Result<String, Refusal> {
+        let id = self.sandbox(args)?;
+        let pid = arg_pid(args)?;
+        let from = arg_u64(args, "offset")?.unwrap_or(0);
+        let out = self.backend.output(id, pid, from, self.limits.output)?;
+        let state = match &out.exit {
+            None => "still running".to_owned(),
+            Some(e) if e.timed_out => "timed out and was killed".to_owned(),
+            Some(ProcessExit { code: Some(c), .. }) => format!("exited with code {c}"),
+            Some(ProcessExit {
+                signal: Some(s), ..
+            }) => format!("killed by signal {s}"),
+            Some(_) => "ended".to_owned(),
+        };
+        let mut text = format!("pid {pid} {state}\n");
+        if out.dropped > 0 {
+            text.push_str(&format!(
+                "({} bytes before offset {} are no longer kept)\n",
+                out.dropped, out.offset
+            ));
+        }
+        if out.lost > 0 {
+            text.push_str(&format!(
+                "({} bytes went before they were read)\n",
+                out.lost
+            ));
+        }
+        text.push_str(&format!(
+            "output from offset {} to {}{}:\n{}\n",
+            out.offset,
+            out.next(),
+            if out.more {
+                " (more is kept: this client's limit per call)"
+            } else {
+                ""
+            },
+            String::from_utf8_lossy(&out.data)
+        ));
+        text.push_str(&format!("next offset: {}", out.next()));
+        Ok(text)
+    }
+
+    fn input(&self, args: &JsonObject) -> Result<String, Refusal> {
+        let id = self.sandbox(args)?;
+        let pid = arg_pid(args)?;
+        let input = arg_str(args, "input")?;
+        let close = args.get("close").and_then(Value::as_bool).unwrap_or(false);
+        self.backend.input(id, pid, input.as_bytes(), close)?;
+        Ok(format!(
+            "wrote {} bytes to pid {pid}{}",
+            input.len(),
+            if close { " and closed its input" } else { "" }
+        ))
+    }
+
+    fn kill(&self, args: &JsonObject, who: &str) -> Result<String, Refusal> {
+        let id = self.sandbox(args)?;
+        let pid = arg_pid(args)?;
+        let name = arg_opt_str(args, "signal")?.unwrap_or("TERM");
+        let signal = husk_types::signal_number(name)
+            .ok_or_else(|| Refusal(format!("`{name}` is not a signal (TERM, INT, KILL...)")))?;
+        self.backend.signal(id, pid, signal, who)?;
+        Ok(format!("sent {name} to pid {pid}"))
     }
 
     fn read(&self, args: &JsonObject) -> Result<String, Refusal> {
@@ -741,6 +957,25 @@ impl Backend for InProcess {
         sandbox.destroy()?;
         Ok(())
     }
+
+    fn start(&self, id: &str, spec: ProcessSpec, who: &str) -> Result<i32, Refusal> {
+        Ok(self.daemon.start_process(id, who, spec)?.pid)
+    }
+
+    fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
+        let mut out = CommandOutput::default();
+        self.daemon
+            .read_process(id, pid, from, false, |event| out.take(event, max))?;
+        Ok(out)
+    }
+
+    fn input(&self, id: &str, pid: i32, data: &[u8], close: bool) -> Result<(), Refusal> {
+        Ok(self.daemon.write_process_stdin(id, pid, data, close)?)
+    }
+
+    fn signal(&self, id: &str, pid: i32, signal: i32, who: &str) -> Result<(), Refusal> {
+        Ok(self.daemon.signal_process(id, who, pid, signal)?)
+    }
 }
 
 #[cfg(test)]
@@ -781,6 +1016,54 @@ mod tests {
             self.destroyed.lock().expect("lock").push(id.to_owned());
             Ok(())
         }
+        fn start(&self, _: &str, spec: ProcessSpec, _: &str) -> Result<i32, Refusal> {
+            assert_eq!(spec.timeout_ms, Some(60_000));
+            Ok(42)
+        }
+        fn output(&self, _: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
+            assert_eq!(pid, 42);
+            // A program that wrote "0123456789" and exited 0, of which the
+            // first 2 bytes are no longer kept.
+            let mut out = CommandOutput::default();
+            let kept = from.max(2);
+            let events = [
+                ProcessEvent::Replay {
+                    offset: kept,
+                    dropped: kept - from,
+                },
+                ProcessEvent::Stdout {
+                    offset: kept,
+                    data: b64(&b"0123456789"[kept as usize..]),
+                },
+                ProcessEvent::Exit {
+                    offset: 10,
+                    exit: ProcessExit {
+                        code: Some(0),
+                        signal: None,
+                        timed_out: false,
+                        over_limit: false,
+                    },
+                },
+            ];
+            for e in events {
+                if !out.take(e, max) {
+                    break;
+                }
+            }
+            Ok(out)
+        }
+        fn input(&self, _: &str, _: i32, _: &[u8], _: bool) -> Result<(), Refusal> {
+            Ok(())
+        }
+        fn signal(&self, _: &str, _: i32, signal: i32, _: &str) -> Result<(), Refusal> {
+            assert_eq!(signal, 9);
+            Ok(())
+        }
+    }
+
+    fn b64(data: &[u8]) -> String {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(data)
     }
 
     /// Runs a stdio session with `requests` (one JSON-RPC message each),
@@ -871,7 +1154,7 @@ mod tests {
         assert_eq!(init["serverInfo"]["name"], "husk");
         assert_eq!(
             answers[1]["result"]["tools"].as_array().map(Vec::len),
-            Some(6)
+            Some(10)
         );
         let (created, err) = text(&answers[2]);
         assert!(
@@ -895,6 +1178,70 @@ mod tests {
         // The client went: its sandbox was destroyed.
         let id = created.split_whitespace().nth(2).expect("an id");
         assert_eq!(*fake.destroyed.lock().expect("lock"), vec![id.to_owned()]);
+    }
+
+    #[tokio::test]
+    async fn background_commands_start_and_are_read_from_an_offset() {
+        let fake = Arc::new(Fake::default());
+        let limits = Limits {
+            command_s: 60,
+            output: 5,
+            ..Limits::default()
+        };
+        let id = "sb-fake";
+        let requests = [
+            initialize("2025-11-25"),
+            initialized(),
+            call(1, "create_sandbox", json!({})),
+            call(2, "start_command", json!({ "sandbox": id, "command": "x" })),
+            call(3, "command_output", json!({ "sandbox": id, "pid": 42 })),
+            call(
+                4,
+                "command_output",
+                json!({ "sandbox": id, "pid": 42, "offset": 7 }),
+            ),
+            call(
+                5,
+                "kill_command",
+                json!({ "sandbox": id, "pid": 42, "signal": "KILL" }),
+            ),
+            call(
+                6,
+                "kill_command",
+                json!({ "sandbox": id, "pid": 42, "signal": "NOPE" }),
+            ),
+            call(
+                7,
+                "command_output",
+                json!({ "sandbox": "sb-other", "pid": 42 }),
+            ),
+        ];
+        let answers = session(fake, limits, &requests).await;
+        let (started, err) = text(&answers[2]);
+        assert!(!err && started.starts_with("started pid 42"), "{started}");
+        // The first call: 2 bytes gone, 5 of the rest (this client's
+        // limit), and where to go on.
+        let (first, err) = text(&answers[3]);
+        assert!(!err, "{first}");
+        assert!(first.contains("still running"), "{first}");
+        assert!(first.contains("2 bytes before offset 2"), "{first}");
+        assert!(first.contains(":\n23456\n"), "{first}");
+        assert!(first.ends_with("next offset: 7"), "{first}");
+        let (last, err) = text(&answers[4]);
+        assert!(!err && last.contains("exited with code 0"), "{last}");
+        assert!(
+            last.contains(":\n789\n") && last.ends_with("next offset: 10"),
+            "{last}"
+        );
+        let (killed, err) = text(&answers[5]);
+        assert!(!err && killed.contains("sent KILL"), "{killed}");
+        let (bad, err) = text(&answers[6]);
+        assert!(err && bad.contains("not a signal"), "{bad}");
+        let (other, err) = text(&answers[7]);
+        assert!(
+            err && other.contains("not created by this MCP client"),
+            "{other}"
+        );
     }
 
     #[tokio::test]

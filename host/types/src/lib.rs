@@ -7,6 +7,7 @@
 
 mod audit;
 mod exec;
+mod process;
 mod sandbox;
 mod template;
 mod volume;
@@ -15,6 +16,10 @@ pub use audit::AuditEntry;
 pub use exec::{ExecEvent, ExecSpec};
 /// A guest file's metadata and a directory's entries, as the agent gives them.
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
+pub use process::{
+    signal_number, ProcessEvent, ProcessExit, ProcessInfo, ProcessSpec, SignalName, SignalRequest,
+    TerminalSize, SIGNALS,
+};
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,
     Killed, MountSpec, PodNetworkInfo, PodNetworkRequest, PoolInfo, PoolSize, PortInfo,

@@ -1,0 +1,198 @@
+//! A sandbox's programs through the daemon's process API: `husk exec -d`,
+//! `husk exec -t` (an interactive terminal), `husk attach`, `husk wait`,
+//! `husk kill` and `husk ps <id>` by sandbox id, as they work on a VM
+//! socket.
+
+use std::io::{Read, Write};
+
+use base64::Engine;
+use husk_types::{ProcessEvent, ProcessExit, ProcessSpec, TerminalSize};
+
+use crate::sandboxes::{client, CliResult};
+use crate::{terminal_size, RawMode, HUSK_FAILED};
+
+/// `husk exec -d <id>`: starts the program in the background, prints its pid.
+pub fn detach(id: &str, spec: &ProcessSpec) -> CliResult {
+    let p = client().start_process(id, spec)?;
+    println!("{}", p.pid);
+    Ok(0)
+}
+
+/// `husk exec -t [-i] <id>`: the program on a terminal, this one's keys
+/// (Ctrl-C included: the terminal is raw) going to it with `interactive`,
+/// this one's size following; exits like it. The program is removed from
+/// the table once it ended.
+pub fn terminal(id: &str, mut spec: ProcessSpec, interactive: bool) -> CliResult {
+    crate::block_sigwinch();
+    let size = terminal_size().unwrap_or(husk_protocol::WindowSize { rows: 24, cols: 80 });
+    spec.terminal = Some(TerminalSize {
+        rows: size.rows,
+        cols: size.cols,
+    });
+    spec.tag.get_or_insert_with(|| "husk exec -t".into());
+    let api = client();
+    let pid = api.start_process(id, &spec)?.pid;
+    let _raw = RawMode::enable();
+    if interactive {
+        let id = id.to_owned();
+        std::thread::spawn(move || {
+            let api = client();
+            let mut buf = vec![0u8; 4096];
+            let mut stdin = std::io::stdin().lock();
+            while let Ok(n @ 1..) = stdin.read(&mut buf) {
+                if api.write_process_stdin(&id, pid, &buf[..n], false).is_err() {
+                    return;
+                }
+            }
+            let _ = api.write_process_stdin(&id, pid, &[], true);
+        });
+    }
+    {
+        let id = id.to_owned();
+        std::thread::spawn(move || {
+            let api = client();
+            while crate::next_sigwinch() {
+                if let Some(s) = terminal_size() {
+                    let size = TerminalSize {
+                        rows: s.rows,
+                        cols: s.cols,
+                    };
+                    if api.resize_process(&id, pid, size).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    let code = follow(id, pid, 0)?;
+    drop(_raw);
+    let _ = api.remove_process(id, pid);
+    Ok(code)
+}
+
+/// `husk attach <id> <pid> [--from N]`: its output from offset `from`
+/// (what the guest kept, then live) until it ends; exits like it.
+pub fn attach(id: &str, pid: i32, from: u64) -> CliResult {
+    follow(id, pid, from)
+}
+
+/// `husk wait <id> <pid>`: until it ends (its output is not shown); exits
+/// like it.
+pub fn wait(id: &str, pid: i32) -> CliResult {
+    let mut events = client().process_output(id, pid, u64::MAX, true)?;
+    while let Some(event) = events.next_event()? {
+        if let Some(code) = end(event) {
+            return Ok(code);
+        }
+    }
+    eprintln!("husk: the daemon ended the stream before the program's exit");
+    Ok(HUSK_FAILED)
+}
+
+/// `husk kill <id> <pid> [-s SIG]`.
+pub fn kill(id: &str, pid: i32, signal: i32) -> CliResult {
+    client().signal_process(id, pid, &signal.to_string())?;
+    Ok(0)
+}
+
+/// `husk ps <id>`: the sandbox's programs.
+pub fn ps(id: &str, json: bool) -> CliResult {
+    let list = client().processes(id)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&list).unwrap_or_default()
+        );
+        return Ok(0);
+    }
+    println!(
+        "{:>7}  {:<10}  {:>10}  {:<12}  COMMAND",
+        "PID", "STATE", "OUTPUT", "TAG"
+    );
+    for p in list {
+        let state = match &p.exit {
+            None => "running".to_owned(),
+            Some(e) => exit_text(e),
+        };
+        println!(
+            "{:>7}  {:<10}  {:>10}  {:<12}  {}",
+            p.pid,
+            state,
+            p.written,
+            p.tag.as_deref().unwrap_or("-"),
+            p.argv.join(" ")
+        );
+    }
+    Ok(0)
+}
+
+fn exit_text(e: &ProcessExit) -> String {
+    match (e.code, e.signal, e.timed_out) {
+        (_, _, true) => "timed out".into(),
+        (Some(c), _, _) => format!("exit {c}"),
+        (None, Some(s), _) => format!("signal {s}"),
+        _ => "exited".into(),
+    }
+}
+
+/// Prints program `pid`'s output from `from` until it ends; its exit code.
+fn follow(id: &str, pid: i32, from: u64) -> CliResult {
+    let mut events = client().process_output(id, pid, from, true)?;
+    let decode = |d: &str| {
+        base64::engine::general_purpose::STANDARD
+            .decode(d)
+            .unwrap_or_default()
+    };
+    while let Some(event) = events.next_event()? {
+        match event {
+            ProcessEvent::Replay { dropped: 0, .. } => {}
+            ProcessEvent::Replay { dropped, offset } => {
+                eprintln!("husk: {dropped} bytes before offset {offset} are no longer kept")
+            }
+            ProcessEvent::Stdout { data, .. } => {
+                // A closed stdout (husk attach ... | head) is not husk's failure.
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(&decode(&data)).and_then(|()| out.flush());
+            }
+            ProcessEvent::Stderr { data, .. } => {
+                let _ = std::io::stderr().write_all(&decode(&data));
+            }
+            ProcessEvent::Lost { bytes, .. } => {
+                eprintln!("husk: {bytes} bytes of output went before they were read")
+            }
+            other => {
+                if let Some(code) = end(other) {
+                    return Ok(code);
+                }
+            }
+        }
+    }
+    eprintln!("husk: the daemon ended the output before the program's exit");
+    Ok(HUSK_FAILED)
+}
+
+/// The exit status an ending event stands for (as a shell's: 128 + N for
+/// signal N, 124 for a timeout).
+fn end(event: ProcessEvent) -> Option<u8> {
+    match event {
+        ProcessEvent::Exit { exit, .. } => Some(match exit {
+            ProcessExit {
+                timed_out: true, ..
+            } => 124,
+            ProcessExit { code: Some(c), .. } => c as u8,
+            ProcessExit {
+                signal: Some(s), ..
+            } => 128u8.wrapping_add(s as u8),
+            _ => 0,
+        }),
+        ProcessEvent::Error { error, kind } => {
+            eprintln!("husk: {error}");
+            Some(match kind {
+                Some(husk_protocol::ErrorKind::Timeout) => 124,
+                _ => HUSK_FAILED,
+            })
+        }
+        ProcessEvent::Caught { .. } => Some(0),
+        _ => None,
+    }
+}
