@@ -10,9 +10,9 @@ E2B's API (the E2B SDK's `sandbox.pty`), on one sandbox each.
 
 Keystroke: `cat` on a terminal; each key (one byte, sent when the previous
 one came back) is timed from its send to its echo arriving on the output
-stream that was opened once (REST: `POST .../stdin` against `GET
-.../output?follow=true`; E2B: `pty.send_stdin` against the `pty.create`
-stream). Attach: a program that wrote a line is read from offset 0 (`GET
+stream that was opened once (the WebSocket: a binary frame each way on `GET
+.../terminal`; REST: `POST .../stdin` against `GET .../output?follow=true`;
+E2B: `pty.send_stdin` against the `pty.create` stream). Attach: a program that wrote a line is read from offset 0 (`GET
 .../output?from=0`), timed from the request to its first output event.
 Prints p50/p99 in ms, one JSON line per measure at the end.
 """
@@ -22,6 +22,7 @@ import http.client
 import json
 import os
 import socket
+import struct
 import statistics
 import sys
 import threading
@@ -114,6 +115,77 @@ def keystrokes(send, echoes):
     return samples
 
 
+class WebSocket:
+    """The least of a WebSocket client (RFC 6455) on the daemon's socket."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(SOCK)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall(
+            (
+                f"GET {path} HTTP/1.1\r\nHost: husk\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                "Sec-WebSocket-Version: 13\r\n\r\n"
+            ).encode()
+        )
+        self.buf = b""
+        while b"\r\n\r\n" not in self.buf:
+            self.buf += self.sock.recv(4096)
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        if b" 101 " not in head.split(b"\r\n")[0]:
+            raise RuntimeError(f"no upgrade: {head!r}")
+
+    def send_binary(self, data):
+        mask = os.urandom(4)
+        body = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+        assert len(data) < 126
+        self.sock.sendall(bytes([0x82, 0x80 | len(data)]) + mask + body)
+
+    def _take(self, n):
+        while len(self.buf) < n:
+            more = self.sock.recv(65536)
+            if not more:
+                raise EOFError
+            self.buf += more
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def recv(self):
+        """(opcode, payload) of the next frame."""
+        b0, b1 = self._take(2)
+        n = b1 & 0x7F
+        if n == 126:
+            (n,) = struct.unpack(">H", self._take(2))
+        elif n == 127:
+            (n,) = struct.unpack(">Q", self._take(8))
+        return b0 & 0x0F, self._take(n)
+
+
+def websocket(sandbox):
+    base = f"/v1/sandboxes/{sandbox}/processes"
+    cat = husk("POST", base, {"argv": ["cat"], "terminal": {"rows": 24, "cols": 80}})
+    pid = cat["pid"]
+    ws = WebSocket(f"{base}/{pid}/terminal")
+    echoes = Echoes()
+
+    def read():
+        try:
+            while True:
+                op, data = ws.recv()
+                if op == 2:
+                    echoes.add(len(data))
+                elif op == 8:
+                    return
+        except (EOFError, OSError):
+            return
+
+    threading.Thread(target=read, daemon=True).start()
+    line = report("websocket_keystroke_rtt", keystrokes(ws.send_binary, echoes))
+    husk("POST", f"{base}/{pid}/signal", {"signal": "KILL"})
+    return [line]
+
+
 def rest(sandbox):
     lines = []
     base = f"/v1/sandboxes/{sandbox}/processes"
@@ -179,7 +251,7 @@ def main():
     created = husk("POST", "/v1/sandboxes", {"template": TEMPLATE, "ttl_s": SLOW})
     sandbox = created["sandbox"]["id"]
     try:
-        lines = rest(sandbox)
+        lines = websocket(sandbox) + rest(sandbox)
     finally:
         husk("DELETE", f"/v1/sandboxes/{sandbox}")
     if os.environ.get("E2B_API_URL"):

@@ -1849,6 +1849,88 @@ fn husk_exec_it_is_a_terminal_through_the_daemon_with_keys_resizes_and_the_exit_
     destroy(&s.id);
 }
 
+#[test]
+fn a_programs_websocket_carries_keys_resizes_and_its_end() {
+    use tungstenite::Message;
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let shell = start_process(
+        &s.id,
+        ProcessSpec {
+            argv: argv(&["/bin/sh"]),
+            terminal: Some(TerminalSize { rows: 24, cols: 80 }),
+            ..Default::default()
+        },
+    );
+    let uds =
+        std::os::unix::net::UnixStream::connect(d.state_dir.join("husk.sock")).expect("connect");
+    uds.set_read_timeout(Some(patience())).expect("timeout");
+    let url = format!(
+        "ws://husk/v1/sandboxes/{}/processes/{}/terminal",
+        s.id, shell.pid
+    );
+    let (mut ws, _) = tungstenite::client::client(url.as_str(), uds).expect("upgrade");
+    // What the terminal shows; text frames are events.
+    let mut screen = Vec::new();
+    let mut events = Vec::new();
+    let mut until = |ws: &mut tungstenite::WebSocket<_>, want: &str| -> bool {
+        loop {
+            if String::from_utf8_lossy(&screen).contains(want) {
+                return true;
+            }
+            match ws.read() {
+                Ok(Message::Binary(b)) => screen.extend_from_slice(&b),
+                Ok(Message::Text(t)) => {
+                    events.push(serde_json::from_str::<Value>(t.as_str()).expect("an event"))
+                }
+                Ok(Message::Close(_)) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+    };
+    ws.send(Message::binary(&b"echo $((6*7))\r"[..]))
+        .expect("keys");
+    let answered = until(&mut ws, "42");
+    ws.send(Message::text(r#"{"resize": {"rows": 50, "cols": 120}}"#))
+        .expect("resize");
+    ws.send(Message::text("not control")).expect("text");
+    ws.send(Message::binary(&b"stty size\r"[..])).expect("keys");
+    let resized = until(&mut ws, "50 120");
+    ws.send(Message::binary(&b"exit 5\r"[..])).expect("keys");
+    let closed = !until(&mut ws, "never printed");
+    // Refused before any upgrade: a program that ended.
+    let ended = status(api().call::<Value>(
+        "GET",
+        &format!("/v1/sandboxes/{}/processes/{}/terminal", s.id, shell.pid),
+        None,
+    ));
+
+    assert!(
+        answered && resized && closed,
+        "{}",
+        String::from_utf8_lossy(&screen)
+    );
+    assert_eq!(
+        events.first().map(|e| e["type"].clone()),
+        Some(json!("replay")),
+        "{events:?}"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["type"] == "error" && e["error"].as_str().unwrap_or("").contains("control")),
+        "{events:?}"
+    );
+    let exit = events.last().expect("an exit");
+    assert_eq!(
+        (exit["type"].clone(), exit["code"].clone()),
+        (json!("exit"), json!(5)),
+        "{events:?}"
+    );
+    assert_eq!(ended.0, 409, "{}", ended.1);
+    destroy(&s.id);
+}
+
 /// `husk-cpucheck clock` (uploaded to /tmp) in sandbox `id`: its TSC
 /// against its CLOCK_MONOTONIC, and its clocksource log lines.
 fn clock_of(id: &str) -> ([(u64, u64); 2], Vec<String>) {

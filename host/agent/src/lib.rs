@@ -181,6 +181,34 @@ impl Following<'_> {
     pub fn next_event(&mut self) -> Result<Event, ClientError> {
         self.client.event(self.id)
     }
+
+    /// Waits up to `timeout` for the next event to begin arriving; false
+    /// if none did (the agent writes each frame whole, so `next_event`
+    /// then returns without waiting on the program). A reader uses it to
+    /// notice, while a program is silent, that nobody wants its output.
+    pub fn wait(&mut self, timeout: Duration) -> Result<bool, ClientError> {
+        if !self.client.reader.buffer().is_empty() {
+            return Ok(true);
+        }
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(self.client.reader.get_ref()),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    Ok(false)
+                } else {
+                    Err(e.into())
+                }
+            }
+            n => Ok(n > 0),
+        }
+    }
 }
 
 /// A foreground program started by [`AgentClient::start`].

@@ -34,6 +34,7 @@ mod media;
 mod podnet;
 mod ports;
 mod processes;
+pub use processes::ProcessInput;
 mod shares;
 mod volumes;
 pub use ports::{PortStream, MAX_PORT_CONNS};

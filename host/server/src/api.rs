@@ -185,6 +185,7 @@ routes! {
     post "/v1/sandboxes/{id}/processes/{pid}/stdin" => processes::stdin,
     post "/v1/sandboxes/{id}/processes/{pid}/signal" => processes::signal,
     post "/v1/sandboxes/{id}/processes/{pid}/resize" => processes::resize,
+    get "/v1/sandboxes/{id}/processes/{pid}/terminal" => processes::terminal,
     get "/v1/sandboxes/{id}/files" => download,
     put "/v1/sandboxes/{id}/files" => upload,
     get "/v1/sandboxes/{id}/dir" => list_dir,

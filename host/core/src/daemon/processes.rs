@@ -114,7 +114,22 @@ impl Daemon {
         pid: i32,
         from: u64,
         follow: bool,
+        on_event: impl FnMut(ProcessEvent) -> bool,
+    ) -> Result<(), DaemonError> {
+        self.read_process_while(id, pid, from, follow, on_event, || true)
+    }
+
+    /// [`Daemon::read_process`] that also ends, within a second, once
+    /// `wanted` answers false while the program is silent (a client that
+    /// went away while nothing was written).
+    pub fn read_process_while(
+        &self,
+        id: &str,
+        pid: i32,
+        from: u64,
+        follow: bool,
         mut on_event: impl FnMut(ProcessEvent) -> bool,
+        wanted: impl Fn() -> bool,
     ) -> Result<(), DaemonError> {
         let program = self.program(id, pid)?;
         // Where a reader that does not follow stops.
@@ -139,6 +154,13 @@ impl Daemon {
                 // The agent's stream is cut with the connection.
                 on_event(ProcessEvent::Caught { offset: at });
                 return Ok(());
+            }
+            // Silent: is anyone still reading? (The agent's stream is
+            // cut with the connection.)
+            while !reader.wait(Duration::from_secs(1))? {
+                if !wanted() {
+                    return Ok(());
+                }
             }
             let line = match reader.next_event() {
                 Ok(Event::Output(stream, data)) => {
@@ -192,6 +214,29 @@ impl Daemon {
             },
             None => exit_of(seen.unwrap_or(Termination::Signal(libc::SIGKILL))),
         }
+    }
+
+    /// Program `pid`'s input on an agent connection of its own, for a
+    /// terminal's keys and resizes: each is sent without waiting for the
+    /// guest (a failure ends the program's input, which its reader sees).
+    pub fn process_input(&self, id: &str, pid: i32) -> Result<ProcessInput, DaemonError> {
+        let program = self.program(id, pid)?;
+        if program.end.is_some() {
+            return Err(DaemonError::Conflict(format!(
+                "pid {pid} has exited: its stdin is gone"
+            )));
+        }
+        if !program.stdin_open {
+            return Err(DaemonError::Conflict(format!(
+                "pid {pid}'s stdin is closed (or was never open: start it with `stdin: true`)"
+            )));
+        }
+        let agent = self.agent(id)?;
+        Ok(ProcessInput {
+            input: agent.input(pid),
+            terminal: program.terminal,
+            _agent: agent,
+        })
     }
 
     /// Writes `data` to program `pid`'s stdin; with `close`, then ends it.
@@ -290,6 +335,39 @@ impl Daemon {
         }
         self.give_back(id, agent);
         Ok(())
+    }
+}
+
+/// A program's input on a connection of its own ([`Daemon::process_input`]).
+#[derive(Debug)]
+pub struct ProcessInput {
+    input: husk_agent_client::ProgramInput,
+    terminal: bool,
+    /// The connection (a use of the sandbox while the input is held).
+    _agent: AgentClient,
+}
+
+impl ProcessInput {
+    /// Sends `data` to the program's stdin.
+    pub fn write(&self, data: &[u8]) -> Result<(), DaemonError> {
+        Ok(self.input.write(data)?)
+    }
+
+    /// Resizes the program's terminal.
+    pub fn resize(&self, rows: u16, cols: u16) -> Result<(), DaemonError> {
+        if !self.terminal {
+            return Err(DaemonError::Invalid(
+                "the program has no terminal to resize".into(),
+            ));
+        }
+        Ok(self
+            .input
+            .resize(rows.clamp(1, 1000), cols.clamp(1, 1000))?)
+    }
+
+    /// Ends the program's input (^D on a terminal).
+    pub fn close(&self) -> Result<(), DaemonError> {
+        Ok(self.input.close()?)
     }
 }
 

@@ -1,10 +1,12 @@
 //! `/v1/sandboxes/{id}/processes`: the sandbox's programs (see
 //! `husk_core::daemon` `start_process` and its neighbours): start one in
 //! the background, list them, read one's output from an offset as NDJSON,
-//! write its stdin, signal it, resize its terminal, remove it.
+//! write its stdin, signal it, resize its terminal, remove it; and a
+//! WebSocket per program for interactive use (`terminal`).
 
 use super::*;
-use husk_types::{ProcessEvent, ProcessSpec, SignalRequest, TerminalSize};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use husk_types::{ProcessEvent, ProcessSpec, SignalName, SignalRequest, TerminalSize};
 
 pub(super) async fn start(
     State(d): State<Shared>,
@@ -69,12 +71,20 @@ pub(super) async fn output(
     let (tx, rx) = mpsc::channel(32);
     tokio::task::spawn_blocking(move || {
         let mut started = Some(started_tx);
-        let read = d.read_process(&id, pid, from, follow, |event| {
-            if let Some(s) = started.take() {
-                let _ = s.send(Ok(()));
-            }
-            tx.blocking_send(Ok(line(&event))).is_ok()
-        });
+        let gone = tx.clone();
+        let read = d.read_process_while(
+            &id,
+            pid,
+            from,
+            follow,
+            |event| {
+                if let Some(s) = started.take() {
+                    let _ = s.send(Ok(()));
+                }
+                tx.blocking_send(Ok(line(&event))).is_ok()
+            },
+            move || !gone.is_closed(),
+        );
         match (read, started) {
             (Err(e), Some(s)) => drop(s.send(Err(e))),
             (Err(e), None) => {
@@ -149,4 +159,174 @@ pub(super) async fn resize(
     }
     blocking(move || d.resize_process(&id, pid, rows, cols)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct TerminalQuery {
+    /// The offset of its output to start from (default 0).
+    from: Option<u64>,
+}
+
+/// What a terminal's client sends as text: control, not input.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+enum Control {
+    Resize(TerminalSize),
+    Signal(SignalName),
+    CloseStdin(bool),
+}
+
+/// An output event other than stdout, as a terminal's text frame.
+fn text_frame(event: &ProcessEvent) -> Message {
+    Message::Text(serde_json::to_string(event).unwrap_or_default().into())
+}
+
+/// A program's input, as the WebSocket's reader hands it to the thread
+/// that writes it.
+enum Input {
+    Data(Vec<u8>),
+    Resize(TerminalSize),
+    Close,
+}
+
+/// `GET .../processes/{pid}/terminal`: a WebSocket for interactive use.
+/// Binary frames both ways are the program's stdin and its output (its
+/// terminal's, or its stdout); text frames from the client are control
+/// (`{"resize": {"rows", "cols"}}`, `{"signal": "INT"}`, `{"close_stdin":
+/// true}`); text frames from husk are the output stream's other events
+/// (`replay` first, `stderr`, `lost`, then `exit` and a close).
+pub(super) async fn terminal(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path((id, pid)): Path<(String, String)>,
+    q: Result<Query<TerminalQuery>, axum::extract::rejection::QueryRejection>,
+    ws: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> ApiResult<Response> {
+    let pid = pid_of(&pid)?;
+    let Query(q) = q.map_err(|e| bad(format!("bad query: {e}")))?;
+    // Refused before the upgrade: no program, or one without input.
+    let input = {
+        let (d, id) = (d.clone(), id.clone());
+        blocking(move || d.process_input(&id, pid)).await?
+    };
+    let ws = ws.map_err(|e| bad(format!("not a WebSocket upgrade: {e}")))?;
+    let from = q.from.unwrap_or(0);
+    Ok(ws.on_upgrade(move |socket| serve_terminal(d, id, who.0, pid, from, input, socket)))
+}
+
+async fn serve_terminal(
+    d: Shared,
+    id: String,
+    who: String,
+    pid: i32,
+    from: u64,
+    input: husk_core::daemon::ProcessInput,
+    mut socket: WebSocket,
+) {
+    // Output: read by a thread, handed over as frames.
+    let (out_tx, mut out_rx) = mpsc::channel::<Message>(64);
+    {
+        let (d, id) = (d.clone(), id.clone());
+        let gone = out_tx.clone();
+        tokio::task::spawn_blocking(move || {
+            let b64 = |data: &str| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(data)
+                    .unwrap_or_default()
+            };
+            let read = d.read_process_while(
+                &id,
+                pid,
+                from,
+                true,
+                |event| {
+                    let frame = match event {
+                        ProcessEvent::Stdout { data, .. } => Message::Binary(b64(&data).into()),
+                        other => text_frame(&other),
+                    };
+                    out_tx.blocking_send(frame).is_ok()
+                },
+                move || !gone.is_closed(),
+            );
+            if let Err(e) = read {
+                let event = ProcessEvent::Error {
+                    kind: None,
+                    error: e.to_string(),
+                };
+                let _ = out_tx.blocking_send(text_frame(&event));
+            }
+        });
+    }
+    // Input: written by a thread (a slow guest blocks it, not the runtime).
+    let (in_tx, mut in_rx) = mpsc::channel::<Input>(64);
+    std::thread::spawn(move || {
+        while let Some(i) = in_rx.blocking_recv() {
+            let sent = match i {
+                Input::Data(data) => input.write(&data),
+                Input::Resize(s) => input.resize(s.rows, s.cols),
+                Input::Close => input.close(),
+            };
+            if let Err(e) = sent {
+                tracing::debug!(pid, "terminal input: {e}");
+            }
+        }
+    });
+    loop {
+        tokio::select! {
+            out = out_rx.recv() => match out {
+                Some(frame) => {
+                    if socket.send(frame).await.is_err() {
+                        break;
+                    }
+                }
+                // The program ended and all its output went.
+                None => {
+                    let _ = socket.send(Message::Close(None)).await;
+                    break;
+                }
+            },
+            msg = socket.recv() => match msg {
+                Some(Ok(Message::Binary(data))) => {
+                    if in_tx.send(Input::Data(data.to_vec())).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Text(text))) => {
+                    let control = match serde_json::from_str::<Control>(text.as_str()) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            let event = ProcessEvent::Error {
+                                kind: None,
+                                error: format!(
+                                    "a text frame is control: {{\"resize\": {{\"rows\", \"cols\"}}}}, \
+                                     {{\"signal\": \"INT\"}} or {{\"close_stdin\": true}} ({e}); \
+                                     input goes in binary frames"
+                                ),
+                            };
+                            let _ = socket.send(text_frame(&event)).await;
+                            continue;
+                        }
+                    };
+                    let sent = match control {
+                        Control::Resize(size) => in_tx.send(Input::Resize(size)).await.is_ok(),
+                        Control::CloseStdin(true) => in_tx.send(Input::Close).await.is_ok(),
+                        Control::CloseStdin(false) => true,
+                        Control::Signal(signal) => {
+                            if let Some(n) = signal.number() {
+                                let (d, id, who) = (d.clone(), id.clone(), who.clone());
+                                let _ = blocking(move || d.signal_process(&id, &who, pid, n)).await;
+                            }
+                            true
+                        }
+                    };
+                    if !sent {
+                        break;
+                    }
+                }
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => break,
+                Some(Ok(_)) => {}
+            },
+        }
+    }
 }
