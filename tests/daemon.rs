@@ -1931,6 +1931,75 @@ fn a_programs_websocket_carries_keys_resizes_and_its_end() {
     destroy(&s.id);
 }
 
+#[test]
+fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
+    let (d, _g) = shared();
+    let s = create("base").sandbox;
+    let husk = |args: &[&str]| {
+        Command::new(common::husk_binary())
+            .args(args)
+            .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+            .stdin(Stdio::null())
+            .output()
+            .expect("husk")
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let ping = husk(&["ping", &s.id]);
+    let health = husk(&["health", &s.id]);
+    // A background program: its pid, its output from an offset, its end.
+    let started = husk(&["exec", "-d", &s.id, "--", "/bin/sh", "-c", "echo one; echo two; exit 6"]);
+    let pid = text(&started.stdout).trim().to_owned();
+    let attached = husk(&["attach", &s.id, &pid, "--from", "4"]);
+    let waited = husk(&["wait", &s.id, &pid]);
+    let sleeper = husk(&["exec", "-d", &s.id, "--", "sleep", "1000"]);
+    let spid = text(&sleeper.stdout).trim().to_owned();
+    let ps = husk(&["ps", &s.id]);
+    let killed = husk(&["kill", &s.id, &spid, "-s", "9"]);
+    let after_kill = husk(&["wait", &s.id, &spid]);
+    // Changes under a directory, as they happen.
+    sh(&s.id, "mkdir -p /tmp/watched");
+    let mut watch = Command::new(common::husk_binary())
+        .args(["watch", &format!("{}:/tmp/watched", s.id)])
+        .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("husk watch");
+    let seen = std::sync::Arc::new(Mutex::new(String::new()));
+    {
+        let seen = seen.clone();
+        let out = watch.stdout.take().expect("stdout");
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                seen.lock().expect("seen").push_str(&(l + "\n"));
+            }
+        });
+    }
+    // Written until the watch (which may still be starting) sees it.
+    wait_until("husk watch to see a new file", || {
+        sh(&s.id, "echo x > /tmp/watched/new-file");
+        std::thread::sleep(Duration::from_millis(500));
+        seen.lock().expect("seen").contains("/tmp/watched/new-file")
+    });
+    let _ = watch.kill();
+    let _ = watch.wait();
+
+    assert!(ping.status.success() && text(&ping.stdout).starts_with("guest uptime "), "{ping:?}");
+    assert!(text(&health.stdout).contains("mem_total_kib="), "{health:?}");
+    assert!(pid.parse::<i32>().is_ok(), "{started:?}");
+    // From offset 4: "one\n" is skipped.
+    assert_eq!(text(&attached.stdout), "two\n", "{attached:?}");
+    assert_eq!((attached.status.code(), waited.status.code()), (Some(6), Some(6)));
+    assert!(
+        text(&ps.stdout).lines().any(|l| l.contains(&spid) && l.contains("sleep 1000")),
+        "{ps:?}"
+    );
+    assert!(killed.status.success(), "{killed:?}");
+    assert_eq!(after_kill.status.code(), Some(128 + 9), "{after_kill:?}");
+    assert!(seen.lock().expect("seen").contains("Created /tmp/watched/new-file"));
+    destroy(&s.id);
+}
+
 /// `husk-cpucheck clock` (uploaded to /tmp) in sandbox `id`: its TSC
 /// against its CLOCK_MONOTONIC, and its clocksource log lines.
 fn clock_of(id: &str) -> ([(u64, u64); 2], Vec<String>) {

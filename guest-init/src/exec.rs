@@ -180,9 +180,10 @@ pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
     let Some(p) = process::find(pid) else {
         return not_found(id, pid);
     };
+    // From an offset not written yet, output comes once it is.
     let (mut at, dropped) = {
         let out = p.output();
-        let at = from.clamp(out.ring.start(), out.ring.end());
+        let at = from.max(out.ring.start());
         (at, out.ring.start().saturating_sub(from))
     };
     let replay = Frame {

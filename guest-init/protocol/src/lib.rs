@@ -396,7 +396,8 @@ pub enum Body {
         ring: Option<u32>,
     },
     /// Streams program `pid`'s output from byte `from` of everything it
-    /// wrote (stdout and stderr together, in the order written): `Replay`,
+    /// wrote (stdout and stderr together, in the order written; from an
+    /// offset not written yet, output comes once it is): `Replay`,
     /// then `Output`s, then live output, then `Exited` once it has ended
     /// and all was sent. Never slows the program: a reader that falls
     /// behind the ring gets `Lost` for what it missed. Any number of

@@ -187,27 +187,7 @@ impl Following<'_> {
     /// then returns without waiting on the program). A reader uses it to
     /// notice, while a program is silent, that nobody wants its output.
     pub fn wait(&mut self, timeout: Duration) -> Result<bool, ClientError> {
-        if !self.client.reader.buffer().is_empty() {
-            return Ok(true);
-        }
-        let mut pfd = libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(self.client.reader.get_ref()),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one valid pollfd.
-        match unsafe { libc::poll(&mut pfd, 1, ms) } {
-            n if n < 0 => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    Ok(false)
-                } else {
-                    Err(e.into())
-                }
-            }
-            n => Ok(n > 0),
-        }
+        self.client.wait_readable(timeout)
     }
 }
 
@@ -255,6 +235,12 @@ impl Watch<'_> {
             Body::FsEvents(events) => Ok(events),
             other => Err(ClientError::Unexpected(Box::new(other))),
         }
+    }
+
+    /// Waits up to `timeout` for the next batch to begin arriving; false
+    /// if none did (see [`Following::wait`]).
+    pub fn wait(&mut self, timeout: Duration) -> Result<bool, ClientError> {
+        self.client.wait_readable(timeout)
     }
 
     /// Ends the watch; changes reported meanwhile are returned.
@@ -498,6 +484,32 @@ impl AgentClient {
             self.clock = Some(Carried::ToSend(gate));
         }
         Ok(())
+    }
+
+    /// Waits up to `timeout` for a frame to begin arriving (buffered, or
+    /// readable on the socket); false if none did.
+    fn wait_readable(&self, timeout: Duration) -> Result<bool, ClientError> {
+        if !self.reader.buffer().is_empty() {
+            return Ok(true);
+        }
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(self.reader.get_ref()),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        match unsafe { libc::poll(&mut pfd, 1, ms) } {
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    Ok(false)
+                } else {
+                    Err(e.into())
+                }
+            }
+            n => Ok(n > 0),
+        }
     }
 
     /// Whether the peer closed this connection (checked without waiting:

@@ -164,10 +164,12 @@ enum Command {
         #[arg(long, short, default_value_t = libc::SIGTERM)]
         signal: i32,
     },
-    /// Print changes under a guest directory until interrupted.
+    /// Print changes under a guest directory until interrupted
+    /// (`husk watch SANDBOX /dir` or `husk watch SANDBOX:/dir`).
     Watch {
-        vm: PathBuf,
-        dir: String,
+        /// A sandbox id (or SANDBOX:/dir), or a VM's vsock socket (a path).
+        vm: String,
+        dir: Option<String>,
         #[arg(long, short)]
         recursive: bool,
     },
@@ -175,14 +177,18 @@ enum Command {
     Cp { from: String, to: String },
     /// Check the guest agent answers; prints the guest's uptime.
     Ping {
-        vm: PathBuf,
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
         /// Wait up to this many seconds for the agent to come up (a booting
         /// or restoring guest) instead of failing at once.
         #[arg(long, default_value_t = 0)]
         wait_s: u64,
     },
     /// Print the guest's clock, memory, load and process count.
-    Health { vm: PathBuf },
+    Health {
+        /// A sandbox id, or a VM's vsock socket (a path).
+        vm: String,
+    },
     /// Stop a sandbox's vCPUs (or a VM's, by its control socket).
     Pause { target: String },
     /// Let a paused sandbox (or VM) run again.
@@ -744,6 +750,21 @@ fn guest_side(arg: &str) -> Option<(PathBuf, &str)> {
     path.starts_with('/').then(|| (PathBuf::from(vm), path))
 }
 
+fn print_health(h: &husk_protocol::Health) {
+    let load = h
+        .load_milli
+        .map(|l| format!("{}.{:02}", l / 1000, l % 1000 / 10));
+    println!(
+        "uptime_ms={} unix_ns={} mem_total_kib={} mem_available_kib={} load={} procs={}",
+        h.uptime_ms,
+        h.unix_ns,
+        h.mem_total_kib,
+        h.mem_available_kib,
+        load.join(","),
+        h.procs
+    );
+}
+
 fn exit_code(report: &ExitReport) -> u8 {
     match report.termination {
         Termination::Code(code) => code as u8,
@@ -863,8 +884,14 @@ fn through_daemon(command: &Command) -> bool {
     match command {
         Command::Exec { vm, .. } => sandboxes::is_sandbox_id(vm),
         Command::Ps { vm, .. } => vm.as_deref().is_none_or(sandboxes::is_sandbox_id),
-        Command::Attach { vm, .. } | Command::Wait { vm, .. } | Command::Kill { vm, .. } => {
-            sandboxes::is_sandbox_id(vm)
+        Command::Attach { vm, .. }
+        | Command::Wait { vm, .. }
+        | Command::Kill { vm, .. }
+        | Command::Ping { vm, .. }
+        | Command::Health { vm } => sandboxes::is_sandbox_id(vm),
+        // SANDBOX:/dir names the sandbox before its colon.
+        Command::Watch { vm, .. } => {
+            sandboxes::is_sandbox_id(vm.split_once(':').map_or(vm.as_str(), |(id, _)| id))
         }
         Command::Pause { target } | Command::Resume { target } => sandboxes::is_sandbox_id(target),
         Command::Hibernate { .. } | Command::Wake { .. } => true,
@@ -951,6 +978,22 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         Command::Attach { vm, pid, from } => processes::attach(&vm, pid, from),
         Command::Wait { vm, pid } => processes::wait(&vm, pid),
         Command::Kill { vm, pid, signal } => processes::kill(&vm, pid, signal),
+        Command::Ping { vm, wait_s } => processes::ping(&vm, wait_s),
+        Command::Health { vm } => {
+            print_health(&sandboxes::client().guest_health(&vm)?);
+            Ok(0)
+        }
+        Command::Watch { vm, dir, recursive } => {
+            let (id, dir) = match (vm.split_once(':'), dir) {
+                (_, Some(dir)) => (vm.as_str(), dir),
+                (Some((id, dir)), None) => (id, dir.to_owned()),
+                (None, None) => {
+                    eprintln!("husk watch: name the directory: husk watch SANDBOX /dir");
+                    return Ok(HUSK_FAILED);
+                }
+            };
+            processes::watch(id, &dir, recursive)
+        }
         Command::Pause { target } => sandboxes::lifecycle(&target, Lifecycle::Pause),
         Command::Resume { target } => sandboxes::lifecycle(&target, Lifecycle::Resume),
         Command::Hibernate { id } => sandboxes::lifecycle(&id, Lifecycle::Hibernate),
@@ -1099,6 +1142,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
 fn run(command: Command) -> Result<u8, ClientError> {
     match command {
         Command::Ping { vm, wait_s } => {
+            let vm = PathBuf::from(vm);
             let mut client = if wait_s == 0 {
                 AgentClient::connect(&vm, READ_TIMEOUT)?
             } else {
@@ -1109,19 +1153,7 @@ fn run(command: Command) -> Result<u8, ClientError> {
             Ok(0)
         }
         Command::Health { vm } => {
-            let h = AgentClient::connect(&vm, READ_TIMEOUT)?.health()?;
-            let load = h
-                .load_milli
-                .map(|l| format!("{}.{:02}", l / 1000, l % 1000 / 10));
-            println!(
-                "uptime_ms={} unix_ns={} mem_total_kib={} mem_available_kib={} load={} procs={}",
-                h.uptime_ms,
-                h.unix_ns,
-                h.mem_total_kib,
-                h.mem_available_kib,
-                load.join(","),
-                h.procs
-            );
+            print_health(&AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?.health()?);
             Ok(0)
         }
         Command::Exec {
@@ -1219,7 +1251,11 @@ fn run(command: Command) -> Result<u8, ClientError> {
             Ok(0)
         }
         Command::Watch { vm, dir, recursive } => {
-            let mut client = AgentClient::connect(&vm, READ_TIMEOUT)?;
+            let Some(dir) = dir else {
+                eprintln!("husk watch: name the directory: husk watch <vm.sock> /dir");
+                return Ok(HUSK_FAILED);
+            };
+            let mut client = AgentClient::connect(vm.as_ref(), READ_TIMEOUT)?;
             client.set_read_timeout(None)?;
             let mut watch = client.watch(&dir, recursive)?;
             loop {

@@ -89,6 +89,39 @@ pub fn wait(id: &str, pid: i32) -> CliResult {
     Ok(HUSK_FAILED)
 }
 
+/// `husk ping <id> [--wait-s N]`: the guest's uptime once its agent
+/// answers (waiting up to `wait_s` for a sandbox that is still starting).
+pub fn ping(id: &str, wait_s: u64) -> CliResult {
+    let mut budget =
+        husk_agent_client::readiness::WaitBudget::new(std::time::Duration::from_secs(wait_s));
+    loop {
+        match client().guest_health(id) {
+            Ok(h) => {
+                println!("guest uptime {} ms", h.uptime_ms);
+                return Ok(0);
+            }
+            Err(e) if budget.expired() => return Err(e),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(500)),
+        }
+    }
+}
+
+/// `husk watch <id> /dir [-r]`: changes as they happen, until interrupted.
+pub fn watch(id: &str, dir: &str, recursive: bool) -> CliResult {
+    let mut lines = client().watch(id, dir, recursive)?;
+    while let Some(e) = lines.next_line::<serde_json::Value>()? {
+        if let Some(err) = e["error"].as_str() {
+            eprintln!("husk: {err}");
+            return Ok(HUSK_FAILED);
+        }
+        if let (Some(kind), Some(path)) = (e["kind"].as_str(), e["path"].as_str()) {
+            let slash = if e["is_dir"] == true { "/" } else { "" };
+            println!("{kind} {path}{slash}");
+        }
+    }
+    Ok(0)
+}
+
 /// `husk kill <id> <pid> [-s SIG]`.
 pub fn kill(id: &str, pid: i32, signal: i32) -> CliResult {
     client().signal_process(id, pid, &signal.to_string())?;

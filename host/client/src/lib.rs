@@ -841,6 +841,20 @@ impl ApiClient {
             .map(drop)
     }
 
+    /// Sandbox `id`'s guest: uptime, clock, memory, load, processes
+    /// (`GET /v1/sandboxes/{id}/health`).
+    pub fn guest_health(&self, id: &str) -> Result<husk_types::Health, ApiClientError> {
+        self.send("GET", &Self::sandbox_path(id, "/health"), Payload::None)?
+            .json()
+    }
+
+    /// Changes under guest directory `path`, one JSON line each (`GET
+    /// /v1/sandboxes/{id}/watch`; `{"watching": PATH}` first).
+    pub fn watch(&self, id: &str, path: &str, recursive: bool) -> Result<Response, ApiClientError> {
+        let route = format!("/watch?path={}&recursive={recursive}", encode(path));
+        self.send("GET", &Self::sandbox_path(id, &route), Payload::None)
+    }
+
     /// The guest file `path`, its body read as it comes (its size in
     /// `content-length`) (`GET /v1/sandboxes/{id}/files`).
     pub fn read_file(&self, id: &str, path: &str) -> Result<Response, ApiClientError> {

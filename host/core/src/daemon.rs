@@ -29,6 +29,7 @@ use crate::vmm_process::{self, Launch};
 use husk_agent_client::readiness::WaitBudget;
 use husk_agent_client::{AgentClient, ClientError, ClockGate};
 
+mod guest;
 mod hibernate;
 mod media;
 mod podnet;

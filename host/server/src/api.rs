@@ -37,6 +37,7 @@ use husk_types::{
 use crate::mcp::HttpService;
 pub use crate::peer::Peer;
 
+mod guest;
 mod processes;
 
 /// Largest JSON request body.
@@ -186,6 +187,8 @@ routes! {
     post "/v1/sandboxes/{id}/processes/{pid}/signal" => processes::signal,
     post "/v1/sandboxes/{id}/processes/{pid}/resize" => processes::resize,
     get "/v1/sandboxes/{id}/processes/{pid}/terminal" => processes::terminal,
+    get "/v1/sandboxes/{id}/health" => guest::health,
+    get "/v1/sandboxes/{id}/watch" => guest::watch,
     get "/v1/sandboxes/{id}/files" => download,
     put "/v1/sandboxes/{id}/files" => upload,
     get "/v1/sandboxes/{id}/dir" => list_dir,

@@ -16,6 +16,8 @@ pub use audit::AuditEntry;
 pub use exec::{ExecEvent, ExecSpec};
 /// A guest file's metadata and a directory's entries, as the agent gives them.
 pub use husk_protocol::{DirEntry, FileKind, FileStat};
+/// A guest's health and a watched directory's changes, as the agent gives them.
+pub use husk_protocol::{FsEvent, FsEventKind, Health};
 pub use process::{
     signal_number, ProcessEvent, ProcessExit, ProcessInfo, ProcessSpec, SignalName, SignalRequest,
     TerminalSize, SIGNALS,

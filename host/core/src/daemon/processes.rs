@@ -150,9 +150,9 @@ impl Daemon {
             return Ok(());
         }
         loop {
-            if until.is_some_and(|u| at >= u) {
+            if let Some(u) = until.filter(|u| at >= *u) {
                 // The agent's stream is cut with the connection.
-                on_event(ProcessEvent::Caught { offset: at });
+                on_event(ProcessEvent::Caught { offset: u });
                 return Ok(());
             }
             // Silent: is anyone still reading? (The agent's stream is
@@ -179,8 +179,7 @@ impl Daemon {
                 }
                 Ok(Event::Exited(report)) => {
                     self.give_back(id, agent);
-                    let exit = self.exit_of(id, pid, Some(report.termination));
-                    on_event(ProcessEvent::Exit { offset: at, exit });
+                    on_event(self.exit_event(id, pid, at, Some(report.termination)));
                     return Ok(());
                 }
                 // Killed at its timeout or past its output limit: the end
@@ -191,8 +190,7 @@ impl Daemon {
                         Some(husk_protocol::ErrorKind::Timeout | husk_protocol::ErrorKind::Limit)
                     ) =>
                 {
-                    let exit = self.exit_of(id, pid, None);
-                    on_event(ProcessEvent::Exit { offset: at, exit });
+                    on_event(self.exit_event(id, pid, at, None));
                     return Ok(());
                 }
                 Err(e) => return Err(e.into()),
@@ -204,16 +202,20 @@ impl Daemon {
     }
 
     /// How program `pid` ended, by the agent's table (`seen`: the end its
-    /// stream reported, if the table no longer has it).
-    fn exit_of(&self, id: &str, pid: i32, seen: Option<Termination>) -> ProcessExit {
-        match self.program(id, pid).ok().and_then(|p| p.end) {
+    /// stream reported, if the table no longer has it), as the event after
+    /// its last byte (a reader from past its end stops at its end).
+    fn exit_event(&self, id: &str, pid: i32, at: u64, seen: Option<Termination>) -> ProcessEvent {
+        let program = self.program(id, pid).ok();
+        let offset = program.as_ref().map_or(at, |p| at.min(p.written));
+        let exit = match program.and_then(|p| p.end) {
             Some(end) => ProcessExit {
                 timed_out: end.timed_out,
                 over_limit: end.over_limit,
                 ..exit_of(end.report.termination)
             },
             None => exit_of(seen.unwrap_or(Termination::Signal(libc::SIGKILL))),
-        }
+        };
+        ProcessEvent::Exit { offset, exit }
     }
 
     /// Program `pid`'s input on an agent connection of its own, for a
