@@ -232,9 +232,13 @@ def e2b():
     try:
         echoes = Echoes()
         h = sbx.pty.create(PtySize(rows=24, cols=80), timeout=0)
-        threading.Thread(
-            target=lambda: h.wait(on_pty=lambda d: echoes.add(len(d))), daemon=True
-        ).start()
+        def read():
+            try:
+                h.wait(on_pty=lambda d: echoes.add(len(d)))
+            except Exception:  # the kill below ends it
+                pass
+
+        threading.Thread(target=read, daemon=True).start()
         # The shell's prompt first.
         echoes.wait_for(1)
         time.sleep(1)
