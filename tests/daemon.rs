@@ -1947,7 +1947,15 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     let ping = husk(&["ping", &s.id]);
     let health = husk(&["health", &s.id]);
     // A background program: its pid, its output from an offset, its end.
-    let started = husk(&["exec", "-d", &s.id, "--", "/bin/sh", "-c", "echo one; echo two; exit 6"]);
+    let started = husk(&[
+        "exec",
+        "-d",
+        &s.id,
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo one; echo two; exit 6",
+    ]);
     let pid = text(&started.stdout).trim().to_owned();
     let attached = husk(&["attach", &s.id, &pid, "--from", "4"]);
     let waited = husk(&["wait", &s.id, &pid]);
@@ -1984,19 +1992,33 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     let _ = watch.kill();
     let _ = watch.wait();
 
-    assert!(ping.status.success() && text(&ping.stdout).starts_with("guest uptime "), "{ping:?}");
-    assert!(text(&health.stdout).contains("mem_total_kib="), "{health:?}");
+    assert!(
+        ping.status.success() && text(&ping.stdout).starts_with("guest uptime "),
+        "{ping:?}"
+    );
+    assert!(
+        text(&health.stdout).contains("mem_total_kib="),
+        "{health:?}"
+    );
     assert!(pid.parse::<i32>().is_ok(), "{started:?}");
     // From offset 4: "one\n" is skipped.
     assert_eq!(text(&attached.stdout), "two\n", "{attached:?}");
-    assert_eq!((attached.status.code(), waited.status.code()), (Some(6), Some(6)));
+    assert_eq!(
+        (attached.status.code(), waited.status.code()),
+        (Some(6), Some(6))
+    );
     assert!(
-        text(&ps.stdout).lines().any(|l| l.contains(&spid) && l.contains("sleep 1000")),
+        text(&ps.stdout)
+            .lines()
+            .any(|l| l.contains(&spid) && l.contains("sleep 1000")),
         "{ps:?}"
     );
     assert!(killed.status.success(), "{killed:?}");
     assert_eq!(after_kill.status.code(), Some(128 + 9), "{after_kill:?}");
-    assert!(seen.lock().expect("seen").contains("Created /tmp/watched/new-file"));
+    assert!(seen
+        .lock()
+        .expect("seen")
+        .contains("Created /tmp/watched/new-file"));
     destroy(&s.id);
 }
 
