@@ -1493,7 +1493,9 @@ struct ReadBack {
 }
 
 fn read_output(id: &str, pid: i32, from: u64, follow: bool) -> ReadBack {
-    let mut events = api().process_output(id, pid, from, follow).expect("output");
+    let mut events = api()
+        .process_output(id, pid, from, follow, None)
+        .expect("output");
     let Some(ProcessEvent::Replay { offset, dropped }) = events.next_event().expect("replay")
     else {
         panic!("no replay first");
@@ -1559,7 +1561,7 @@ fn background_programs_keep_their_output_for_readers_from_any_offset() {
     assert_eq!(counter.tag.as_deref(), Some("counter"));
     // Two lines, then this reader goes away.
     let mut first = api()
-        .process_output(&s.id, counter.pid, 0, true)
+        .process_output(&s.id, counter.pid, 0, true, None)
         .expect("output");
     let mut seen = Vec::new();
     while seen.iter().filter(|b| **b == b'\n').count() < 2 {
@@ -1964,6 +1966,29 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     let ps = husk(&["ps", &s.id]);
     let killed = husk(&["kill", &s.id, &spid, "-s", "9"]);
     let after_kill = husk(&["wait", &s.id, &spid]);
+    // Waiting for a log line, and for a server's port.
+    let logger = husk(&[
+        "exec",
+        "-d",
+        &s.id,
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo starting; sleep 1; echo Listening on 8123; sleep 1000",
+    ]);
+    let lpid = text(&logger.stdout).trim().to_owned();
+    let logged = husk(&["attach", &s.id, &lpid, "--until", "Listening on"]);
+    let tool = common::repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-testsrv");
+    upload(
+        &s.id,
+        "/tmp/husk-testsrv",
+        &std::fs::read(&tool).expect("husk-testsrv"),
+    )
+    .expect("upload the test server");
+    sh(&s.id, "chmod +x /tmp/husk-testsrv");
+    let server = husk(&["exec", "-d", &s.id, "--", "/tmp/husk-testsrv", "8123"]);
+    let waited_port = husk(&["port", &s.id, "8123", "--wait-s", "300"]);
+    let closed_port = husk(&["port", &s.id, "8124"]);
     // Changes under a directory, as they happen.
     sh(&s.id, "mkdir -p /tmp/watched");
     let mut watch = Command::new(common::husk_binary())
@@ -2019,6 +2044,14 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
         .lock()
         .expect("seen")
         .contains("Created /tmp/watched/new-file"));
+    assert_eq!(logged.status.code(), Some(0), "{logged:?}");
+    assert!(
+        text(&logged.stdout).contains("starting\nListening on"),
+        "{logged:?}"
+    );
+    assert!(server.status.success(), "{server:?}");
+    assert_eq!(waited_port.status.code(), Some(0), "{waited_port:?}");
+    assert_ne!(closed_port.status.code(), Some(0), "{closed_port:?}");
     destroy(&s.id);
 }
 

@@ -149,6 +149,10 @@ enum Command {
         /// all the guest kept; what is no longer kept is reported).
         #[arg(long, default_value_t = 0)]
         from: u64,
+        /// With a sandbox id: stop (exit 0) once the program wrote this
+        /// text: wait for a log line.
+        #[arg(long)]
+        until: Option<String>,
     },
     /// Wait for a background program to end; exit like it.
     Wait {
@@ -265,7 +269,13 @@ enum Command {
     },
     /// Where a TCP port inside a sandbox is published (the daemon's front
     /// door, `husk serve --expose`), and whether a program listens on it.
-    Port { id: String, port: u16 },
+    Port {
+        id: String,
+        port: u16,
+        /// Wait up to this many seconds for a program to listen on it.
+        #[arg(long, default_value_t = 0)]
+        wait_s: u64,
+    },
     /// Show a sandbox as JSON.
     Inspect { id: String },
     /// Print a sandbox's console.
@@ -975,7 +985,12 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
             json,
             ..
         } => sandboxes::ps(&labels, state.as_deref(), json),
-        Command::Attach { vm, pid, from } => processes::attach(&vm, pid, from),
+        Command::Attach {
+            vm,
+            pid,
+            from,
+            until,
+        } => processes::attach(&vm, pid, from, until.as_deref()),
         Command::Wait { vm, pid } => processes::wait(&vm, pid),
         Command::Kill { vm, pid, signal } => processes::kill(&vm, pid, signal),
         Command::Ping { vm, wait_s } => processes::ping(&vm, wait_s),
@@ -997,7 +1012,7 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         Command::Pause { target } => sandboxes::lifecycle(&target, Lifecycle::Pause),
         Command::Resume { target } => sandboxes::lifecycle(&target, Lifecycle::Resume),
         Command::Hibernate { id } => sandboxes::lifecycle(&id, Lifecycle::Hibernate),
-        Command::Port { id, port } => sandboxes::port(&id, port),
+        Command::Port { id, port, wait_s } => sandboxes::port(&id, port, wait_s),
         Command::Wake { id } => sandboxes::lifecycle(&id, Lifecycle::Wake),
         Command::KillAll { id } => sandboxes::kill_all(&id),
         Command::Snapshot { target, dest, .. } => sandboxes::snapshot(&target, &dest),

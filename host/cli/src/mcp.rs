@@ -83,7 +83,7 @@ impl Backend for Remote {
     }
 
     fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
-        let mut events = self.0.process_output(id, pid, from, false)?;
+        let mut events = self.0.process_output(id, pid, from, false, None)?;
         let mut out = CommandOutput::default();
         while let Some(event) = events.next_event()? {
             if !out.take(event, max) {

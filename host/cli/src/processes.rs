@@ -64,22 +64,23 @@ pub fn terminal(id: &str, mut spec: ProcessSpec, interactive: bool) -> CliResult
             }
         });
     }
-    let code = follow(id, pid, 0)?;
+    let code = follow(id, pid, 0, None)?;
     drop(_raw);
     let _ = api.remove_process(id, pid);
     Ok(code)
 }
 
-/// `husk attach <id> <pid> [--from N]`: its output from offset `from`
-/// (what the guest kept, then live) until it ends; exits like it.
-pub fn attach(id: &str, pid: i32, from: u64) -> CliResult {
-    follow(id, pid, from)
+/// `husk attach <id> <pid> [--from N] [--until TEXT]`: its output from
+/// offset `from` (what the guest kept, then live) until it ends (exits
+/// like it), or until it wrote TEXT (exits 0).
+pub fn attach(id: &str, pid: i32, from: u64, until: Option<&str>) -> CliResult {
+    follow(id, pid, from, until)
 }
 
 /// `husk wait <id> <pid>`: until it ends (its output is not shown); exits
 /// like it.
 pub fn wait(id: &str, pid: i32) -> CliResult {
-    let mut events = client().process_output(id, pid, u64::MAX, true)?;
+    let mut events = client().process_output(id, pid, u64::MAX, true, None)?;
     while let Some(event) = events.next_event()? {
         if let Some(code) = end(event) {
             return Ok(code);
@@ -169,8 +170,8 @@ fn exit_text(e: &ProcessExit) -> String {
 }
 
 /// Prints program `pid`'s output from `from` until it ends; its exit code.
-fn follow(id: &str, pid: i32, from: u64) -> CliResult {
-    let mut events = client().process_output(id, pid, from, true)?;
+fn follow(id: &str, pid: i32, from: u64, until: Option<&str>) -> CliResult {
+    let mut events = client().process_output(id, pid, from, true, until)?;
     let decode = |d: &str| {
         base64::engine::general_purpose::STANDARD
             .decode(d)
@@ -225,7 +226,7 @@ fn end(event: ProcessEvent) -> Option<u8> {
                 _ => HUSK_FAILED,
             })
         }
-        ProcessEvent::Caught { .. } => Some(0),
+        ProcessEvent::Caught { .. } | ProcessEvent::Matched { .. } => Some(0),
         _ => None,
     }
 }

@@ -111,8 +111,8 @@ pub fn create(template: &str, a: RunArgs) -> Result<Created, ApiClientError> {
 
 /// `husk port`: the port's address at the front door, and whether a
 /// program listens on it (exit 1 when none does).
-pub fn port(id: &str, port: u16) -> CliResult {
-    let p = client().port(id, port)?;
+pub fn port(id: &str, port: u16, wait_s: u64) -> CliResult {
+    let p = client().wait_for_port(id, port, wait_s)?;
     match &p.url {
         Some(url) => println!("{url}"),
         None => eprintln!(

@@ -632,9 +632,20 @@ impl ApiClient {
     /// Where TCP `port` inside sandbox `id` is published, and whether a
     /// program listens on it (`GET /v1/sandboxes/{id}/ports/{port}`).
     pub fn port(&self, id: &str, port: u16) -> Result<PortInfo, ApiClientError> {
+        self.wait_for_port(id, port, 0)
+    }
+
+    /// [`ApiClient::port`] once a program listens on it, or after
+    /// `wait_s` seconds (at most 600).
+    pub fn wait_for_port(
+        &self,
+        id: &str,
+        port: u16,
+        wait_s: u64,
+    ) -> Result<PortInfo, ApiClientError> {
         self.send(
             "GET",
-            &Self::sandbox_path(id, &format!("/ports/{port}")),
+            &Self::sandbox_path(id, &format!("/ports/{port}?wait_s={wait_s}")),
             Payload::None,
         )?
         .json()
@@ -780,15 +791,21 @@ impl ApiClient {
     }
 
     /// Program `pid`'s output from byte `from`: what the guest kept, then,
-    /// with `follow`, live output until it ends.
+    /// with `follow`, live output until it ends (or until it wrote the
+    /// text `until`: a `matched` event).
     pub fn process_output(
         &self,
         id: &str,
         pid: i32,
         from: u64,
         follow: bool,
+        until: Option<&str>,
     ) -> Result<ProcessStream, ApiClientError> {
-        let route = Self::process_path(id, pid, &format!("/output?from={from}&follow={follow}"));
+        let mut query = format!("/output?from={from}&follow={follow}");
+        if let Some(text) = until {
+            query.push_str(&format!("&until={}", encode(text)));
+        }
+        let route = Self::process_path(id, pid, &query);
         Ok(ProcessStream(self.send("GET", &route, Payload::None)?))
     }
 

@@ -561,10 +561,23 @@ async fn wake(
     Ok(ok(StatusCode::OK, s))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PortQuery {
+    /// Wait up to this many seconds for a program to listen on it.
+    wait_s: Option<u64>,
+}
+
 async fn port(
     State(d): State<Shared>,
     Path((id, port)): Path<(String, String)>,
+    q: Result<Query<PortQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
+    let Query(q) = q.map_err(|e| bad(format!("bad query: {e}")))?;
+    let wait_s = q.wait_s.unwrap_or(0);
+    if wait_s > 600 {
+        return Err(bad("`wait_s` is at most 600"));
+    }
     let port = port
         .parse::<u16>()
         .ok()
@@ -575,7 +588,8 @@ async fn port(
                 format!("`{port}` is not a TCP port"),
             )
         })?;
-    let p = blocking(move || d.port(&id, port)).await?;
+    let wait = std::time::Duration::from_secs(wait_s);
+    let p = blocking(move || d.wait_for_port(&id, port, wait)).await?;
     Ok(ok(StatusCode::OK, p))
 }
 

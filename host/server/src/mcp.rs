@@ -169,7 +169,9 @@ impl CommandOutput {
                 self.exit = Some(exit);
                 return false;
             }
-            ProcessEvent::Caught { .. } | ProcessEvent::Error { .. } => return false,
+            ProcessEvent::Caught { .. }
+            | ProcessEvent::Matched { .. }
+            | ProcessEvent::Error { .. } => return false,
         }
         true
     }

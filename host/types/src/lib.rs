@@ -19,8 +19,8 @@ pub use husk_protocol::{DirEntry, FileKind, FileStat};
 /// A guest's health and a watched directory's changes, as the agent gives them.
 pub use husk_protocol::{FsEvent, FsEventKind, Health};
 pub use process::{
-    signal_number, ProcessEvent, ProcessExit, ProcessInfo, ProcessSpec, SignalName, SignalRequest,
-    TerminalSize, SIGNALS,
+    signal_number, OutputMatch, ProcessEvent, ProcessExit, ProcessInfo, ProcessSpec, SignalName,
+    SignalRequest, TerminalSize, SIGNALS,
 };
 pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,

@@ -143,6 +143,12 @@ pub enum ProcessEvent {
         /// Offset of the next byte to come.
         offset: u64,
     },
+    /// The text a reader waited for (`until`) was written: it ends at
+    /// `offset`, and the stream ends here.
+    Matched {
+        /// Offset after the text's last byte.
+        offset: u64,
+    },
     /// The program ended, and all its output was sent.
     Exit {
         /// Offset after its last byte.
@@ -158,6 +164,45 @@ pub enum ProcessEvent {
         /// What went wrong.
         error: String,
     },
+}
+
+/// Finds a text in output as it comes, across chunk boundaries.
+#[derive(Debug, Clone)]
+pub struct OutputMatch {
+    text: Vec<u8>,
+    /// The end of what was seen: the last `text.len() - 1` bytes.
+    tail: Vec<u8>,
+}
+
+impl OutputMatch {
+    /// Looks for `text` (not empty).
+    pub fn new(text: &[u8]) -> OutputMatch {
+        OutputMatch {
+            text: text.to_vec(),
+            tail: Vec::new(),
+        }
+    }
+
+    /// Output went missing (a reader that fell behind): a text cannot
+    /// span the gap.
+    pub fn gap(&mut self) {
+        self.tail.clear();
+    }
+
+    /// Takes the next `data`, which starts at `offset`; the offset after
+    /// the first match, if `text` ends within it.
+    pub fn feed(&mut self, offset: u64, data: &[u8]) -> Option<u64> {
+        let n = self.text.len();
+        let mut window = std::mem::take(&mut self.tail);
+        let before = window.len() as u64;
+        window.extend_from_slice(data);
+        if let Some(at) = window.windows(n).position(|w| w == self.text.as_slice()) {
+            return Some(offset - before + (at + n) as u64);
+        }
+        let keep = window.len().min(n.saturating_sub(1));
+        self.tail = window[window.len() - keep..].to_vec();
+        None
+    }
 }
 
 /// A signal for a program (`POST .../processes/{pid}/signal`).
@@ -217,6 +262,18 @@ pub fn signal_number(name: &str) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_is_found_across_chunks() {
+        let mut m = OutputMatch::new(b"Listening");
+        assert_eq!(m.feed(0, b"booting\nListe"), None);
+        assert_eq!(m.feed(13, b"ning on 80\n"), Some(17));
+        let mut m = OutputMatch::new(b"ab");
+        assert_eq!(m.feed(0, b"xa"), None);
+        assert_eq!(m.feed(2, b"b"), Some(3));
+        let mut m = OutputMatch::new(b"x");
+        assert_eq!(m.feed(5, b"abx"), Some(8));
+    }
 
     #[test]
     fn signals_are_named_or_numbered() {

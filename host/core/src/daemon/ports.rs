@@ -74,6 +74,24 @@ impl Daemon {
         })
     }
 
+    /// [`Daemon::port`] once a program listens on it, or after `wait` (then
+    /// as it stands): a server that is still starting.
+    pub fn wait_for_port(
+        &self,
+        id: &str,
+        port: u16,
+        wait: Duration,
+    ) -> Result<PortInfo, DaemonError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let info = self.port(id, port)?;
+            if info.listening || Instant::now() >= deadline {
+                return Ok(info);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// Connects to TCP `port` on the loopback of sandbox `id`. A
     /// hibernated sandbox is woken first, and a sandbox whose clock is
     /// still to be set after a wake or a claim gets it first. A paused or

@@ -57,6 +57,9 @@ pub(super) struct OutputQuery {
     from: Option<u64>,
     /// Go on with live output until the program ends (default true).
     follow: Option<bool>,
+    /// End the stream once this text was written (a `matched` event): wait
+    /// for a log line.
+    until: Option<String>,
 }
 
 pub(super) async fn output(
@@ -67,6 +70,11 @@ pub(super) async fn output(
     let pid = pid_of(&pid)?;
     let Query(q) = q.map_err(|e| bad(format!("bad query: {e}")))?;
     let (from, follow) = (q.from.unwrap_or(0), q.follow.unwrap_or(true));
+    let mut until = match q.until.as_deref() {
+        Some("") => return Err(bad("`until` is empty: name the text to wait for")),
+        Some(text) => Some(husk_types::OutputMatch::new(text.as_bytes())),
+        None => None,
+    };
     let (started_tx, started_rx) = oneshot::channel::<Result<(), DaemonError>>();
     let (tx, rx) = mpsc::channel(32);
     tokio::task::spawn_blocking(move || {
@@ -81,7 +89,31 @@ pub(super) async fn output(
                 if let Some(s) = started.take() {
                     let _ = s.send(Ok(()));
                 }
-                tx.blocking_send(Ok(line(&event))).is_ok()
+                let matched = match (&mut until, &event) {
+                    (
+                        Some(m),
+                        ProcessEvent::Stdout { offset, data }
+                        | ProcessEvent::Stderr { offset, data },
+                    ) => base64::engine::general_purpose::STANDARD
+                        .decode(data)
+                        .ok()
+                        .and_then(|d| m.feed(*offset, &d)),
+                    (Some(m), ProcessEvent::Lost { .. }) => {
+                        m.gap();
+                        None
+                    }
+                    _ => None,
+                };
+                if tx.blocking_send(Ok(line(&event))).is_err() {
+                    return false;
+                }
+                match matched {
+                    Some(offset) => {
+                        let _ = tx.blocking_send(Ok(line(&ProcessEvent::Matched { offset })));
+                        false
+                    }
+                    None => true,
+                }
             },
             move || !gone.is_closed(),
         );
