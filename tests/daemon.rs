@@ -1987,7 +1987,8 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     .expect("upload the test server");
     sh(&s.id, "chmod +x /tmp/husk-testsrv");
     let server = husk(&["exec", "-d", &s.id, "--", "/tmp/husk-testsrv", "8123"]);
-    let waited_port = husk(&["port", &s.id, "8123", "--wait-s", "300"]);
+    let wait_s = patience().as_secs().min(600).to_string();
+    let waited_port = husk(&["port", &s.id, "8123", "--wait-s", &wait_s]);
     let closed_port = husk(&["port", &s.id, "8124"]);
     // Changes under a directory, as they happen.
     sh(&s.id, "mkdir -p /tmp/watched");
