@@ -3,7 +3,7 @@
 //! `husk kill` and `husk ps <id>` by sandbox id, as they work on a VM
 //! socket.
 
-use std::io::{Read, Write};
+use std::io::Write;
 
 use base64::Engine;
 use husk_types::{ProcessEvent, ProcessExit, ProcessSpec, TerminalSize};
@@ -18,10 +18,10 @@ pub fn detach(id: &str, spec: &ProcessSpec) -> CliResult {
     Ok(0)
 }
 
-/// `husk exec -t [-i] <id>`: the program on a terminal, this one's keys
-/// (Ctrl-C included: the terminal is raw) going to it with `interactive`,
-/// this one's size following; exits like it. The program is removed from
-/// the table once it ended.
+/// `husk exec -t [-i] <id>`: the program on a terminal, over its
+/// WebSocket: this one's keys (Ctrl-C included: the terminal is raw) go to
+/// it with `interactive`, this one's size follows; exits like it. The
+/// program is removed from the table once it ended.
 pub fn terminal(id: &str, mut spec: ProcessSpec, interactive: bool) -> CliResult {
     crate::block_sigwinch();
     let size = terminal_size().unwrap_or(husk_protocol::WindowSize { rows: 24, cols: 80 });
@@ -32,42 +32,150 @@ pub fn terminal(id: &str, mut spec: ProcessSpec, interactive: bool) -> CliResult
     spec.tag.get_or_insert_with(|| "husk exec -t".into());
     let api = client();
     let pid = api.start_process(id, &spec)?.pid;
-    let _raw = RawMode::enable();
-    if interactive {
-        let id = id.to_owned();
-        std::thread::spawn(move || {
-            let api = client();
-            let mut buf = vec![0u8; 4096];
-            let mut stdin = std::io::stdin().lock();
-            while let Ok(n @ 1..) = stdin.read(&mut buf) {
-                if api.write_process_stdin(&id, pid, &buf[..n], false).is_err() {
-                    return;
-                }
-            }
-            let _ = api.write_process_stdin(&id, pid, &[], true);
-        });
-    }
-    {
-        let id = id.to_owned();
-        std::thread::spawn(move || {
-            let api = client();
-            while crate::next_sigwinch() {
-                if let Some(s) = terminal_size() {
-                    let size = TerminalSize {
-                        rows: s.rows,
-                        cols: s.cols,
-                    };
-                    if api.resize_process(&id, pid, size).is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-    }
-    let code = follow(id, pid, 0, None)?;
-    drop(_raw);
+    let code = {
+        let _raw = RawMode::enable();
+        on_terminal(&api, id, pid, interactive)
+    };
     let _ = api.remove_process(id, pid);
-    Ok(code)
+    code
+}
+
+/// Serves the terminal of program `pid` until it ends: one thread polls
+/// the WebSocket, stdin and a pipe that SIGWINCH writes to.
+fn on_terminal(api: &husk_client::ApiClient, id: &str, pid: i32, interactive: bool) -> CliResult {
+    use std::os::fd::AsRawFd;
+    use tungstenite::client::IntoClientRequest;
+    use tungstenite::{Error as WsError, Message};
+
+    let (stream, token) = api.connect_stream()?;
+    let url = format!(
+        "ws://husk/v1/sandboxes/{}/processes/{pid}/terminal",
+        husk_client::encode(id)
+    );
+    let mut request = url
+        .into_client_request()
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    if let Some(token) = token {
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| std::io::Error::other("a token that is not a header value"))?;
+        request.headers_mut().insert("authorization", value);
+    }
+    let (mut ws, _) = tungstenite::client::client(request, stream)
+        .map_err(|e| std::io::Error::other(format!("the terminal's WebSocket: {e}")))?;
+    ws.get_ref().set_nonblocking(true)?;
+    // Resizes: the signal thread writes a byte to this pipe.
+    let [winch_r, winch_w] = {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two descriptors.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) } != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        fds
+    };
+    std::thread::spawn(move || {
+        while crate::next_sigwinch() {
+            // SAFETY: a one-byte write to the pipe's write end.
+            unsafe { libc::write(winch_w, [0u8].as_ptr().cast(), 1) };
+        }
+    });
+    let decode = |text: &str| serde_json::from_str::<ProcessEvent>(text).ok();
+    let mut stdin_open = interactive;
+    let mut unsent = false;
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: ws.get_ref().as_raw_fd(),
+                events: libc::POLLIN | if unsent { libc::POLLOUT } else { 0 },
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if stdin_open { 0 } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: winch_r,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: three valid pollfds (a negative fd is skipped).
+        if unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) } < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e.into());
+        }
+        let mut outgoing = Vec::new();
+        if fds[1].revents != 0 {
+            let mut buf = [0u8; 4096];
+            // SAFETY: reads into a live buffer.
+            let n = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+            if n > 0 {
+                outgoing.push(Message::binary(buf[..n as usize].to_vec()));
+            } else {
+                stdin_open = false;
+                outgoing.push(Message::text(r#"{"close_stdin": true}"#));
+            }
+        }
+        if fds[2].revents != 0 {
+            let mut drain = [0u8; 64];
+            // SAFETY: reads into a live buffer; the pipe does not block.
+            unsafe { libc::read(winch_r, drain.as_mut_ptr().cast(), drain.len()) };
+            if let Some(s) = terminal_size() {
+                outgoing.push(Message::text(format!(
+                    r#"{{"resize": {{"rows": {}, "cols": {}}}}}"#,
+                    s.rows, s.cols
+                )));
+            }
+        }
+        for message in outgoing {
+            match ws.send(message) {
+                Ok(()) => {}
+                Err(WsError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => unsent = true,
+                Err(e) => return Err(std::io::Error::other(e.to_string()).into()),
+            }
+        }
+        if unsent && fds[0].revents & libc::POLLOUT != 0 {
+            match ws.flush() {
+                Ok(()) => unsent = false,
+                Err(WsError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(std::io::Error::other(e.to_string()).into()),
+            }
+        }
+        // Everything the socket has now.
+        loop {
+            match ws.read() {
+                Ok(Message::Binary(data)) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(&data).and_then(|()| out.flush());
+                }
+                Ok(Message::Text(text)) => match decode(text.as_str()) {
+                    Some(ProcessEvent::Stderr { data, .. }) => {
+                        let bytes = base64::engine::general_purpose::STANDARD
+                            .decode(data)
+                            .unwrap_or_default();
+                        let _ = std::io::stderr().write_all(&bytes);
+                    }
+                    Some(event @ (ProcessEvent::Exit { .. } | ProcessEvent::Error { .. })) => {
+                        if let Some(code) = end(event) {
+                            return Ok(code);
+                        }
+                    }
+                    _ => {}
+                },
+                Ok(Message::Close(_)) | Err(WsError::ConnectionClosed | WsError::AlreadyClosed) => {
+                    eprintln!("husk: the terminal closed before the program's exit");
+                    return Ok(HUSK_FAILED);
+                }
+                Ok(_) => {}
+                Err(WsError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(std::io::Error::other(e.to_string()).into()),
+            }
+        }
+    }
 }
 
 /// `husk attach <id> <pid> [--from N] [--until TEXT]`: its output from

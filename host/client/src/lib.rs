@@ -50,6 +50,57 @@ pub enum Endpoint {
     Tcp(String, String),
 }
 
+/// A blocking connection to the daemon ([`ApiClient::connect_stream`]).
+#[derive(Debug)]
+pub enum DaemonStream {
+    Unix(UnixStream),
+    Tcp(std::net::TcpStream),
+}
+
+impl DaemonStream {
+    /// Reads and writes return `WouldBlock` instead of waiting.
+    pub fn set_nonblocking(&self, on: bool) -> std::io::Result<()> {
+        match self {
+            DaemonStream::Unix(s) => s.set_nonblocking(on),
+            DaemonStream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+}
+
+impl std::io::Read for DaemonStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            DaemonStream::Unix(s) => s.read(buf),
+            DaemonStream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl std::io::Write for DaemonStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            DaemonStream::Unix(s) => s.write(buf),
+            DaemonStream::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            DaemonStream::Unix(s) => s.flush(),
+            DaemonStream::Tcp(s) => s.flush(),
+        }
+    }
+}
+
+impl std::os::fd::AsRawFd for DaemonStream {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            DaemonStream::Unix(s) => s.as_raw_fd(),
+            DaemonStream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
 /// The daemon's client.
 #[derive(Debug, Clone)]
 pub struct ApiClient {
@@ -320,6 +371,20 @@ impl ApiClient {
         ApiClient {
             endpoint,
             timeout: None,
+        }
+    }
+
+    /// A plain blocking connection to the daemon (for a protocol of the
+    /// caller's own on it, a WebSocket), and the bearer token a TCP
+    /// endpoint wants in its requests.
+    pub fn connect_stream(&self) -> Result<(DaemonStream, Option<String>), ApiClientError> {
+        match &self.endpoint {
+            Endpoint::Unix(path) => UnixStream::connect(path)
+                .map(|s| (DaemonStream::Unix(s), None))
+                .map_err(|e| ApiClientError::Connect(path.display().to_string(), e)),
+            Endpoint::Tcp(addr, token) => std::net::TcpStream::connect(addr)
+                .map(|s| (DaemonStream::Tcp(s), Some(token.clone())))
+                .map_err(|e| ApiClientError::Connect(addr.clone(), e)),
         }
     }
 
