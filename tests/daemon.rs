@@ -2009,11 +2009,16 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
             }
         });
     }
-    // Written until the watch (which may still be starting) sees it.
+    // A new file each time until the watch (which may still be starting)
+    // sees one made.
+    let mut made = 0;
     wait_until("husk watch to see a new file", || {
-        sh(&s.id, "echo x > /tmp/watched/new-file");
+        made += 1;
+        sh(&s.id, &format!("echo x > /tmp/watched/new-{made}"));
         std::thread::sleep(Duration::from_millis(500));
-        seen.lock().expect("seen").contains("/tmp/watched/new-file")
+        seen.lock()
+            .expect("seen")
+            .contains("Created /tmp/watched/new-")
     });
     let _ = watch.kill();
     let _ = watch.wait();
@@ -2044,7 +2049,7 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     assert!(seen
         .lock()
         .expect("seen")
-        .contains("Created /tmp/watched/new-file"));
+        .contains("Created /tmp/watched/new-"));
     assert_eq!(logged.status.code(), Some(0), "{logged:?}");
     assert!(
         text(&logged.stdout).contains("starting\nListening on"),
