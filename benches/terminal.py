@@ -18,7 +18,6 @@ Prints p50/p99 in ms, one JSON line per measure at the end.
 """
 
 import base64
-import http.client
 import json
 import os
 import socket
@@ -28,29 +27,17 @@ import sys
 import threading
 import time
 
+from husk_api import SOCK, Unix, pct, req
+
 KEYS = int(sys.argv[1]) if len(sys.argv) > 1 else 50
 TEMPLATE = sys.argv[2] if len(sys.argv) > 2 else "base"
-SOCK = os.environ["HUSK_HOST"]
 SLOW = 600
 
 
-class Unix(http.client.HTTPConnection):
-    def __init__(self):
-        super().__init__("husk", timeout=SLOW)
-
-    def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(SOCK)
-
-
 def husk(method, path, body=None):
-    c = Unix()
-    data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-    c.request(method, path, body=data)
-    r = c.getresponse()
-    out = r.read()
-    if r.status >= 300:
-        raise RuntimeError(f"{method} {path}: {r.status} {out!r}")
+    """The JSON answer (None if empty); bytes go as they are."""
+    raw = body if isinstance(body, bytes) else None
+    out = req(method, path, body=None if raw is not None else body, raw=raw)
     return json.loads(out) if out else None
 
 
@@ -68,18 +55,13 @@ def stream(path):
         yield json.loads(line)
 
 
-def pct(samples, p):
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-
 def report(name, samples):
     ms = [x * 1000 for x in samples]
     line = {
         "measure": name,
         "n": len(ms),
         "p50_ms": round(statistics.median(ms), 2),
-        "p99_ms": round(pct(ms, 99), 2),
+        "p99_ms": round(pct(ms, 0.99), 2),
     }
     print(f"{name}: n={len(ms)} p50 {line['p50_ms']} ms p99 {line['p99_ms']} ms", flush=True)
     return line

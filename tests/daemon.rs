@@ -1948,35 +1948,28 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     let ping = husk(&["ping", &s.id]);
     let health = husk(&["health", &s.id]);
+    // `husk exec -d`: what it printed, and the pid in it.
+    let detach = |argv: &[&str]| {
+        let mut args = vec!["exec", "-d", &s.id, "--"];
+        args.extend(argv);
+        let out = husk(&args);
+        let pid = text(&out.stdout).trim().to_owned();
+        (out, pid)
+    };
     // A background program: its pid, its output from an offset, its end.
-    let started = husk(&[
-        "exec",
-        "-d",
-        &s.id,
-        "--",
-        "/bin/sh",
-        "-c",
-        "echo one; echo two; exit 6",
-    ]);
-    let pid = text(&started.stdout).trim().to_owned();
+    let (started, pid) = detach(&["/bin/sh", "-c", "echo one; echo two; exit 6"]);
     let attached = husk(&["attach", &s.id, &pid, "--from", "4"]);
     let waited = husk(&["wait", &s.id, &pid]);
-    let sleeper = husk(&["exec", "-d", &s.id, "--", "sleep", "1000"]);
-    let spid = text(&sleeper.stdout).trim().to_owned();
+    let (_, spid) = detach(&["sleep", "1000"]);
     let ps = husk(&["ps", &s.id]);
     let killed = husk(&["kill", &s.id, &spid, "-s", "9"]);
     let after_kill = husk(&["wait", &s.id, &spid]);
     // Waiting for a log line, and for a server's port.
-    let logger = husk(&[
-        "exec",
-        "-d",
-        &s.id,
-        "--",
+    let (_, lpid) = detach(&[
         "/bin/sh",
         "-c",
         "echo starting; sleep 1; echo Listening on 8123; sleep 1000",
     ]);
-    let lpid = text(&logger.stdout).trim().to_owned();
     let logged = husk(&["attach", &s.id, &lpid, "--until", "Listening on"]);
     let tool = common::repo_root().join("target/x86_64-unknown-linux-musl/guest/husk-testsrv");
     upload(
@@ -1986,7 +1979,7 @@ fn the_cli_reaches_a_sandboxs_programs_and_guest_by_its_id() {
     )
     .expect("upload the test server");
     sh(&s.id, "chmod +x /tmp/husk-testsrv");
-    let server = husk(&["exec", "-d", &s.id, "--", "/tmp/husk-testsrv", "8123"]);
+    let (server, _) = detach(&["/tmp/husk-testsrv", "8123"]);
     let wait_s = patience().as_secs().min(600).to_string();
     let waited_port = husk(&["port", &s.id, "8123", "--wait-s", &wait_s]);
     let closed_port = husk(&["port", &s.id, "8124"]);

@@ -301,25 +301,24 @@ pub fn remove(pid: libc::pid_t) {
     }
 }
 
-/// Every program in the table, by pid.
-pub fn programs() -> Vec<Program> {
-    let all: Vec<Arc<Process>> = table()
+/// The programs in the table, by pid (the table's lock is not held while
+/// each is asked about itself).
+fn by_pid() -> Vec<Arc<Process>> {
+    let mut all: Vec<Arc<Process>> = table()
         .as_ref()
         .map(|t| t.values().cloned().collect())
         .unwrap_or_default();
-    let mut programs: Vec<Program> = all.iter().map(|p| p.program()).collect();
-    programs.sort_by_key(|p| p.pid);
-    programs
+    all.sort_by_key(|p| p.pid);
+    all
+}
+
+/// Every program in the table, by pid.
+pub fn programs() -> Vec<Program> {
+    by_pid().iter().map(|p| p.program()).collect()
 }
 
 pub fn list() -> Vec<ProcessInfo> {
-    let all: Vec<Arc<Process>> = table()
-        .as_ref()
-        .map(|t| t.values().cloned().collect())
-        .unwrap_or_default();
-    let mut infos: Vec<ProcessInfo> = all.iter().map(|p| p.info()).collect();
-    infos.sort_by_key(|i| i.pid);
-    infos
+    by_pid().iter().map(|p| p.info()).collect()
 }
 
 /// Makes room for one more program: evicts the ended background program

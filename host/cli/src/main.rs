@@ -782,6 +782,17 @@ fn exit_code(report: &ExitReport) -> u8 {
     }
 }
 
+/// [`write_out`] for output as the daemon's API sends it (base64).
+fn write_base64(stream: Stream, data: &str) {
+    use base64::Engine;
+    write_out(
+        stream,
+        &base64::engine::general_purpose::STANDARD
+            .decode(data)
+            .unwrap_or_default(),
+    );
+}
+
 fn write_out(stream: Stream, data: &[u8]) {
     // A closed stdout (husk exec ... | head) is not husk's failure.
     let _ = match stream {

@@ -3,9 +3,7 @@
 //! `husk kill` and `husk ps <id>` by sandbox id, as they work on a VM
 //! socket.
 
-use std::io::Write;
-
-use base64::Engine;
+use husk_protocol::Stream;
 use husk_types::{ProcessEvent, ProcessExit, ProcessSpec, TerminalSize};
 
 use crate::sandboxes::{client, CliResult};
@@ -148,16 +146,10 @@ fn on_terminal(api: &husk_client::ApiClient, id: &str, pid: i32, interactive: bo
         // Everything the socket has now.
         loop {
             match ws.read() {
-                Ok(Message::Binary(data)) => {
-                    let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(&data).and_then(|()| out.flush());
-                }
+                Ok(Message::Binary(data)) => crate::write_out(Stream::Stdout, &data),
                 Ok(Message::Text(text)) => match decode(text.as_str()) {
                     Some(ProcessEvent::Stderr { data, .. }) => {
-                        let bytes = base64::engine::general_purpose::STANDARD
-                            .decode(data)
-                            .unwrap_or_default();
-                        let _ = std::io::stderr().write_all(&bytes);
+                        crate::write_base64(Stream::Stderr, &data)
                     }
                     Some(event @ (ProcessEvent::Exit { .. } | ProcessEvent::Error { .. })) => {
                         if let Some(code) = end(event) {
@@ -280,25 +272,14 @@ fn exit_text(e: &ProcessExit) -> String {
 /// Prints program `pid`'s output from `from` until it ends; its exit code.
 fn follow(id: &str, pid: i32, from: u64, until: Option<&str>) -> CliResult {
     let mut events = client().process_output(id, pid, from, true, until)?;
-    let decode = |d: &str| {
-        base64::engine::general_purpose::STANDARD
-            .decode(d)
-            .unwrap_or_default()
-    };
     while let Some(event) = events.next_event()? {
         match event {
             ProcessEvent::Replay { dropped: 0, .. } => {}
             ProcessEvent::Replay { dropped, offset } => {
                 eprintln!("husk: {dropped} bytes before offset {offset} are no longer kept")
             }
-            ProcessEvent::Stdout { data, .. } => {
-                // A closed stdout (husk attach ... | head) is not husk's failure.
-                let mut out = std::io::stdout().lock();
-                let _ = out.write_all(&decode(&data)).and_then(|()| out.flush());
-            }
-            ProcessEvent::Stderr { data, .. } => {
-                let _ = std::io::stderr().write_all(&decode(&data));
-            }
+            ProcessEvent::Stdout { data, .. } => crate::write_base64(Stream::Stdout, &data),
+            ProcessEvent::Stderr { data, .. } => crate::write_base64(Stream::Stderr, &data),
             ProcessEvent::Lost { bytes, .. } => {
                 eprintln!("husk: {bytes} bytes of output went before they were read")
             }

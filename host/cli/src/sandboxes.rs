@@ -3,11 +3,10 @@
 //! `logs`, `pause`, `resume`, `snapshot`, `fork`, `rm`, `template ...`,
 //! `pool ...`; `--json` on list and inspect commands.
 
-use std::io::Write;
 use std::path::PathBuf;
 
-use base64::Engine;
 use husk_client::{ApiClient, ApiClientError};
+use husk_protocol::Stream;
 use husk_types::{
     CreateRequest, Created, EgressSpec, ExecEvent, ExecSpec, ExpiryPolicy, ForkRequest,
     KernelSource, RootfsSource, TemplateSpec,
@@ -41,21 +40,11 @@ fn print_json<T: serde::Serialize>(value: &T) {
 /// status (128 + N when killed by signal N).
 pub fn exec(id: &str, spec: &ExecSpec) -> CliResult {
     let mut events = client().exec(id, spec)?;
-    let decode = |d: &str| {
-        base64::engine::general_purpose::STANDARD
-            .decode(d)
-            .unwrap_or_default()
-    };
     while let Some(event) = events.next_event()? {
         match event {
             ExecEvent::Started { .. } => {}
-            ExecEvent::Stdout { data } => {
-                let mut out = std::io::stdout().lock();
-                let _ = out.write_all(&decode(&data)).and_then(|()| out.flush());
-            }
-            ExecEvent::Stderr { data } => {
-                let _ = std::io::stderr().write_all(&decode(&data));
-            }
+            ExecEvent::Stdout { data } => crate::write_base64(Stream::Stdout, &data),
+            ExecEvent::Stderr { data } => crate::write_base64(Stream::Stderr, &data),
             ExecEvent::Lost { bytes } => eprintln!("husk: {bytes} bytes of output were lost"),
             ExecEvent::Exit { code, signal, .. } => {
                 return Ok(match (code, signal) {

@@ -145,6 +145,45 @@ fn ndjson(rx: mpsc::Receiver<Result<Bytes, std::io::Error>>) -> Response {
         .into_response()
 }
 
+/// Streams NDJSON from blocking daemon work: `work` gets `send` (a line to
+/// the client; false once the client went) and `wanted` (whether the
+/// client is still there). A failure before the first line is the
+/// answer's status; after it, `error_line(e)` is the last line.
+async fn stream_lines(
+    work: impl FnOnce(&mut dyn FnMut(Bytes) -> bool, &dyn Fn() -> bool) -> Result<(), DaemonError>
+        + Send
+        + 'static,
+    error_line: impl FnOnce(DaemonError) -> Bytes + Send + 'static,
+) -> ApiResult<Response> {
+    let (started_tx, started_rx) = oneshot::channel::<Result<(), DaemonError>>();
+    let (tx, rx) = mpsc::channel(32);
+    tokio::task::spawn_blocking(move || {
+        let mut started = Some(started_tx);
+        let result = {
+            let mut send = |line: Bytes| {
+                if let Some(s) = started.take() {
+                    let _ = s.send(Ok(()));
+                }
+                tx.blocking_send(Ok(line)).is_ok()
+            };
+            work(&mut send, &|| !tx.is_closed())
+        };
+        match (result, started) {
+            (Err(e), Some(s)) => drop(s.send(Err(e))),
+            (Err(e), None) => drop(tx.blocking_send(Ok(error_line(e)))),
+            _ => {}
+        }
+    });
+    match started_rx.await {
+        Ok(Ok(())) => Ok(ndjson(rx)),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the stream's worker ended".into(),
+        )),
+    }
+}
+
 /// Declares the routes once: the router and [`ROUTES`] (which the OpenAPI
 /// test compares with `openapi.json`) come from the same list.
 macro_rules! routes {

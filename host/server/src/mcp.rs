@@ -967,7 +967,7 @@ impl Backend for InProcess {
     fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
         let mut out = CommandOutput::default();
         self.daemon
-            .read_process(id, pid, from, false, |event| out.take(event, max))?;
+            .read_process(id, pid, from, false, |o| out.take(o.event(), max), || true)?;
         Ok(out)
     }
 

@@ -96,54 +96,38 @@ impl Daemon {
 
     fn program(&self, id: &str, pid: i32) -> Result<Program, DaemonError> {
         let mut agent = self.agent(id)?;
-        let list = agent.programs().map_err(older_agent)?;
+        let program = program_on(&mut agent, id, pid)?;
         self.give_back(id, agent);
-        list.into_iter()
-            .find(|p| p.pid == pid)
-            .ok_or_else(|| no_program(id, pid))
+        Ok(program)
     }
 
     /// Program `pid`'s output from byte `from`: `on_event` gets a `Replay`,
     /// the output kept from there on, then (with `follow`) what comes, and
     /// the `Exit` once it ended; without `follow`, a `Caught` at the end of
-    /// what was there if it still runs. Returns when it ended, or when
-    /// `on_event` answers false (a client that went away).
+    /// what was there if it still runs. Returns when it ended, when
+    /// `on_event` answers false, or, while the program is silent, within a
+    /// second of `wanted` answering false (a client that went away).
     pub fn read_process(
         &self,
         id: &str,
         pid: i32,
         from: u64,
         follow: bool,
-        on_event: impl FnMut(ProcessEvent) -> bool,
-    ) -> Result<(), DaemonError> {
-        self.read_process_while(id, pid, from, follow, on_event, || true)
-    }
-
-    /// [`Daemon::read_process`] that also ends, within a second, once
-    /// `wanted` answers false while the program is silent (a client that
-    /// went away while nothing was written).
-    pub fn read_process_while(
-        &self,
-        id: &str,
-        pid: i32,
-        from: u64,
-        follow: bool,
-        mut on_event: impl FnMut(ProcessEvent) -> bool,
+        mut on_event: impl FnMut(ProcessOutput) -> bool,
         wanted: impl Fn() -> bool,
     ) -> Result<(), DaemonError> {
-        let program = self.program(id, pid)?;
+        let mut agent = self.agent(id)?;
+        let program = program_on(&mut agent, id, pid)?;
         // Where a reader that does not follow stops.
         let until = (!follow && program.end.is_none()).then_some(program.written);
-        let mut agent = self.agent(id)?;
         // Nothing bounds how long a program takes to write.
         agent.set_read_timeout(None)?;
-        let b64 = |d: &[u8]| base64::engine::general_purpose::STANDARD.encode(d);
         let mut reader = agent.follow(pid, from).map_err(|e| match e.kind() {
             Some(husk_protocol::ErrorKind::NotFound) => no_program(id, pid),
             _ => older_agent(e),
         })?;
         let mut at = reader.offset;
-        if !on_event(ProcessEvent::Replay {
+        if !on_event(ProcessOutput::Replay {
             offset: at,
             dropped: reader.dropped,
         }) {
@@ -152,7 +136,7 @@ impl Daemon {
         loop {
             if let Some(u) = until.filter(|u| at >= *u) {
                 // The agent's stream is cut with the connection.
-                on_event(ProcessEvent::Caught { offset: u });
+                on_event(ProcessOutput::Caught { offset: u });
                 return Ok(());
             }
             // Silent: is anyone still reading? (The agent's stream is
@@ -166,16 +150,16 @@ impl Daemon {
                 Ok(Event::Output(stream, data)) => {
                     let offset = at;
                     at += data.len() as u64;
-                    let data = b64(&data);
-                    match stream {
-                        Stream::Stdout => ProcessEvent::Stdout { offset, data },
-                        Stream::Stderr => ProcessEvent::Stderr { offset, data },
+                    ProcessOutput::Data {
+                        offset,
+                        stream,
+                        data,
                     }
                 }
                 Ok(Event::Lost(bytes)) => {
                     let offset = at;
                     at += bytes;
-                    ProcessEvent::Lost { offset, bytes }
+                    ProcessOutput::Lost { offset, bytes }
                 }
                 Ok(Event::Exited(report)) => {
                     self.give_back(id, agent);
@@ -204,7 +188,7 @@ impl Daemon {
     /// How program `pid` ended, by the agent's table (`seen`: the end its
     /// stream reported, if the table no longer has it), as the event after
     /// its last byte (a reader from past its end stops at its end).
-    fn exit_event(&self, id: &str, pid: i32, at: u64, seen: Option<Termination>) -> ProcessEvent {
+    fn exit_event(&self, id: &str, pid: i32, at: u64, seen: Option<Termination>) -> ProcessOutput {
         let program = self.program(id, pid).ok();
         let offset = program.as_ref().map_or(at, |p| at.min(p.written));
         let exit = match program.and_then(|p| p.end) {
@@ -215,25 +199,16 @@ impl Daemon {
             },
             None => exit_of(seen.unwrap_or(Termination::Signal(libc::SIGKILL))),
         };
-        ProcessEvent::Exit { offset, exit }
+        ProcessOutput::Exit { offset, exit }
     }
 
     /// Program `pid`'s input on an agent connection of its own, for a
     /// terminal's keys and resizes: each is sent without waiting for the
     /// guest (a failure ends the program's input, which its reader sees).
     pub fn process_input(&self, id: &str, pid: i32) -> Result<ProcessInput, DaemonError> {
-        let program = self.program(id, pid)?;
-        if program.end.is_some() {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid} has exited: its stdin is gone"
-            )));
-        }
-        if !program.stdin_open {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid}'s stdin is closed (or was never open: start it with `stdin: true`)"
-            )));
-        }
-        let agent = self.agent(id)?;
+        let mut agent = self.agent(id)?;
+        let program = program_on(&mut agent, id, pid)?;
+        takes_input(&program)?;
         Ok(ProcessInput {
             input: agent.input(pid),
             terminal: program.terminal,
@@ -249,18 +224,8 @@ impl Daemon {
         data: &[u8],
         close: bool,
     ) -> Result<(), DaemonError> {
-        let program = self.program(id, pid)?;
-        if program.end.is_some() {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid} has exited: its stdin is gone"
-            )));
-        }
-        if !program.stdin_open {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid}'s stdin is closed (or was never open: start it with `stdin: true`)"
-            )));
-        }
-        let agent = self.agent(id)?;
+        let mut agent = self.agent(id)?;
+        takes_input(&program_on(&mut agent, id, pid)?)?;
         let input = agent.input(pid);
         for chunk in data.chunks(32 << 10) {
             input.write(chunk)?;
@@ -270,7 +235,6 @@ impl Daemon {
         }
         // The agent answers input only when it fails: a ping after it
         // brings any failure back, in order.
-        let mut agent = agent;
         agent.ping()?;
         self.give_back(id, agent);
         Ok(())
@@ -285,13 +249,9 @@ impl Daemon {
         pid: i32,
         signal: i32,
     ) -> Result<(), DaemonError> {
-        let program = self.program(id, pid)?;
-        if program.end.is_some() {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid} has exited already"
-            )));
-        }
-        let mut agent = self.agent_for(id, who, "process-signal", &format!("{pid} {signal}"))?;
+        let mut agent = self.agent(id)?;
+        running(&program_on(&mut agent, id, pid)?)?;
+        self.audit(who, "process-signal", id, &format!("{pid} {signal}"))?;
         agent.signal(pid, signal)?;
         self.give_back(id, agent);
         Ok(())
@@ -305,18 +265,14 @@ impl Daemon {
         rows: u16,
         cols: u16,
     ) -> Result<(), DaemonError> {
-        let program = self.program(id, pid)?;
+        let mut agent = self.agent(id)?;
+        let program = program_on(&mut agent, id, pid)?;
         if !program.terminal {
             return Err(DaemonError::Invalid(format!(
                 "pid {pid} has no terminal to resize (start it with `terminal`)"
             )));
         }
-        if program.end.is_some() {
-            return Err(DaemonError::Conflict(format!(
-                "pid {pid} has exited already"
-            )));
-        }
-        let mut agent = self.agent(id)?;
+        running(&program)?;
         agent
             .input(pid)
             .resize(rows.clamp(1, 1000), cols.clamp(1, 1000))?;
@@ -371,6 +327,122 @@ impl ProcessInput {
     pub fn close(&self) -> Result<(), DaemonError> {
         Ok(self.input.close()?)
     }
+}
+
+/// A program's output as husk-core reads it, the bytes themselves
+/// ([`ProcessOutput::event`] is its wire form).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProcessOutput {
+    /// Where reading starts.
+    Replay {
+        /// Offset of the next byte.
+        offset: u64,
+        /// Bytes asked for that are no longer kept.
+        dropped: u64,
+    },
+    /// Output.
+    Data {
+        /// Offset of its first byte.
+        offset: u64,
+        /// Which stream it was written to.
+        stream: Stream,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Bytes that went before the reader had them.
+    Lost {
+        /// Offset of the first one.
+        offset: u64,
+        /// How many.
+        bytes: u64,
+    },
+    /// The end of what was written, for a reader that does not follow.
+    Caught {
+        /// Offset of the next byte to come.
+        offset: u64,
+    },
+    /// How the program ended, after its last byte.
+    Exit {
+        /// Offset after its last byte.
+        offset: u64,
+        /// How it ended.
+        exit: ProcessExit,
+    },
+}
+
+impl ProcessOutput {
+    /// The event as the API sends it (output in base64).
+    pub fn event(&self) -> ProcessEvent {
+        let b64 = |d: &[u8]| base64::engine::general_purpose::STANDARD.encode(d);
+        match self {
+            ProcessOutput::Replay { offset, dropped } => ProcessEvent::Replay {
+                offset: *offset,
+                dropped: *dropped,
+            },
+            ProcessOutput::Data {
+                offset,
+                stream: Stream::Stdout,
+                data,
+            } => ProcessEvent::Stdout {
+                offset: *offset,
+                data: b64(data),
+            },
+            ProcessOutput::Data {
+                offset,
+                stream: Stream::Stderr,
+                data,
+            } => ProcessEvent::Stderr {
+                offset: *offset,
+                data: b64(data),
+            },
+            ProcessOutput::Lost { offset, bytes } => ProcessEvent::Lost {
+                offset: *offset,
+                bytes: *bytes,
+            },
+            ProcessOutput::Caught { offset } => ProcessEvent::Caught { offset: *offset },
+            ProcessOutput::Exit { offset, exit } => ProcessEvent::Exit {
+                offset: *offset,
+                exit: exit.clone(),
+            },
+        }
+    }
+}
+
+/// Program `pid` of sandbox `id` by the table of `agent`, a connection to it.
+fn program_on(agent: &mut AgentClient, id: &str, pid: i32) -> Result<Program, DaemonError> {
+    agent
+        .programs()
+        .map_err(older_agent)?
+        .into_iter()
+        .find(|p| p.pid == pid)
+        .ok_or_else(|| no_program(id, pid))
+}
+
+/// Refuses a program that has exited.
+fn running(p: &Program) -> Result<(), DaemonError> {
+    match p.end {
+        Some(_) => Err(DaemonError::Conflict(format!(
+            "pid {} has exited already",
+            p.pid
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a program whose stdin takes nothing more.
+fn takes_input(p: &Program) -> Result<(), DaemonError> {
+    let pid = p.pid;
+    if p.end.is_some() {
+        return Err(DaemonError::Conflict(format!(
+            "pid {pid} has exited: its stdin is gone"
+        )));
+    }
+    if !p.stdin_open {
+        return Err(DaemonError::Conflict(format!(
+            "pid {pid}'s stdin is closed (or was never open: start it with `stdin: true`)"
+        )));
+    }
+    Ok(())
 }
 
 fn no_program(id: &str, pid: i32) -> DaemonError {

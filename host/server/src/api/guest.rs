@@ -24,40 +24,23 @@ pub(super) async fn watch(
     q: Result<Query<WatchQuery>, axum::extract::rejection::QueryRejection>,
 ) -> ApiResult<Response> {
     let Query(q) = q.map_err(|e| bad(format!("bad query: {e} (path=/dir[&recursive=true])")))?;
-    let (started_tx, started_rx) = oneshot::channel::<Result<(), DaemonError>>();
-    let (tx, rx) = mpsc::channel(32);
-    tokio::task::spawn_blocking(move || {
-        let mut started = Some(started_tx);
-        let gone = tx.clone();
-        let watched = d.watch_dir(
-            &id,
-            &q.path,
-            q.recursive.unwrap_or(false),
-            |events| {
-                if let Some(s) = started.take() {
-                    let _ = s.send(Ok(()));
-                    return tx
-                        .blocking_send(Ok(line(&serde_json::json!({ "watching": q.path }))))
-                        .is_ok();
-                }
-                events.iter().all(|e| tx.blocking_send(Ok(line(e))).is_ok())
-            },
-            move || !gone.is_closed(),
-        );
-        match (watched, started) {
-            (Err(e), Some(s)) => drop(s.send(Err(e))),
-            (Err(e), None) => {
-                let _ = tx.blocking_send(Ok(line(&serde_json::json!({ "error": e.to_string() }))));
-            }
-            _ => {}
-        }
-    });
-    match started_rx.await {
-        Ok(Ok(())) => Ok(ndjson(rx)),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => Err(ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "watch worker ended".into(),
-        )),
-    }
+    stream_lines(
+        move |send, wanted| {
+            let mut first = true;
+            d.watch_dir(
+                &id,
+                &q.path,
+                q.recursive.unwrap_or(false),
+                |events| {
+                    if std::mem::take(&mut first) {
+                        return send(line(&serde_json::json!({ "watching": q.path })));
+                    }
+                    events.iter().all(|e| send(line(e)))
+                },
+                wanted,
+            )
+        },
+        |e| line(&serde_json::json!({ "error": e.to_string() })),
+    )
+    .await
 }

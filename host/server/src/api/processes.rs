@@ -6,6 +6,7 @@
 
 use super::*;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use husk_core::daemon::ProcessOutput;
 use husk_types::{ProcessEvent, ProcessSpec, SignalName, SignalRequest, TerminalSize};
 
 pub(super) async fn start(
@@ -75,71 +76,49 @@ pub(super) async fn output(
         Some(text) => Some(husk_types::OutputMatch::new(text.as_bytes())),
         None => None,
     };
-    let (started_tx, started_rx) = oneshot::channel::<Result<(), DaemonError>>();
-    let (tx, rx) = mpsc::channel(32);
-    tokio::task::spawn_blocking(move || {
-        let mut started = Some(started_tx);
-        let gone = tx.clone();
-        let read = d.read_process_while(
-            &id,
-            pid,
-            from,
-            follow,
-            |event| {
-                if let Some(s) = started.take() {
-                    let _ = s.send(Ok(()));
-                }
-                let matched = match (&mut until, &event) {
-                    (
-                        Some(m),
-                        ProcessEvent::Stdout { offset, data }
-                        | ProcessEvent::Stderr { offset, data },
-                    ) => base64::engine::general_purpose::STANDARD
-                        .decode(data)
-                        .ok()
-                        .and_then(|d| m.feed(*offset, &d)),
-                    (Some(m), ProcessEvent::Lost { .. }) => {
-                        m.gap();
-                        None
-                    }
-                    _ => None,
-                };
-                if tx.blocking_send(Ok(line(&event))).is_err() {
-                    return false;
-                }
-                match matched {
-                    Some(offset) => {
-                        let _ = tx.blocking_send(Ok(line(&ProcessEvent::Matched { offset })));
-                        false
-                    }
-                    None => true,
-                }
-            },
-            move || !gone.is_closed(),
-        );
-        match (read, started) {
-            (Err(e), Some(s)) => drop(s.send(Err(e))),
-            (Err(e), None) => {
-                let event = ProcessEvent::Error {
-                    kind: match &e {
-                        DaemonError::Agent(c) => c.kind(),
+    stream_lines(
+        move |send, wanted| {
+            d.read_process(
+                &id,
+                pid,
+                from,
+                follow,
+                |output| {
+                    let matched = match (&mut until, &output) {
+                        (Some(m), ProcessOutput::Data { offset, data, .. }) => {
+                            m.feed(*offset, data)
+                        }
+                        (Some(m), ProcessOutput::Lost { .. }) => {
+                            m.gap();
+                            None
+                        }
                         _ => None,
-                    },
-                    error: e.to_string(),
-                };
-                let _ = tx.blocking_send(Ok(line(&event)));
-            }
-            _ => {}
-        }
-    });
-    match started_rx.await {
-        Ok(Ok(())) => Ok(ndjson(rx)),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => Err(ApiError(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "output worker ended".into(),
-        )),
-    }
+                    };
+                    if !send(line(&output.event())) {
+                        return false;
+                    }
+                    match matched {
+                        Some(offset) => {
+                            send(line(&ProcessEvent::Matched { offset }));
+                            false
+                        }
+                        None => true,
+                    }
+                },
+                wanted,
+            )
+        },
+        |e| {
+            line(&ProcessEvent::Error {
+                kind: match &e {
+                    DaemonError::Agent(c) => c.kind(),
+                    _ => None,
+                },
+                error: e.to_string(),
+            })
+        },
+    )
+    .await
 }
 
 #[derive(Deserialize)]
@@ -262,20 +241,19 @@ async fn serve_terminal(
         let (d, id) = (d.clone(), id.clone());
         let gone = out_tx.clone();
         tokio::task::spawn_blocking(move || {
-            let b64 = |data: &str| {
-                base64::engine::general_purpose::STANDARD
-                    .decode(data)
-                    .unwrap_or_default()
-            };
-            let read = d.read_process_while(
+            let read = d.read_process(
                 &id,
                 pid,
                 from,
                 true,
-                |event| {
-                    let frame = match event {
-                        ProcessEvent::Stdout { data, .. } => Message::Binary(b64(&data).into()),
-                        other => text_frame(&other),
+                |output| {
+                    let frame = match output {
+                        ProcessOutput::Data {
+                            stream: Stream::Stdout,
+                            data,
+                            ..
+                        } => Message::Binary(data.into()),
+                        other => text_frame(&other.event()),
                     };
                     out_tx.blocking_send(frame).is_ok()
                 },
