@@ -1426,6 +1426,14 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
     let taken = control(&vm.api, &share(FS_SLOTS[0]));
     let mount_next = client.mount_share(FS_SLOTS[0], "/mnt/next/deeper", false);
     let mount_twice = client.mount_share(FS_SLOTS[0], "/mnt/again", false);
+    // At its own place again (the host sends a create's shares on every
+    // connection that may be first): acknowledged, not stacked.
+    let mount_same = client.mount_share(FS_SLOTS[0], "/mnt/next//deeper/", false);
+    let stacked = run_as(
+        &mut client,
+        None,
+        "grep -c ' /mnt/next/deeper ' /proc/mounts",
+    );
     // Root, whom the guest's permissions do not stop: the share's `ro` does.
     let next_seen = run_as(
         &mut client,
@@ -1505,6 +1513,8 @@ fn shared_directories_follow_the_host_both_ways_and_keep_the_guest_beneath_them(
         "{taken:?}"
     );
     mount_next.expect("the agent mounts the new share");
+    mount_same.expect("the same share at its own place is acknowledged");
+    assert_eq!(stacked.as_deref(), Ok("1\n"), "mounted once");
     let twice = mount_twice.expect_err("one mount per share").to_string();
     assert!(twice.contains("/mnt/next/deeper"), "{twice}");
     let next_seen = next_seen.expect("read the new share");

@@ -999,7 +999,12 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
     };
     let work = dir(
         "work",
-        &[("note", "from-the-host\n"), (".env", "TOKEN=secret\n")],
+        &[
+            ("note", "from-the-host\n"),
+            (".env", "TOKEN=secret\n"),
+            ("id.key", "PRIVATE\n"),
+            (".sandboxignore", "# keys stay on the host\n\n*.key\n"),
+        ],
     );
     let docs = dir("docs", &[("readme", "read-me\n")]);
     let mounts = json!([
@@ -1033,7 +1038,11 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
     let as_root = sh(&id, "echo by-root > /home/user/work/root-made");
     std::fs::write(work.join("later"), "written-on-the-host\n").expect("a host write");
     let live = sh(&id, "cat /home/user/work/later /home/user/work/made");
-    let hidden = sh(&id, "cat /home/user/work/.env");
+    let hidden = sh(
+        &id,
+        "cd /home/user/work && (cat .env || cat id.key || cat .sandboxignore || \
+         echo x > .sandboxignore)",
+    );
     let no_hibernation = status(api().hibernate(&id));
     let no_snapshot = status(api().snapshot(&id, "with-mounts"));
     api().pause(&id).expect("pause");
@@ -1055,6 +1064,10 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
         .map(|m| m.guest.as_str())
         .collect();
     assert_eq!(guests, ["/home/user/work", "/mnt/docs"]);
+    assert_eq!(
+        created.sandbox.mounts[0].hide,
+        [".env", ".sandboxignore", "*.key"]
+    );
     let lines: Vec<&str> = as_user.stdout.lines().collect();
     assert_eq!(
         lines[..4],
@@ -1085,6 +1098,10 @@ fn host_directories_mounted_at_create_are_live_both_ways_even_from_the_pool() {
     assert_eq!(
         std::fs::read_to_string(work.join(".env")).expect(".env"),
         "TOKEN=secret\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(work.join(".sandboxignore")).expect(".sandboxignore"),
+        "# keys stay on the host\n\n*.key\n"
     );
     assert!(!docs.join("new").exists());
     if root {
@@ -1255,6 +1272,24 @@ fn mounts_outside_the_roots_or_beyond_the_slots_are_refused() {
         { "host": inside, "guest": "/mnt/a" },
     ]));
     let unknown = refused(json!([{ "host": inside, "guest": "/mnt/x", "mode": "rw" }]));
+    // A .sandboxignore the daemon will not read: through a link (to a file
+    // the directory's owner may not read), or one that would show again.
+    let ignoring = |name: &str, make: &dyn Fn(&Path)| {
+        let dir = inside.join(name);
+        std::fs::create_dir(&dir).expect("a host directory");
+        make(&dir.join(".sandboxignore"));
+        // SAFETY: getuid cannot fail.
+        if unsafe { libc::getuid() } == 0 {
+            std::os::unix::fs::lchown(&dir, Some(4242), Some(4242)).expect("chown");
+        }
+        refused(json!([{ "host": dir, "guest": "/mnt/x" }]))
+    };
+    let linked = ignoring("linked", &|at| {
+        std::os::unix::fs::symlink("/etc/shadow", at).expect("symlink")
+    });
+    let negated = ignoring("negated", &|at| {
+        std::fs::write(at, "*.pem\n!public.pem\n").expect("write")
+    });
 
     for (what, got, says) in [
         ("outside the roots", &escaping, "mount root"),
@@ -1264,10 +1299,35 @@ fn mounts_outside_the_roots_or_beyond_the_slots_are_refused() {
         ("more than the slots", &three, "fs slots"),
         ("one guest path twice", &twice, "two mounts at /mnt/a"),
         ("an unknown field", &unknown, "mode"),
+        ("a linked .sandboxignore", &linked, "symbolic link"),
+        ("a negation in .sandboxignore", &negated, "line 2"),
     ] {
         assert_eq!(got.0, 400, "{what}: {got:?}");
         assert!(got.1.contains(says), "{what}: {got:?}");
     }
+
+    // Where the guest cannot mount (a file): the create answers once the
+    // host serves the share, and the guest's refusal, met ahead of the
+    // sandbox's first request, fails it with the reason before any use.
+    let unmountable = create_with(json!({
+        "template": "base",
+        "mounts": [{ "host": inside, "guest": "/proc/version" }],
+    }))
+    .expect("served by the host");
+    let id = unmountable.sandbox.id;
+    wait_until("the guest's refusal to fail the sandbox", || {
+        get(&id).expect("still listed").state == SandboxState::Failed
+    });
+    let failed = get(&id).expect("failed sandbox");
+    let refused = status(exec(&id, &["true"]));
+    destroy(&id);
+
+    let error = failed.error.unwrap_or_default();
+    assert!(
+        error.contains("/proc/version") && error.contains("fs0"),
+        "{error}"
+    );
+    assert_eq!(refused.0, 409, "{refused:?}");
 }
 
 #[test]

@@ -9,6 +9,7 @@
 
 use std::io;
 use std::os::fd::AsRawFd;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// How long the kernel may take to read the new capacity (a worker on a
@@ -46,7 +47,7 @@ pub fn mount(serial: &str, size: u64, root: &str) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     drop(device);
-    if let Some(parent) = std::path::Path::new(root).parent() {
+    if let Some(parent) = Path::new(root).parent() {
         std::fs::create_dir_all(parent)?;
     }
     std::fs::create_dir(root)?;
@@ -74,13 +75,24 @@ pub fn mount(serial: &str, size: u64, root: &str) -> io::Result<()> {
 }
 
 /// Mounts the directory virtio-fs device `tag` serves at `target` (made
-/// if missing), nosuid and nodev, read-only if `readonly`.
+/// if missing), nosuid and nodev, read-only if `readonly`. A share mounted
+/// at `target` already is left as it is: the host sends a create's shares
+/// ahead of the first request on every connection that may be first, and
+/// again after its daemon restarted; one mounted elsewhere is refused.
 pub fn mount_share(tag: &str, target: &str, readonly: bool) -> io::Result<()> {
+    static MOUNTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidInput, what);
     if !target.starts_with('/') {
         return Err(invalid(format!("{target:?} is not an absolute path")));
     }
+    // One at a time: two connections carrying the same share must not
+    // both find it unmounted.
+    let _one = MOUNTING.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(at) = mounted_at(tag) {
+        let here = std::fs::canonicalize(target).is_ok_and(|t| t == Path::new(&unescape(&at)));
+        if here {
+            return Ok(());
+        }
         return Err(io::Error::new(
             io::ErrorKind::AlreadyExists,
             format!("it is mounted at {at} already"),
@@ -137,6 +149,30 @@ fn mounted_at(dev: &str) -> Option<String> {
     })
 }
 
+/// A path as /proc/self/mounts writes it (space, tab, newline and
+/// backslash as three octal digits after a backslash), as it is.
+fn unescape(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| bytes[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push(d.iter().fold(0u8, |n, c| n.wrapping_mul(8) + (c - b'0')));
+                i += 4;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Waits until drive `name` has `sectors` (the kernel has read the new
 /// medium's capacity).
 fn wait_for_sectors(name: &str, sectors: u64) -> io::Result<()> {
@@ -158,5 +194,18 @@ fn wait_for_sectors(name: &str, sectors: u64) -> io::Result<()> {
             ));
         }
         std::thread::sleep(POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_points_are_read_back_as_they_are() {
+        assert_eq!(unescape("/mnt/my\\040work"), "/mnt/my work");
+        assert_eq!(unescape("/a\\134b\\011c"), "/a\\b\tc");
+        assert_eq!(unescape("/plain"), "/plain");
+        assert_eq!(unescape("/short\\04"), "/short\\04");
     }
 }

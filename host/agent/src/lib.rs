@@ -70,10 +70,10 @@ pub enum ClientError {
     Protocol(#[from] ProtocolError),
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
-    /// The wall clock sent ahead of the request (see [`ClockGate`]) was
-    /// not set: the request was not answered.
-    #[error("the guest's clock could not be set: {0}")]
-    Clock(String),
+    /// What was sent ahead of the request (see [`Gate`]) was refused:
+    /// the request was not answered.
+    #[error("the guest was not made ready for use: {0}")]
+    NotReady(String),
 }
 
 impl ClientError {
@@ -257,41 +257,70 @@ impl Watch<'_> {
     }
 }
 
-/// Whether a woken guest's wall clock has been set since it woke, shared
-/// by every connection to it.
+/// What a guest must have done before any request of its users reaches
+/// it, shared by every connection to it: its wall clock set after it was
+/// woken, and the shared directories of its create mounted.
 ///
-/// A parked clone is handed out as soon as its vCPUs run again: its clock,
-/// which stood still while it was parked, is set by the first request that
-/// reaches it instead of by a round trip of its own. Each connection given
-/// the gate ([`AgentClient::carry_clock`]) while it is pending sends
-/// `SetClock(now)` ahead of its next request; the agent answers it before
-/// it reads that request, so nothing runs in the guest on the old clock,
-/// and the request's answer is only returned once the clock's is read.
-/// The first acknowledgement opens the gate; a refusal closes it for good
-/// (the request fails with [`ClientError::Clock`], and so does every later
-/// one: the guest is never used with a wrong clock).
+/// A parked clone is handed out as soon as its vCPUs run again and its
+/// create's shares are served: its clock, which stood still while it was
+/// parked, is set, and the shares are mounted, by the first request that
+/// reaches it instead of by round trips of their own. Each connection
+/// given the gate ([`AgentClient::carry`]) while it is pending sends
+/// `SetClock(now)` and each `MountShare` ahead of its next request; the
+/// agent answers them before it reads that request (and a share already
+/// mounted at its place is acknowledged again), so nothing runs in the
+/// guest on the old clock or without its mounts, and the request's answer
+/// is only returned once theirs are read. The first acknowledgement of
+/// them all opens the gate; a refusal closes it for good (the request
+/// fails with [`ClientError::NotReady`], and so does every later one: the
+/// guest is never used with a wrong clock or without its shares).
 #[derive(Debug, Default)]
-pub struct ClockGate {
-    /// None while pending; then set, or why not.
+pub struct Gate {
+    clock: bool,
+    shares: Vec<Share>,
+    /// None while pending; then done, or why not.
     outcome: Mutex<Option<Result<(), String>>>,
 }
 
-impl ClockGate {
+/// A shared directory a [`Gate`] mounts: virtio-fs device `tag` at
+/// `target`, read-only if `readonly`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Share {
+    pub tag: String,
+    pub target: String,
+    pub readonly: bool,
+}
+
+impl Gate {
     /// A gate whose clock is still to be set.
-    pub fn new() -> Arc<Self> {
-        Arc::new(ClockGate::default())
+    pub fn clock() -> Arc<Self> {
+        Self::new(true, Vec::new())
+    }
+
+    /// A gate that sets the clock if `clock` and mounts `shares`.
+    pub fn new(clock: bool, shares: Vec<Share>) -> Arc<Self> {
+        Arc::new(Gate {
+            clock,
+            shares,
+            outcome: Mutex::default(),
+        })
+    }
+
+    /// The shares it mounts (to carry on into a new gate).
+    pub fn shares(&self) -> &[Share] {
+        &self.shares
     }
 
     fn outcome(&self) -> std::sync::MutexGuard<'_, Option<Result<(), String>>> {
         self.outcome.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether the clock was set.
+    /// Whether the guest has done all of it.
     pub fn is_set(&self) -> bool {
         matches!(*self.outcome(), Some(Ok(())))
     }
 
-    /// Why the clock could not be set, once it could not.
+    /// Why the guest could not do it, once it could not.
     pub fn failure(&self) -> Option<String> {
         match &*self.outcome() {
             Some(Err(why)) => Some(why.clone()),
@@ -306,14 +335,29 @@ impl ClockGate {
     fn refused(&self, why: &str) {
         *self.outcome() = Some(Err(why.to_owned()));
     }
+
+    /// What goes ahead of a request (the clock's time is taken now).
+    fn preludes(&self) -> Result<Vec<Body>, ClientError> {
+        let mut out = Vec::with_capacity(self.shares.len() + 1);
+        if self.clock {
+            let unix_ns = unix_ns(SystemTime::now())?;
+            out.push(Body::SetClock { unix_ns });
+        }
+        out.extend(self.shares.iter().map(|s| Body::MountShare {
+            tag: s.tag.clone(),
+            target: s.target.clone(),
+            readonly: s.readonly,
+        }));
+        Ok(out)
+    }
 }
 
-/// The clock a connection carries: to send with its next request, or sent
-/// (request id) and its answer not read yet.
+/// The gate a connection carries: to go ahead of its next request, or
+/// sent (the request ids) and the answers not read yet.
 #[derive(Debug)]
 enum Carried {
-    ToSend(Arc<ClockGate>),
-    Sent(u64, Arc<ClockGate>),
+    ToSend(Arc<Gate>),
+    Sent(Vec<u64>, Arc<Gate>),
 }
 
 /// A connection to the agent of one VM.
@@ -321,7 +365,7 @@ enum Carried {
 pub struct AgentClient {
     reader: BufReader<UnixStream>,
     sender: Arc<Sender>,
-    clock: Option<Carried>,
+    gate: Option<Carried>,
     /// Whatever its holder ties to its being in use (see `set_lease`).
     lease: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
@@ -366,7 +410,7 @@ impl AgentClient {
                 stream: Mutex::new(stream),
                 next_id: AtomicU64::new(1),
             }),
-            clock: None,
+            gate: None,
             lease: None,
         };
         let id = client.send(Body::Hello { version: VERSION })?;
@@ -474,14 +518,14 @@ impl AgentClient {
         Ok(())
     }
 
-    /// Makes the next request on this connection carry the wall clock
-    /// ahead of it while `gate` is pending (see [`ClockGate`]).
-    pub fn carry_clock(&mut self, gate: Arc<ClockGate>) -> Result<(), ClientError> {
+    /// Makes the next request on this connection carry what `gate` asks
+    /// of the guest ahead of it while `gate` is pending (see [`Gate`]).
+    pub fn carry(&mut self, gate: Arc<Gate>) -> Result<(), ClientError> {
         if let Some(why) = gate.failure() {
-            return Err(ClientError::Clock(why));
+            return Err(ClientError::NotReady(why));
         }
         if !gate.is_set() {
-            self.clock = Some(Carried::ToSend(gate));
+            self.gate = Some(Carried::ToSend(gate));
         }
         Ok(())
     }
@@ -531,52 +575,50 @@ impl AgentClient {
     }
 
     fn send(&mut self, body: Body) -> Result<u64, ClientError> {
-        if let Some(Carried::ToSend(gate)) = self.clock.take() {
+        if let Some(Carried::ToSend(gate)) = self.gate.take() {
             if !gate.is_set() {
-                let unix_ns = unix_ns(SystemTime::now())?;
-                let id = self.sender.send(Body::SetClock { unix_ns })?;
-                self.clock = Some(Carried::Sent(id, gate));
+                let ids = gate
+                    .preludes()?
+                    .into_iter()
+                    .map(|prelude| self.sender.send(prelude))
+                    .collect::<Result<Vec<u64>, ClientError>>()?;
+                self.gate = Some(Carried::Sent(ids, gate));
             }
         }
         self.sender.send(body)
     }
 
-    /// Reads the answer to the clock sent ahead of a request, if one is
-    /// due: it comes before anything of the request's.
-    fn clock_answer(&mut self) -> Result<(), ClientError> {
-        let Some(Carried::Sent(id, gate)) = self.clock.take() else {
+    /// Reads the answers to what was sent ahead of a request, if they are
+    /// due: they come before anything of the request's.
+    fn gate_answers(&mut self) -> Result<(), ClientError> {
+        let Some(Carried::Sent(ids, gate)) = self.gate.take() else {
             return Ok(());
         };
-        let answer = read_frame(&mut self.reader);
-        match answer {
-            Ok(Frame {
-                id: got,
-                body: Body::Done,
-            }) if got == id => {
-                gate.acknowledged();
-                Ok(())
-            }
-            Ok(Frame {
-                body: Body::Error { message, .. },
-                ..
-            }) => {
-                gate.refused(&message);
-                Err(ClientError::Clock(message))
-            }
-            Ok(other) => {
-                let why = format!("unexpected answer {:?}", other.body);
-                gate.refused(&why);
-                Err(ClientError::Clock(why))
-            }
-            // The connection failed, not the clock: another connection may
-            // still set it.
-            Err(e) => Err(ClientError::Clock(e.to_string())),
+        for id in ids {
+            let why = match read_frame(&mut self.reader) {
+                Ok(Frame {
+                    id: got,
+                    body: Body::Done,
+                }) if got == id => continue,
+                Ok(Frame {
+                    body: Body::Error { message, .. },
+                    ..
+                }) => message,
+                Ok(other) => format!("unexpected answer {:?}", other.body),
+                // The connection failed, not the guest: another connection
+                // may still get it done.
+                Err(e) => return Err(ClientError::NotReady(e.to_string())),
+            };
+            gate.refused(&why);
+            return Err(ClientError::NotReady(why));
         }
+        gate.acknowledged();
+        Ok(())
     }
 
     /// Reads the next frame of request `id`; an agent error ends the request.
     fn reply(&mut self, id: u64) -> Result<Body, ClientError> {
-        self.clock_answer()?;
+        self.gate_answers()?;
         let frame = read_frame(&mut self.reader)?;
         match frame.body {
             Body::Error { kind, message } => Err(ClientError::Agent { kind, message }),
@@ -1265,13 +1307,13 @@ mod tests {
                 answer_with(out, frame.id, answer);
             }
         });
-        let gate = ClockGate::new();
-        client.carry_clock(gate.clone()).expect("pending gate");
+        let gate = Gate::clock();
+        client.carry(gate.clone()).expect("pending gate");
         let before = unix_ns(SystemTime::now()).expect("now");
 
         assert_eq!(client.ping().expect("ping"), 7);
         assert!(gate.is_set());
-        client.carry_clock(gate.clone()).expect("set gate");
+        client.carry(gate.clone()).expect("set gate");
         assert_eq!(client.ping().expect("second ping"), 7);
 
         let seen: Vec<Body> = seen_rx.try_iter().collect();
@@ -1293,19 +1335,82 @@ mod tests {
             };
             answer_with(out, clock.id, refusal);
         });
-        let gate = ClockGate::new();
-        client.carry_clock(gate.clone()).expect("pending gate");
+        let gate = Gate::clock();
+        client.carry(gate.clone()).expect("pending gate");
 
         let err = client.ping().expect_err("the clock was refused");
 
         assert!(
-            matches!(&err, ClientError::Clock(m) if m.contains("no clock for you")),
+            matches!(&err, ClientError::NotReady(m) if m.contains("no clock for you")),
             "{err}"
         );
         assert_eq!(gate.failure().as_deref(), Some("no clock for you"));
-        assert!(matches!(
-            client.carry_clock(gate),
-            Err(ClientError::Clock(_))
-        ));
+        assert!(matches!(client.carry(gate), Err(ClientError::NotReady(_))));
+    }
+
+    fn share(tag: &str, target: &str) -> Share {
+        Share {
+            tag: tag.into(),
+            target: target.into(),
+            readonly: false,
+        }
+    }
+
+    #[test]
+    fn shares_are_mounted_after_the_clock_and_before_the_request() {
+        let (seen_tx, seen_rx) = std::sync::mpsc::channel();
+        let mut client = scripted(move |input, out| {
+            for _ in 0..4 {
+                let frame = read_frame(input).expect("frame");
+                let answer = match &frame.body {
+                    Body::Ping => Body::Pong { uptime_ms: 7 },
+                    _ => Body::Done,
+                };
+                seen_tx.send(frame.body.clone()).expect("seen");
+                answer_with(out, frame.id, answer);
+            }
+        });
+        let gate = Gate::new(true, vec![share("fs0", "/mnt/a"), share("fs1", "/mnt/b")]);
+        client.carry(gate.clone()).expect("pending gate");
+
+        assert_eq!(client.ping().expect("ping"), 7);
+
+        assert!(gate.is_set());
+        let seen: Vec<Body> = seen_rx.try_iter().collect();
+        assert!(
+            matches!(
+                &seen[..],
+                [
+                    Body::SetClock { .. },
+                    Body::MountShare { tag: a, .. },
+                    Body::MountShare { tag: b, .. },
+                    Body::Ping
+                ] if a == "fs0" && b == "fs1"
+            ),
+            "{seen:?}"
+        );
+    }
+
+    #[test]
+    fn a_refused_mount_fails_the_request_and_closes_the_gate() {
+        let mut client = scripted(|input, out| {
+            let mount = read_frame(input).expect("mount");
+            let _ping = read_frame(input).expect("ping");
+            let refusal = Body::Error {
+                kind: ErrorKind::Invalid,
+                message: "mounting shared directory \"fs0\" at /proc/x: no".into(),
+            };
+            answer_with(out, mount.id, refusal);
+        });
+        let gate = Gate::new(false, vec![share("fs0", "/proc/x")]);
+        client.carry(gate.clone()).expect("pending gate");
+
+        let err = client.ping().expect_err("the mount was refused");
+
+        assert!(
+            matches!(&err, ClientError::NotReady(m) if m.contains("/proc/x")),
+            "{err}"
+        );
+        assert!(gate.failure().is_some_and(|m| m.contains("fs0")));
     }
 }

@@ -27,7 +27,7 @@ use crate::store::{now_unix_ms, SandboxRecord, Store, StoreError};
 use crate::template::{self, TemplateError};
 use crate::vmm_process::{self, Launch};
 use husk_agent_client::readiness::WaitBudget;
-use husk_agent_client::{AgentClient, ClientError, ClockGate};
+use husk_agent_client::{AgentClient, ClientError, Gate};
 
 mod guest;
 mod hibernate;
@@ -39,6 +39,7 @@ pub use processes::{ProcessInput, ProcessOutput};
 mod shares;
 mod volumes;
 pub use ports::{PortStream, MAX_PORT_CONNS};
+use shares::shares_of;
 
 /// Egress decisions waiting for the audit log.
 const EGRESS_AUDIT_QUEUE: usize = 4096;
@@ -103,9 +104,13 @@ struct Live {
     /// Agent connections between requests: the one kept from its pool
     /// days, and those front-ends gave back ([`Daemon::give_back`]).
     idle: Vec<AgentClient>,
-    /// Set while its guest's clock has to be set by the next request (it
-    /// was woken from a pool or a pause, or adopted by this daemon).
-    clock: Option<Arc<ClockGate>>,
+    /// Set while its guest has something to do before the next request
+    /// (see [`Gate`]): its clock set (it was woken from a pool or a pause,
+    /// or adopted by this daemon), its create's shares mounted.
+    gate: Option<Arc<Gate>>,
+    /// Whether the monitor has made the request that carries its gate's
+    /// shares (see [`Daemon::make_ready`]).
+    readying: bool,
     /// Connections to its ports open now (see [`Daemon::connect_port`]).
     ports: Arc<std::sync::atomic::AtomicUsize>,
     /// When it was last used, and (its other holders) what uses it now.
@@ -166,7 +171,8 @@ impl Live {
             child,
             proxy: None,
             idle: Vec::new(),
-            clock: None,
+            gate: None,
+            readying: false,
             ports: Arc::default(),
             activity: Activity::new(),
         }
@@ -342,6 +348,16 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
 }
 
 /// Why a sandbox that neither runs nor hibernates cannot be used.
+/// The gate of a guest whose clock stood still (paused, parked): it keeps
+/// the shares `last` had not mounted yet.
+fn clock_gate(last: Option<&Arc<Gate>>) -> Arc<Gate> {
+    let shares = last
+        .filter(|g| !g.is_set())
+        .map(|g| g.shares().to_vec())
+        .unwrap_or_default();
+    Gate::new(true, shares)
+}
+
 fn unusable(rec: &SandboxRecord) -> DaemonError {
     let id = &rec.id;
     DaemonError::Conflict(match rec.state {
@@ -556,9 +572,11 @@ impl Daemon {
                 handed_out.push(rec.clone());
             }
             // Whether its clock was set before the last daemon stopped is
-            // not known: the next request sets it again.
+            // not known, nor whether its guest mounted its shares: the
+            // next request sets it again and mounts what is not mounted.
+            let shares = shares_of(&rec);
             let mut live = Live::new(rec, None);
-            live.clock = Some(ClockGate::new());
+            live.gate = Some(Gate::new(true, shares));
             inner.sandboxes.insert(live.rec.id.clone(), live);
         }
         drop(inner);
@@ -761,6 +779,16 @@ impl Daemon {
                 (restored.0, false)
             }
         };
+        // The host serves the mounts now; the guest mounts them ahead of
+        // the first request that reaches it (its gate, set with the state
+        // under one lock: no request comes before it).
+        let (shares, mounts_ms) = match self.serve_mounts(&rec, &mounts) {
+            Ok(served) => served,
+            Err(e) => {
+                self.destroy_quietly(&rec.id);
+                return Err(e);
+            }
+        };
         rec.expires_unix_ms = expires;
         rec.on_expiry = req.on_expiry;
         rec.labels = req.labels;
@@ -769,6 +797,7 @@ impl Daemon {
         rec.traffic_token = traffic_token;
         rec.on_idle = req.on_idle;
         rec.mounts = mounts.iter().map(|m| m.spec.clone()).collect();
+        rec.mount_slots = (0..mounts.len() as u8).collect();
         rec.fs_slots_used = mounts.len() as u8;
         rec.state = SandboxState::Running;
         self.store.put_sandbox(&rec)?;
@@ -776,14 +805,11 @@ impl Daemon {
             live.rec = rec.clone();
             // Idle from now, not from when it was parked.
             live.activity.touch();
-        }
-        let mounts_ms = match self.attach_mounts(&rec, &mounts, who) {
-            Ok(took) => took,
-            Err(e) => {
-                self.destroy_quietly(&rec.id);
-                return Err(e);
+            if !shares.is_empty() {
+                let clock = live.gate.as_ref().is_some_and(|g| !g.is_set());
+                live.gate = Some(Gate::new(clock, shares));
             }
-        };
+        }
         if let Err(e) = self.start_proxy(&rec) {
             self.destroy_quietly(&rec.id);
             return Err(e);
@@ -844,7 +870,7 @@ impl Daemon {
     /// Resumes a parked clone: host work only. Its hostname and randomness
     /// are its own since the refill; its clock, which stood still while it
     /// was parked, is set by the first request that reaches it (see
-    /// [`ClockGate`]), on the agent connection kept from the refill when
+    /// [`Gate`]), on the agent connection kept from the refill when
     /// that is still open.
     fn wake_parked(
         &self,
@@ -860,7 +886,7 @@ impl Daemon {
         control(&rec.run_dir, &husk_vmm_api::Request::Resume)?;
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
             live.idle.extend(agent);
-            live.clock = Some(ClockGate::new());
+            live.gate = Some(Gate::clock());
         }
         tracing::debug!(
             sandbox = %rec.id,
@@ -1037,6 +1063,7 @@ impl Daemon {
             media: BTreeMap::new(),
             mounts: Vec::new(),
             fs_slots_used: 0,
+            mount_slots: Vec::new(),
         };
         // In the store before it can answer: a daemon killed now finds it
         // and cleans it up.
@@ -1160,10 +1187,12 @@ impl Daemon {
     }
 
     /// A connection to a running sandbox's agent. The first after a wake
-    /// carries the guest's clock ahead of its request (see [`ClockGate`]);
-    /// a sandbox whose clock could not be set is marked failed, never used.
+    /// carries the guest's clock ahead of its request, and the first after
+    /// a create its shares' mounts (see [`Gate`]); a sandbox whose clock
+    /// could not be set or whose shares could not be mounted is marked
+    /// failed, never used.
     pub fn agent(&self, id: &str) -> Result<AgentClient, DaemonError> {
-        let (rec, kept, clock, lease) = {
+        let (rec, kept, gate, lease) = {
             let mut inner = self.lock();
             let live = inner
                 .sandboxes
@@ -1182,7 +1211,7 @@ impl Daemon {
             (
                 live.rec.clone(),
                 kept,
-                live.clock.clone(),
+                live.gate.clone(),
                 // In use from here on, while the caller holds the client.
                 Arc::new(InUse::of(&live.activity)),
             )
@@ -1221,8 +1250,8 @@ impl Daemon {
         };
         // In use while the caller holds it (see `on_idle`).
         client.set_lease(Some(lease));
-        if let Some(gate) = clock {
-            if let Err(e) = client.carry_clock(gate) {
+        if let Some(gate) = gate {
+            if let Err(e) = client.carry(gate) {
                 self.fail(id, &e.to_string());
                 return Err(DaemonError::Conflict(format!(
                     "sandbox `{id}` has failed: {e}"
@@ -1395,7 +1424,7 @@ impl Daemon {
         // Its clock stood still while it was paused: the next request sets
         // it before it runs.
         if let Some(live) = self.lock().sandboxes.get_mut(&rec.id) {
-            live.clock = Some(ClockGate::new());
+            live.gate = Some(clock_gate(live.gate.as_ref()));
         }
         self.set_state(id, SandboxState::Paused, SandboxState::Running)?;
         self.store.audit(who, "resume", Some(id), None, "")?;
@@ -1830,8 +1859,52 @@ impl Daemon {
         while !self.stopping.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(250));
             self.reap();
+            self.make_ready();
             self.expire();
             self.idle();
+        }
+    }
+
+    /// Mounts the shares of new sandboxes that no request has reached
+    /// yet (a thread each, with a request of the daemon's own that carries
+    /// their [`Gate`]), so that a guest that cannot mount them is failed
+    /// now, with the reason, not at its first use.
+    fn make_ready(self: &Arc<Self>) {
+        let due: Vec<String> = {
+            let mut inner = self.lock();
+            inner
+                .sandboxes
+                .values_mut()
+                .filter(|live| live.rec.state == SandboxState::Running && !live.readying)
+                .filter(|live| {
+                    live.gate
+                        .as_ref()
+                        .is_some_and(|g| !g.shares().is_empty() && !g.is_set())
+                })
+                .map(|live| {
+                    live.readying = true;
+                    live.rec.id.clone()
+                })
+                .collect()
+        };
+        for id in due {
+            let (d, sandbox) = (self.clone(), id.clone());
+            let spawned = std::thread::Builder::new()
+                .name("mount".into())
+                .spawn(move || {
+                    let made = d.with_agent(&id, "daemon", ("mount", "the create's shares"), |c| {
+                        c.ping()
+                    });
+                    if let Err(e) = made {
+                        tracing::warn!(sandbox = %id, "its shares were not mounted: {e}");
+                        if d.state_of(&id) == Some(SandboxState::Running) {
+                            d.fail(&id, &e.to_string());
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(sandbox = %sandbox, "cannot start mounting its shares: {e}");
+            }
         }
     }
 

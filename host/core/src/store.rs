@@ -134,10 +134,13 @@ pub struct SandboxRecord {
     /// SHA-256 (see `Daemon::insert_medium`).
     #[serde(default)]
     pub media: BTreeMap<String, String>,
-    /// Its host directories, in fs slots 0, 1, ... (the host paths as
-    /// resolved).
+    /// Its host directories (the host paths as resolved).
     #[serde(default)]
     pub mounts: Vec<husk_types::MountSpec>,
+    /// The fs slot each of `mounts` is in (a create's are in 0, 1, ...;
+    /// one added later in the next slot not used).
+    #[serde(default)]
+    pub mount_slots: Vec<u8>,
     /// How many of its template's fs slots it has used: its mounts' and
     /// any whose mount failed (the VMM may hold that share).
     #[serde(default)]
@@ -404,6 +407,7 @@ pub(crate) fn test_record(id: &str) -> SandboxRecord {
             readonly: false,
             hide: vec![".env".to_owned()],
         }],
+        mount_slots: vec![0],
         fs_slots_used: 1,
     }
 }

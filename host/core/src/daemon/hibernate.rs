@@ -137,7 +137,7 @@ impl Daemon {
             inner.parked_agents.remove(id);
             inner.sandboxes.get_mut(id).map(|live| {
                 live.idle.clear();
-                live.clock = None;
+                live.gate = None;
                 (live.child.take(), live.proxy.take())
             })
         };
@@ -401,7 +401,7 @@ impl Daemon {
             // A fresh idle period.
             live.activity.touch();
             // Its clock stood still while it slept.
-            live.clock = Some(ClockGate::new());
+            live.gate = Some(Gate::clock());
             live.idle.push(client);
             live.rec.clone()
         };

@@ -101,12 +101,12 @@ impl Daemon {
         if port == 0 {
             return Err(DaemonError::Invalid("port 0 is not a port".into()));
         }
-        let (rec, clock, count, activity) = {
+        let (rec, gate, count, activity) = {
             let inner = self.lock();
             match inner.sandboxes.get(id) {
                 Some(live) if live.rec.state != SandboxState::Pooled => (
                     live.rec.clone(),
-                    live.clock.clone(),
+                    live.gate.clone(),
                     live.ports.clone(),
                     live.activity.clone(),
                 ),
@@ -121,9 +121,10 @@ impl Daemon {
             }
             _ => return Err(unusable(&rec)),
         }
-        if clock.is_some_and(|gate| !gate.is_set()) {
-            // The guest's clock is set by its next agent request: make one.
-            self.with_agent(id, "daemon", ("clock", "before a port connection"), |c| {
+        if gate.is_some_and(|gate| !gate.is_set()) {
+            // The guest's clock is set, and its shares mounted, by its next
+            // agent request: make one.
+            self.with_agent(id, "daemon", ("ready", "before a port connection"), |c| {
                 c.ping()
             })?;
         }

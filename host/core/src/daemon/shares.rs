@@ -10,7 +10,11 @@
 //! `/shares/fsN` by `husk-jailer --enter`, idmapped so that the owner's
 //! files are the jail uid's there (what the guest creates is the owner's on
 //! the host); the VMM's slot serves it (its `share` request), the owner
-//! shown to the guest as its `user`; the agent mounts it at the guest path.
+//! shown to the guest as its `user`; the agent mounts it at the guest path:
+//! a create's mounts ahead of the first request that reaches the guest (a
+//! [`Gate`]: the create answers once the host has served them, and the
+//! monitor makes that request itself if no user does), one added to a
+//! running sandbox before the add answers.
 //!
 //! A FUSE session is not saved: a sandbox with mounts neither hibernates
 //! nor snapshots (see [`super::media::refuse_with_media`]). Destroying it
@@ -19,6 +23,7 @@
 
 use std::os::unix::fs::MetadataExt;
 
+use husk_agent_client::Share;
 use husk_types::{fs_slot_id, MountSpec};
 
 use super::*;
@@ -29,6 +34,14 @@ const GUEST_USER: (u32, u32) = (1000, 1000);
 
 /// Where a jailed VMM finds its added shares.
 const JAIL_SHARES: &str = husk_jailer::SHARES;
+
+/// The file at the top of a host directory that lists what its guests
+/// must not see (patterns as a mount's `hide` takes them).
+pub const SANDBOXIGNORE: &str = ".sandboxignore";
+/// Most bytes of a `.sandboxignore`.
+const SANDBOXIGNORE_MAX: u64 = 64 << 10;
+/// Most hidden patterns of one mount (each is tried at every lookup).
+const MAX_HIDDEN: usize = 64;
 
 /// A create's mount, checked: its host path resolved, and that directory's
 /// owner (whose files the guest's user's are).
@@ -83,9 +96,24 @@ impl Daemon {
             Some(volume) => self.check_volume_mount(mount, volume)?,
             None => {
                 let (real, owner) = self.check_mount(mount)?;
-                (mount.clone(), real, owner)
+                let mut mount = mount.clone();
+                let listed = sandboxignore(&real)
+                    .map_err(|why| DaemonError::Invalid(format!("mount {}: {why}", mount.host)))?;
+                for pattern in listed {
+                    if !mount.hide.contains(&pattern) {
+                        mount.hide.push(pattern);
+                    }
+                }
+                (mount, real, owner)
             }
         };
+        if mount.hide.len() > MAX_HIDDEN {
+            return Err(DaemonError::Invalid(format!(
+                "mount at {}: {} hidden patterns, at most {MAX_HIDDEN}",
+                mount.guest,
+                mount.hide.len()
+            )));
+        }
         Ok(CheckedMount {
             spec: MountSpec {
                 host: real.display().to_string(),
@@ -151,10 +179,20 @@ impl Daemon {
             Ok(slot)
         })?;
         let tag = fs_slot_id(slot);
-        let attached = self.attach_mount(&rec, &tag, &checked.spec, checked.owner, who);
+        let attached = self
+            .serve_mount(&rec, &tag, &checked.spec, checked.owner)
+            .and_then(|host_ms| {
+                let started = Instant::now();
+                let mount = &checked.spec;
+                self.with_agent(id, who, ("mount", &mount_detail(mount)), |agent| {
+                    agent.mount_share(&tag, &mount.guest, mount.readonly)
+                })?;
+                Ok((host_ms, started.elapsed().as_secs_f64() * 1000.0))
+            });
         let ((), rec) = self.change_record(id, |rec| {
             if attached.is_ok() {
                 rec.mounts.push(checked.spec.clone());
+                rec.mount_slots.push(slot);
             }
             Ok(())
         })?;
@@ -166,18 +204,14 @@ impl Daemon {
             )),
             other => other,
         })?;
-        let what = match &checked.spec.volume {
-            Some(volume) => format!("volume {volume}"),
-            None => checked.spec.host.clone(),
-        };
         self.store.audit(
             who,
             "mount",
             Some(id),
             None,
             &format!(
-                "{what} at {} in {tag} mount_ms={host_ms:.1}+{guest_ms:.1}",
-                checked.spec.guest
+                "{} in {tag} mount_ms={host_ms:.1}+{guest_ms:.1}",
+                mount_detail(&checked.spec)
             ),
         )?;
         Ok(info(&rec))
@@ -271,20 +305,20 @@ impl Daemon {
         Ok((real, (meta.uid(), meta.gid())))
     }
 
-    /// Gives sandbox `rec` (running, its agent answering) its mounts, in
-    /// fs slots 0, 1, ...; what that took, host and guest apart (for the
-    /// create's audit entry): ` mounts_ms=HOST+GUEST` or nothing.
-    pub(super) fn attach_mounts(
+    /// Serves sandbox `rec`'s create mounts from fs slots 0, 1, ... (the
+    /// host's part: its guest mounts them ahead of its first request, see
+    /// [`Gate`]); the shares for its gate, and what serving them took
+    /// (for the create's audit entry): ` mounts_ms=HOST` or nothing.
+    pub(super) fn serve_mounts(
         &self,
         rec: &SandboxRecord,
         mounts: &[CheckedMount],
-        who: &str,
-    ) -> Result<String, DaemonError> {
-        let (mut host_ms, mut guest_ms) = (0.0, 0.0);
+    ) -> Result<(Vec<Share>, String), DaemonError> {
+        let started = Instant::now();
+        let mut shares = Vec::with_capacity(mounts.len());
         for (index, CheckedMount { spec: mount, owner }) in mounts.iter().enumerate() {
             let tag = fs_slot_id(index as u8);
-            let (host, guest) = self
-                .attach_mount(rec, &tag, mount, *owner, who)
+            self.serve_mount(rec, &tag, mount, *owner)
                 .map_err(|e| match e {
                     DaemonError::Failed(why) => DaemonError::Failed(format!(
                         "mount {} at {}: {why}",
@@ -292,23 +326,28 @@ impl Daemon {
                     )),
                     other => other,
                 })?;
-            host_ms += host;
-            guest_ms += guest;
+            shares.push(Share {
+                tag,
+                target: mount.guest.clone(),
+                readonly: mount.readonly,
+            });
         }
-        Ok(match mounts.is_empty() {
+        let took = match mounts.is_empty() {
             true => String::new(),
-            false => format!(" mounts_ms={host_ms:.1}+{guest_ms:.1}"),
-        })
+            false => format!(" mounts_ms={:.1}", started.elapsed().as_secs_f64() * 1000.0),
+        };
+        Ok((shares, took))
     }
 
-    fn attach_mount(
+    /// The host's part of a mount: the directory bound into a jailed
+    /// VMM's jail, and served from fs slot `tag`; what it took in ms.
+    fn serve_mount(
         &self,
         rec: &SandboxRecord,
         tag: &str,
         mount: &MountSpec,
         owner: (u32, u32),
-        who: &str,
-    ) -> Result<(f64, f64), DaemonError> {
+    ) -> Result<f64, DaemonError> {
         let started = Instant::now();
         // The VMM sees the owner's files as the ids it runs with in its
         // jail, or as the owner's where it runs unjailed; the guest sees
@@ -368,14 +407,142 @@ impl Daemon {
         }
         let host_ms = started.elapsed().as_secs_f64() * 1000.0;
         tracing::debug!(sandbox = %rec.id, tag, jail_ms, vmm_ms = host_ms - jail_ms, "share served");
-        let started = Instant::now();
-        let detail = match &mount.volume {
-            Some(volume) => format!("volume {volume} at {}", mount.guest),
-            None => format!("{} at {}", mount.host, mount.guest),
-        };
-        self.with_agent(&rec.id, who, ("mount", &detail), |agent| {
-            agent.mount_share(tag, &mount.guest, mount.readonly)
-        })?;
-        Ok((host_ms, started.elapsed().as_secs_f64() * 1000.0))
+        Ok(host_ms)
+    }
+}
+
+/// The patterns of the `.sandboxignore` at the top of host directory
+/// `dir`, and that file's own name, if it has one: a pattern a line,
+/// blank lines and `#` comments skipped. The file is hidden too, so that
+/// no guest reads it or rewrites what later guests are kept from. Only a
+/// regular file is read (never through a link: the daemon may read what
+/// the directory's owner may not).
+fn sandboxignore(dir: &Path) -> Result<Vec<String>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(SANDBOXIGNORE);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path);
+    let file = match file {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            return Err(format!("its {SANDBOXIGNORE} is a symbolic link"))
+        }
+        Err(e) => return Err(format!("its {SANDBOXIGNORE}: {e}")),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("its {SANDBOXIGNORE}: {e}"))?;
+    if !meta.is_file() {
+        return Err(format!("its {SANDBOXIGNORE} is not a regular file"));
+    }
+    if meta.len() > SANDBOXIGNORE_MAX {
+        return Err(format!(
+            "its {SANDBOXIGNORE} has {} bytes, at most {SANDBOXIGNORE_MAX}",
+            meta.len()
+        ));
+    }
+    let mut text = String::new();
+    file.take(SANDBOXIGNORE_MAX)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("its {SANDBOXIGNORE}: {e}"))?;
+    let mut patterns = vec![SANDBOXIGNORE.to_owned()];
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if line.starts_with('!') || line.contains(',') {
+            return Err(format!(
+                "line {} of its {SANDBOXIGNORE}, `{line}`: a pattern may not start with `!` \
+                 (nothing hidden is shown again) nor have a comma",
+                n + 1
+            ));
+        }
+        patterns.push(line.to_owned());
+    }
+    Ok(patterns)
+}
+
+/// A mount as the audit log names it.
+fn mount_detail(mount: &MountSpec) -> String {
+    match &mount.volume {
+        Some(volume) => format!("volume {volume} at {}", mount.guest),
+        None => format!("{} at {}", mount.host, mount.guest),
+    }
+}
+
+/// The shares sandbox `rec`'s guest has mounted (or is to mount).
+pub(super) fn shares_of(rec: &SandboxRecord) -> Vec<Share> {
+    rec.mounts
+        .iter()
+        .enumerate()
+        .map(|(index, mount)| Share {
+            // Records from before slots were kept had theirs in order.
+            tag: fs_slot_id(rec.mount_slots.get(index).copied().unwrap_or(index as u8)),
+            target: mount.guest.clone(),
+            readonly: mount.readonly,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("husk-ignore-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("temp dir");
+        d
+    }
+
+    #[test]
+    fn a_sandboxignore_hides_its_patterns_and_itself() {
+        let d = dir("plain");
+        assert_eq!(sandboxignore(&d), Ok(Vec::new()));
+        std::fs::write(d.join(SANDBOXIGNORE), "# secrets\n\n  *.pem \n.git/hooks\n")
+            .expect("write");
+
+        let patterns = sandboxignore(&d);
+
+        std::fs::remove_dir_all(&d).expect("clean up");
+        assert_eq!(
+            patterns.expect("read"),
+            [SANDBOXIGNORE, "*.pem", ".git/hooks"]
+        );
+    }
+
+    #[test]
+    fn a_sandboxignore_that_is_not_a_plain_short_list_is_refused() {
+        let d = dir("bad");
+        let at = d.join(SANDBOXIGNORE);
+        std::os::unix::fs::symlink("/etc/hostname", &at).expect("symlink");
+        let linked = sandboxignore(&d);
+        std::fs::remove_file(&at).expect("unlink");
+        std::fs::create_dir(&at).expect("mkdir");
+        let a_dir = sandboxignore(&d);
+        std::fs::remove_dir(&at).expect("rmdir");
+        std::fs::write(&at, "ok\n!shown\n").expect("write");
+        let negated = sandboxignore(&d);
+        std::fs::write(&at, "a,b\n").expect("write");
+        let comma = sandboxignore(&d);
+        std::fs::write(&at, vec![b'x'; SANDBOXIGNORE_MAX as usize + 1]).expect("write");
+        let big = sandboxignore(&d);
+        std::fs::remove_dir_all(&d).expect("clean up");
+
+        for (what, got, says) in [
+            ("a link", linked, "symbolic link"),
+            ("a directory", a_dir, "not a regular file"),
+            ("a negation", negated, "line 2"),
+            ("a comma", comma, "comma"),
+            ("too long", big, "at most"),
+        ] {
+            let why = got.expect_err(what);
+            assert!(why.contains(says), "{what}: {why}");
+        }
     }
 }
