@@ -3727,8 +3727,9 @@ fn the_e2b_python_sdk_drives_husk_unchanged() {
     };
 
     assert!(left.is_empty(), "{left:?}");
-    // What the SDK did in its sandboxes is audited as the REST API's is.
-    for action in ["exec", "upload", "download"] {
+    // What the SDK did in its sandboxes is audited as the REST API's is
+    // (its commands are the process table's programs).
+    for action in ["process-start", "process-signal", "upload", "download"] {
         assert!(
             by_envd(action),
             "no `{action}` through envd in the audit log"

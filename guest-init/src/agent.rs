@@ -394,6 +394,7 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         | Body::Attach { .. }
         | Body::Spawn { .. }
         | Body::Follow { .. }
+        | Body::FollowHeld { .. }
         | Body::Wait { .. }
         | Body::ReadFile { .. }
         | Body::List { .. }
@@ -470,7 +471,8 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::ExecIn { root, request } => crate::exec::exec(id, request, Some(root), &conn),
                 Body::Attach { pid } => crate::exec::attach(id, pid, &conn),
                 Body::Spawn { request, tag, ring } => crate::exec::spawn(id, request, tag, ring),
-                Body::Follow { pid, from } => crate::exec::follow(id, pid, from, &conn),
+                Body::Follow { pid, from } => crate::exec::follow(id, pid, from, false, &conn),
+                Body::FollowHeld { pid, from } => crate::exec::follow(id, pid, from, true, &conn),
                 Body::Wait { pid } => crate::exec::wait(id, pid, &conn),
                 Body::ReadFile { path } => crate::files::read(id, &path, &conn),
                 Body::List { path } => crate::files::list(id, &path, &conn),

@@ -175,16 +175,21 @@ pub fn spawn(id: u64, mut req: ExecRequest, tag: Option<String>, ring: Option<u3
     }
 }
 
-/// `Follow`: a program's output from offset `from`, live, then its end.
-pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
+/// `Follow` (and `FollowHeld`, with `hold`: the program waits for this
+/// reader): a program's output from offset `from`, live, then its end.
+pub fn follow(id: u64, pid: i32, from: u64, hold: bool, conn: &Conn) -> Frame {
     let Some(p) = process::find(pid) else {
         return not_found(id, pid);
     };
     // From an offset not written yet, output comes once it is.
-    let (mut at, dropped) = {
-        let out = p.output();
+    let (mut at, dropped, held) = {
+        let mut out = p.output();
         let at = from.max(out.ring.start());
-        (at, out.ring.start().saturating_sub(from))
+        let held = hold.then(|| Held {
+            process: &p,
+            key: out.hold(at),
+        });
+        (at, out.ring.start().saturating_sub(from), held)
     };
     let replay = Frame {
         id,
@@ -198,6 +203,10 @@ pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
     }
     loop {
         let mut out = p.output();
+        if let Some(h) = &held {
+            out.had(h.key, at);
+            p.changed.notify_all();
+        }
         while !conn.is_closed() && at >= out.ring.end() && !out.finished {
             out = p.wait_change(out, Duration::from_secs(1));
         }
@@ -213,6 +222,7 @@ pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
         } else {
             let ended = out.ended;
             drop(out);
+            drop(held);
             return match ended {
                 Some(ended) => final_frame(id, &p, ended),
                 None => error(
@@ -226,6 +236,20 @@ pub fn follow(id: u64, pid: i32, from: u64, conn: &Conn) -> Frame {
         if conn.send(&Frame { id, body }).is_err() {
             return error(id, ErrorKind::Internal, "the client went away".into());
         }
+    }
+}
+
+/// A `FollowHeld` reader's hold on its program, released when it goes.
+struct Held<'a> {
+    process: &'a process::Process,
+    key: u64,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.process.output().release(self.key);
+        // The pump may be waiting for room that this reader will not make.
+        self.process.changed.notify_all();
     }
 }
 

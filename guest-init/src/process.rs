@@ -8,7 +8,8 @@
 //! that client has not had yet makes the pump wait, so the program waits
 //! for the client; otherwise the oldest output goes, counted as lost when
 //! no collecting client had it, so a background program can never fill
-//! the guest's memory. `Follow` readers never hold a program up.
+//! the guest's memory. `Follow` readers never hold a program up;
+//! `FollowHeld` readers do, as an attached client does.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -66,6 +67,9 @@ pub struct Output {
     /// Generation of the attached client; 0 when nobody is attached.
     pub attached: u64,
     next_attach: u64,
+    /// Readers the program waits for (`FollowHeld`): each one's key and
+    /// how far it has had the output.
+    held: Vec<(u64, u64)>,
     pumps_open: usize,
     pub ended: Option<Ended>,
     /// Set once the program has ended and its output is complete.
@@ -85,6 +89,7 @@ impl Output {
             unreported_lost: 0,
             attached: 0,
             next_attach: 0,
+            held: Vec::new(),
             pumps_open,
             ended: None,
             finished: false,
@@ -96,6 +101,35 @@ impl Output {
     /// Output kept that collecting clients have not had yet.
     pub fn undelivered(&self) -> u64 {
         self.ring.end() - self.delivered
+    }
+
+    /// Whether `len` more bytes would push out output that a client the
+    /// program waits for has not had yet.
+    fn would_lose(&self, len: usize) -> bool {
+        let behind = |had: u64| {
+            had < self.ring.end() && self.ring.cost_from(had, len) > self.ring.capacity()
+        };
+        (self.attached != 0 && behind(self.delivered))
+            || self.held.iter().any(|&(_, had)| behind(had))
+    }
+
+    /// Registers a reader the program waits for, from offset `at`: its key.
+    pub fn hold(&mut self, at: u64) -> u64 {
+        self.next_attach += 1;
+        self.held.push((self.next_attach, at));
+        self.next_attach
+    }
+
+    /// Reader `key` has had the output up to `at`.
+    pub fn had(&mut self, key: u64, at: u64) {
+        if let Some(h) = self.held.iter_mut().find(|(k, _)| *k == key) {
+            h.1 = at;
+        }
+    }
+
+    /// Reader `key` no longer holds the program.
+    pub fn release(&mut self, key: u64) {
+        self.held.retain(|(k, _)| *k != key);
     }
 }
 
@@ -265,10 +299,7 @@ impl Process {
                 return;
             }
         }
-        while out.attached != 0
-            && out.undelivered() > 0
-            && out.ring.cost_from(out.delivered, data.len()) > out.ring.capacity()
-        {
+        while out.would_lose(data.len()) {
             out = self.wait_change(out, Duration::from_secs(1));
         }
         out.ring.push(stream, &data);
@@ -950,5 +981,43 @@ unsafe fn child(
             }
         }
         fail(first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_reader_keeps_what_it_has_not_had_and_lets_go_when_released() {
+        let mut out = Output::new(MIN_RING as usize, 1);
+        let key = out.hold(0);
+        out.ring.push(Stream::Stdout, &[b'x'; 3000]);
+
+        // Another 3000 bytes would push out some the reader has not had.
+        assert!(out.would_lose(3000));
+        assert!(!out.would_lose(100));
+        out.had(key, 2000);
+        assert!(out.would_lose(3000));
+        out.had(key, 3000);
+        assert!(!out.would_lose(3000));
+        out.had(key, 0);
+        out.release(key);
+        assert!(!out.would_lose(3000), "a released reader holds nothing");
+    }
+
+    #[test]
+    fn the_slowest_of_several_held_readers_holds_the_program() {
+        let mut out = Output::new(MIN_RING as usize, 1);
+        let (fast, slow) = (out.hold(0), out.hold(0));
+        out.ring.push(Stream::Stderr, &[b'y'; 3000]);
+        out.had(fast, 3000);
+
+        assert!(out.would_lose(3000));
+        out.had(slow, 3000);
+        assert!(!out.would_lose(3000));
+        out.release(fast);
+        out.release(slow);
+        assert!(out.held.is_empty());
     }
 }

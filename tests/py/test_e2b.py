@@ -69,6 +69,30 @@ def test_stream_input_reaches_the_program_in_order(sbx):
     assert r.stdout == "line one\nline two\nthree"
 
 
+def test_output_larger_than_the_guests_ring_arrives_whole(sbx):
+    # 3 MiB through a 1 MiB ring: the program waits for the client.
+    r = sbx.commands.run("yes 0123456789abcdef | head -c 3145728", timeout=SLOW, request_timeout=SLOW)
+    assert len(r.stdout) == 3145728
+    assert r.stdout.startswith("0123456789abcdef\n") and set(r.stdout) == set("0123456789abcdef\n")
+
+
+def test_a_reconnect_gets_what_the_program_wrote_meanwhile(sbx):
+    h = sbx.commands.run(
+        "echo one; sleep 4; echo two; sleep 2; echo three",
+        background=True,
+        timeout=0,
+        request_timeout=SLOW,
+    )
+    h.disconnect()
+    # "two" is written while no client is connected; the ring keeps it.
+    time.sleep(5)
+    again = sbx.commands.connect(h.pid, timeout=SLOW)
+    r = again.wait()
+    assert r.exit_code == 0
+    assert r.stdout.endswith("two\nthree\n"), r.stdout
+    assert all(p.pid != h.pid for p in sbx.commands.list(request_timeout=SLOW))
+
+
 def test_a_command_that_times_out(sbx):
     with pytest.raises(TimeoutException):
         sbx.commands.run("sleep 600", timeout=3, request_timeout=SLOW)

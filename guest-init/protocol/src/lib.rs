@@ -420,6 +420,15 @@ pub enum Body {
     Forget {
         pid: i32,
     },
+    /// As `Follow`, but the program waits for this reader as for an
+    /// attached client: while the ring holds a full ring of output this
+    /// reader has not had, the program's writes wait, so the reader never
+    /// gets `Lost` (a client that relays every byte, as E2B's does). The
+    /// hold ends with the reader's connection.
+    FollowHeld {
+        pid: i32,
+        from: u64,
+    },
 }
 
 /// Programs the agent keeps at once, running or ended but not collected;

@@ -834,9 +834,18 @@ impl AgentClient {
     /// there on, then live output, then how the program ended (a timeout
     /// or the output limit: `ClientError::Agent { kind: Timeout | Limit }`).
     /// Nothing is collected. A reader stopped early leaves the request
-    /// running: drop the connection.
-    pub fn follow(&mut self, pid: i32, from: u64) -> Result<Following<'_>, ClientError> {
-        let id = self.send(Body::Follow { pid, from })?;
+    /// running: drop the connection. With `hold`, the program waits for
+    /// this reader rather than lose output it has not read (`FollowHeld`).
+    pub fn follow(
+        &mut self,
+        pid: i32,
+        from: u64,
+        hold: bool,
+    ) -> Result<Following<'_>, ClientError> {
+        let id = self.send(match hold {
+            true => Body::FollowHeld { pid, from },
+            false => Body::Follow { pid, from },
+        })?;
         match self.reply(id)? {
             Body::Replay { offset, dropped } => Ok(Following {
                 client: self,

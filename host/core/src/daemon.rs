@@ -35,7 +35,7 @@ mod media;
 mod podnet;
 mod ports;
 mod processes;
-pub use processes::{ProcessInput, ProcessOutput};
+pub use processes::{ProcessInput, ProcessOutput, Reading};
 mod shares;
 mod volumes;
 pub use ports::{PortStream, MAX_PORT_CONNS};

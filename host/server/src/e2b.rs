@@ -40,13 +40,14 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use husk_agent_client::{AgentClient, ClientError, Event};
+use husk_agent_client::{AgentClient, ClientError};
 use husk_core::daemon::{Daemon, DaemonError};
 use husk_types::{
     CreateRequest, EgressSpec, ExpiryPolicy, MountSpec, SandboxInfo, SandboxState, SandboxUpdate,
     SecretSpec, VolumeInfo, VolumeRequest,
 };
 
+mod process;
 mod snapshots;
 
 /// What husk's envd speaks (see the module docs).
@@ -81,8 +82,9 @@ pub struct E2b {
     /// Each sandbox's /etc/passwd, read once (a guest round trip saved on
     /// every command).
     passwd: Mutex<HashMap<String, Arc<String>>>,
-    /// Programs started on a terminal: (sandbox, pid).
-    ptys: Mutex<HashSet<(String, i32)>>,
+    /// How far E2B's clients have had each program's output: (sandbox,
+    /// pid) -> offset, where a `Connect` goes on from (see `process`).
+    relayed: Mutex<HashMap<(String, i32), u64>>,
 }
 
 impl std::fmt::Debug for E2b {
@@ -133,7 +135,7 @@ impl E2b {
             watchers: Mutex::new(HashMap::new()),
             next_watcher: AtomicU64::new(1),
             passwd: Mutex::new(HashMap::new()),
-            ptys: Mutex::new(Default::default()),
+            relayed: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -143,7 +145,7 @@ impl E2b {
         // One lock at a time: no order to keep with the handlers.
         let mut ids: HashSet<String> = lock(&self.envs).keys().cloned().collect();
         ids.extend(lock(&self.passwd).keys().cloned());
-        ids.extend(lock(&self.ptys).iter().map(|(s, _)| s.clone()));
+        ids.extend(lock(&self.relayed).keys().map(|(s, _)| s.clone()));
         ids.extend(lock(&self.watchers).values().map(|w| w.sandbox.clone()));
         if !ids.is_empty() {
             self.forget(&self.daemon.missing(ids));
@@ -158,7 +160,7 @@ impl E2b {
         }
         lock(&self.envs).retain(|id, _| !gone.contains(id));
         lock(&self.passwd).retain(|id, _| !gone.contains(id));
-        lock(&self.ptys).retain(|(id, _)| !gone.contains(id));
+        lock(&self.relayed).retain(|(id, _), _| !gone.contains(id));
         lock(&self.watchers).retain(|_, w| {
             let keep = !gone.contains(&w.sandbox);
             if !keep {
@@ -251,6 +253,8 @@ impl From<DaemonError> for RpcError {
             DaemonError::Agent(c) => c.into(),
             DaemonError::NotFound(m) => RpcError("not_found", m),
             DaemonError::Invalid(m) => RpcError("invalid_argument", m),
+            DaemonError::Conflict(m) => RpcError("failed_precondition", m),
+            DaemonError::Limit(m) => RpcError("resource_exhausted", m),
             other => RpcError("unavailable", other.to_string()),
         }
     }
@@ -302,8 +306,8 @@ pub fn router(e2b: Shared) -> Router {
         .route("/volumes/{id}", get(volume).delete(delete_volume))
         .route("/health", get(health))
         .route("/files", get(download).post(upload))
-        .route("/process.Process/StreamInput", post(stream_input))
-        .route("/process.Process/{method}", post(process_rpc))
+        .route("/process.Process/StreamInput", post(process::stream_input))
+        .route("/process.Process/{method}", post(process::process_rpc))
         .route("/filesystem.Filesystem/{method}", post(filesystem_rpc))
         .route("/{*rest}", delete(not_found).get(not_found).post(not_found))
         .layer(DefaultBodyLimit::max(MAX_UPLOAD))
@@ -1253,6 +1257,18 @@ fn user_name(headers: &HeaderMap, query: Option<&str>) -> String {
 }
 
 impl E2b {
+    /// [`E2b::user`], on an agent connection of its own only if the
+    /// sandbox's /etc/passwd is not known yet.
+    fn user_of(&self, id: &str, name: &str) -> Result<GuestUser, RpcError> {
+        if let Some(text) = lock(&self.passwd).get(id).cloned() {
+            return guest_user(&text, name);
+        }
+        let mut agent = self.daemon.agent(id)?;
+        let user = self.user(id, &mut agent, name)?;
+        self.daemon.give_back(id, agent);
+        Ok(user)
+    }
+
     /// Looks `name` up in sandbox `id`'s /etc/passwd.
     fn user(&self, id: &str, agent: &mut AgentClient, name: &str) -> Result<GuestUser, RpcError> {
         let cached = lock(&self.passwd).get(id).cloned();
@@ -1383,15 +1399,6 @@ fn envelope_in(buf: &[u8]) -> Result<Option<(&[u8], usize)>, RpcError> {
     Ok(buf.get(5..5 + len).map(|json| (json, 5 + len)))
 }
 
-/// The bytes of a `ProcessInput` (`{stdin}` or `{pty}`, base64).
-fn input_bytes(input: &Value) -> Vec<u8> {
-    input["stdin"]
-        .as_str()
-        .or_else(|| input["pty"].as_str())
-        .map(decode_b64)
-        .unwrap_or_default()
-}
-
 fn unary(result: Result<Value, RpcError>) -> Response {
     match result {
         Ok(v) => (StatusCode::OK, axum::Json(v)).into_response(),
@@ -1436,335 +1443,6 @@ fn stream_response(mut rx: mpsc::Receiver<Result<Value, RpcError>>, keepalive: V
         Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(out)),
     )
         .into_response()
-}
-
-/// `StreamInput` (client streaming): a `start` naming the process, then
-/// `data` messages whose input goes to its stdin (or terminal) as each
-/// arrives, and `keepalive`s; the end of the request body ends it. Answered
-/// with the end-of-stream envelope, or one that carries the error.
-async fn stream_input(State(e2b): State<Shared>, headers: HeaderMap, body: Body) -> Response {
-    use tokio_stream::StreamExt;
-    let id = match envd_sandbox(&e2b, &headers) {
-        Ok(id) => id,
-        Err(r) => return r.into_response(),
-    };
-    let e = e2b.clone();
-    let agent = match blocking(move || e.daemon.agent(&id).map_err(RpcError::from)).await {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
-    let mut chunks = body.into_data_stream();
-    let mut buf: Vec<u8> = Vec::new();
-    let mut input = None;
-    let outcome: Result<(), RpcError> = async {
-        loop {
-            // Whole envelopes first; then more of the body.
-            while let Some((json, taken)) = envelope_in(&buf)? {
-                let msg: Value = serde_json::from_slice(json)
-                    .map_err(|e| RpcError("invalid_argument", format!("a message: {e}")))?;
-                buf.drain(..taken);
-                if msg.get("start").is_some() {
-                    input = Some(agent.input(pid_of(&msg["start"])?));
-                } else if let Some(data) = msg.get("data") {
-                    let input = input.as_ref().ok_or_else(|| {
-                        RpcError("failed_precondition", "data before `start`".into())
-                    })?;
-                    let bytes = input_bytes(&data["input"]);
-                    // A write to the agent's socket: short, but it may wait
-                    // for a slow guest.
-                    tokio::task::block_in_place(|| input.write(&bytes)).map_err(RpcError::from)?;
-                }
-            }
-            match chunks.next().await {
-                Some(Ok(chunk)) => buf.extend_from_slice(&chunk),
-                Some(Err(e)) => return Err(RpcError("canceled", format!("the request: {e}"))),
-                None if buf.is_empty() => return Ok(()),
-                None => return Err(RpcError("invalid_argument", "a cut message".into())),
-            }
-        }
-    }
-    .await;
-    // A client stream's answer: its one (empty) message, then the end of
-    // the stream; or only the end, carrying the error.
-    let mut answer = Vec::new();
-    match outcome {
-        Ok(()) => {
-            answer.extend_from_slice(&envelope(0, &json!({})));
-            answer.extend_from_slice(&envelope(2, &json!({})));
-        }
-        Err(e) => answer.extend_from_slice(&envelope(2, &json!({ "error": e.json() }))),
-    }
-    ([(header::CONTENT_TYPE, "application/connect+json")], answer).into_response()
-}
-
-fn pid_of(msg: &Value) -> Result<i32, RpcError> {
-    msg["process"]["pid"]
-        .as_i64()
-        .or_else(|| msg["process"]["pid"].as_str().and_then(|s| s.parse().ok()))
-        .map(|p| p as i32)
-        .ok_or_else(|| {
-            RpcError(
-                "invalid_argument",
-                "`process.pid` is required (tags are not supported)".into(),
-            )
-        })
-}
-
-fn signal_number(name: &str) -> Option<i32> {
-    match name {
-        "SIGNAL_SIGKILL" | "SIGKILL" | "9" => Some(libc::SIGKILL),
-        "SIGNAL_SIGTERM" | "SIGTERM" | "15" => Some(libc::SIGTERM),
-        _ => None,
-    }
-}
-
-/// The `end` event of a program's stream.
-fn end_event(termination: husk_protocol::Termination) -> Value {
-    use husk_protocol::Termination as T;
-    match termination {
-        T::Code(c) => json!({ "event": { "end": {
-            "exitCode": c, "exited": true, "status": format!("exit status {c}") } } }),
-        T::Signal(s) => json!({ "event": { "end": {
-            "exitCode": -1, "exited": false, "status": format!("signal: {s}") } } }),
-    }
-}
-
-/// Streams a program's output and end from `agent` (attached to `pid`).
-/// `pty`: the program runs on a terminal (its output is `pty` data).
-fn stream_program(
-    mut agent: AgentClient,
-    pid: i32,
-    pty: bool,
-    tx: mpsc::Sender<Result<Value, RpcError>>,
-) {
-    let _ = tx.blocking_send(Ok(json!({ "event": { "start": { "pid": pid } } })));
-    let sent = agent.attach_streaming(pid, |event| {
-        let msg = match event {
-            Event::Output(_, d) if pty => json!({ "event": { "data": { "pty": b64(d) } } }),
-            Event::Output(husk_protocol::Stream::Stdout, d) => {
-                json!({ "event": { "data": { "stdout": b64(d) } } })
-            }
-            Event::Output(husk_protocol::Stream::Stderr, d) => {
-                json!({ "event": { "data": { "stderr": b64(d) } } })
-            }
-            Event::Lost(_) => return,
-            Event::Exited(report) => end_event(report.termination),
-        };
-        let _ = tx.blocking_send(Ok(msg));
-    });
-    if let Err(e) = sent {
-        let _ = tx.blocking_send(Err(e.into()));
-    }
-}
-
-async fn process_rpc(
-    State(e2b): State<Shared>,
-    headers: HeaderMap,
-    Path(method): Path<String>,
-    body: Bytes,
-) -> Response {
-    let id = match envd_sandbox(&e2b, &headers) {
-        Ok(id) => id,
-        Err(r) => return r.into_response(),
-    };
-    let msg = match request_message(&headers, &body) {
-        Ok(m) => m,
-        Err(e) => return e.into_response(),
-    };
-    let agent = {
-        let e = e2b.clone();
-        let id = id.clone();
-        match blocking(move || e.daemon.agent(&id).map_err(RpcError::from)).await {
-            Ok(a) => a,
-            Err(e) => return e.into_response(),
-        }
-    };
-    match method.as_str() {
-        "Start" => {
-            let timeout_ms: Option<u64> = headers
-                .get("connect-timeout-ms")
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse().ok())
-                .filter(|t| *t > 0);
-            let name = user_name(&headers, None);
-            let envs = lock(&e2b.envs).get(&id).cloned().unwrap_or_default();
-            let (tx, rx) = mpsc::channel(64);
-            let e = e2b.clone();
-            std::thread::spawn(move || {
-                let mut agent = agent;
-                let started = e
-                    .user(&id, &mut agent, &name)
-                    .and_then(|user| start_program(&mut agent, &msg, &user, envs, timeout_ms));
-                match started {
-                    Ok(pid) => {
-                        let _ = e.daemon.audit(ENVD_WHO, "exec", &id, &command_line(&msg));
-                        let pty = !msg["pty"].is_null();
-                        if pty {
-                            lock(&e.ptys).insert((id.clone(), pid));
-                        }
-                        stream_program(agent, pid, pty, tx)
-                    }
-                    Err(e) => {
-                        let _ = tx.blocking_send(Err(e));
-                    }
-                }
-            });
-            stream_response(rx, json!({ "event": { "keepalive": {} } }))
-        }
-        "Connect" => {
-            let pid = match pid_of(&msg) {
-                Ok(p) => p,
-                Err(e) => return e.into_response(),
-            };
-            let (tx, rx) = mpsc::channel(64);
-            let pty = lock(&e2b.ptys).contains(&(id.clone(), pid));
-            std::thread::spawn(move || stream_program(agent, pid, pty, tx));
-            stream_response(rx, json!({ "event": { "keepalive": {} } }))
-        }
-        "List" => unary(
-            blocking(move || {
-                let mut agent = agent;
-                let list = agent.processes().map_err(RpcError::from)?;
-                let processes: Vec<Value> = list
-                    .iter()
-                    .filter(|p| p.exit.is_none())
-                    .map(|p| {
-                        json!({ "pid": p.pid, "config": {
-                            "cmd": p.argv.first().cloned().unwrap_or_default(),
-                            "args": p.argv.get(1..).unwrap_or_default(),
-                            "envs": {} } })
-                    })
-                    .collect();
-                Ok(json!({ "processes": processes }))
-            })
-            .await,
-        ),
-        "SendSignal" => unary(
-            blocking(move || {
-                let mut agent = agent;
-                let pid = pid_of(&msg)?;
-                let sig = msg["signal"].as_str().unwrap_or_default();
-                let sig = signal_number(sig)
-                    .ok_or_else(|| RpcError("invalid_argument", format!("signal `{sig}`")))?;
-                agent.signal(pid, sig).map_err(RpcError::from)?;
-                Ok(json!({}))
-            })
-            .await,
-        ),
-        "SendInput" => unary(
-            blocking(move || {
-                let agent = agent;
-                let pid = pid_of(&msg)?;
-                let data = input_bytes(&msg["input"]);
-                agent.input(pid).write(&data).map_err(RpcError::from)?;
-                Ok(json!({}))
-            })
-            .await,
-        ),
-        "Update" => unary(
-            blocking(move || {
-                let agent = agent;
-                let pid = pid_of(&msg)?;
-                let size = &msg["pty"]["size"];
-                let dim = |k: &str| {
-                    size[k]
-                        .as_u64()
-                        .map(|v| v.clamp(1, 1000) as u16)
-                        .ok_or_else(|| RpcError("invalid_argument", format!("`pty.size.{k}`")))
-                };
-                agent
-                    .input(pid)
-                    .resize(dim("rows")?, dim("cols")?)
-                    .map_err(RpcError::from)?;
-                Ok(json!({}))
-            })
-            .await,
-        ),
-        "CloseStdin" => unary(
-            blocking(move || {
-                let agent = agent;
-                let pid = pid_of(&msg)?;
-                agent.input(pid).close().map_err(RpcError::from)?;
-                Ok(json!({}))
-            })
-            .await,
-        ),
-        other => RpcError(
-            "unimplemented",
-            format!("process.Process/{other} is not served by husk"),
-        )
-        .into_response(),
-    }
-}
-
-/// A Start request's program and arguments, for the audit log.
-fn command_line(msg: &Value) -> String {
-    let p = &msg["process"];
-    let mut words: Vec<&str> = p["cmd"].as_str().into_iter().collect();
-    if let Some(args) = p["args"].as_array() {
-        words.extend(args.iter().filter_map(Value::as_str));
-    }
-    words.join(" ")
-}
-
-fn start_program(
-    agent: &mut AgentClient,
-    msg: &Value,
-    user: &GuestUser,
-    mut env: BTreeMap<String, String>,
-    timeout_ms: Option<u64>,
-) -> Result<i32, RpcError> {
-    let p = &msg["process"];
-    let pty = if msg["pty"].is_null() {
-        None
-    } else {
-        let size = &msg["pty"]["size"];
-        let dim = |k: &str| size[k].as_u64().map(|v| v.clamp(1, 1000) as u16);
-        Some(husk_protocol::WindowSize {
-            rows: dim("rows").unwrap_or(24),
-            cols: dim("cols").unwrap_or(80),
-        })
-    };
-    let cmd = p["cmd"]
-        .as_str()
-        .ok_or_else(|| RpcError("invalid_argument", "`process.cmd` is required".into()))?;
-    let mut argv = vec![cmd.to_owned()];
-    if let Some(args) = p["args"].as_array() {
-        argv.extend(args.iter().filter_map(|a| a.as_str().map(str::to_owned)));
-    }
-    env.insert("HOME".into(), user.home.clone());
-    env.insert("USER".into(), user.name.clone());
-    env.insert("LOGNAME".into(), user.name.clone());
-    env.insert(
-        "PATH".into(),
-        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-    );
-    if let Some(envs) = p["envs"].as_object() {
-        for (k, v) in envs {
-            if let Some(v) = v.as_str() {
-                env.insert(k.clone(), v.to_owned());
-            }
-        }
-    }
-    let cwd = p["cwd"]
-        .as_str()
-        .map(|c| resolve(user, c))
-        .unwrap_or_else(|| user.home.clone());
-    let req = husk_protocol::ExecRequest {
-        argv,
-        env: env.into_iter().collect(),
-        cwd: Some(cwd),
-        user: Some(husk_protocol::User {
-            uid: user.uid,
-            gid: user.gid,
-        }),
-        // A terminal's input is always open (keys go through it).
-        stdin_open: msg["stdin"].as_bool().unwrap_or(false) || pty.is_some(),
-        pty,
-        timeout_ms,
-        ..Default::default()
-    };
-    agent.spawn(req).map_err(RpcError::from)
 }
 
 /// Where E2B's file metadata are among a file's `user.` extended

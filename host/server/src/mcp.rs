@@ -41,7 +41,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use rmcp::{RoleServer, ServerHandler, ServiceExt};
 use serde_json::{json, Value};
 
-use husk_core::daemon::{Daemon, DaemonError};
+use husk_core::daemon::{Daemon, DaemonError, Reading};
 use husk_core::sandbox::Sandbox;
 use husk_protocol::{DirEntry, ErrorKind, FileKind, Stream, Termination};
 use husk_types::{CreateRequest, ExecSpec, ProcessEvent, ProcessExit, ProcessSpec};
@@ -966,8 +966,13 @@ impl Backend for InProcess {
 
     fn output(&self, id: &str, pid: i32, from: u64, max: u64) -> Result<CommandOutput, Refusal> {
         let mut out = CommandOutput::default();
-        self.daemon
-            .read_process(id, pid, from, false, |o| out.take(o.event(), max), || true)?;
+        self.daemon.read_process(
+            id,
+            pid,
+            (from, Reading::Kept),
+            |o| out.take(o.event(), max),
+            || true,
+        )?;
         Ok(out)
     }
 

@@ -14,6 +14,20 @@ use husk_types::{ProcessEvent, ProcessExit, ProcessInfo, ProcessSpec};
 
 use super::*;
 
+/// How [`Daemon::read_process`] reads a program's output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// What is kept, to its end now.
+    Kept,
+    /// What is kept, then what comes, until the program ends; a reader
+    /// that falls behind the ring is told what it lost.
+    Follow,
+    /// As `Follow`, but the program waits for this reader rather than
+    /// lose output it has not read (a front-end that must relay every
+    /// byte, as E2B's protocol has no word for lost output).
+    Held,
+}
+
 impl Daemon {
     /// Starts `spec` in sandbox `id` in the background, for `who`.
     pub fn start_process(
@@ -102,27 +116,28 @@ impl Daemon {
     }
 
     /// Program `pid`'s output from byte `from`: `on_event` gets a `Replay`,
-    /// the output kept from there on, then (with `follow`) what comes, and
-    /// the `Exit` once it ended; without `follow`, a `Caught` at the end of
-    /// what was there if it still runs. Returns when it ended, when
-    /// `on_event` answers false, or, while the program is silent, within a
-    /// second of `wanted` answering false (a client that went away).
+    /// the output kept from there on, then (following, see [`Reading`])
+    /// what comes, and the `Exit` once it ended; reading what is kept, a
+    /// `Caught` at the end of what was there if it still runs. Returns when
+    /// it ended, when `on_event` answers false, or, while the program is
+    /// silent, within a second of `wanted` answering false (a client that
+    /// went away).
     pub fn read_process(
         &self,
         id: &str,
         pid: i32,
-        from: u64,
-        follow: bool,
+        (from, how): (u64, Reading),
         mut on_event: impl FnMut(ProcessOutput) -> bool,
         wanted: impl Fn() -> bool,
     ) -> Result<(), DaemonError> {
         let mut agent = self.agent(id)?;
         let program = program_on(&mut agent, id, pid)?;
         // Where a reader that does not follow stops.
-        let until = (!follow && program.end.is_none()).then_some(program.written);
+        let until = (how == Reading::Kept && program.end.is_none()).then_some(program.written);
         // Nothing bounds how long a program takes to write.
         agent.set_read_timeout(None)?;
-        let mut reader = agent.follow(pid, from).map_err(|e| match e.kind() {
+        let hold = how == Reading::Held;
+        let mut reader = agent.follow(pid, from, hold).map_err(|e| match e.kind() {
             Some(husk_protocol::ErrorKind::NotFound) => no_program(id, pid),
             _ => older_agent(e),
         })?;

@@ -6,7 +6,7 @@
 
 use super::*;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use husk_core::daemon::ProcessOutput;
+use husk_core::daemon::{ProcessOutput, Reading};
 use husk_types::{ProcessEvent, ProcessSpec, SignalName, SignalRequest, TerminalSize};
 
 pub(super) async fn start(
@@ -78,11 +78,14 @@ pub(super) async fn output(
     };
     stream_lines(
         move |send, wanted| {
+            let how = match follow {
+                true => Reading::Follow,
+                false => Reading::Kept,
+            };
             d.read_process(
                 &id,
                 pid,
-                from,
-                follow,
+                (from, how),
                 |output| {
                     let matched = match (&mut until, &output) {
                         (Some(m), ProcessOutput::Data { offset, data, .. }) => {
@@ -244,8 +247,7 @@ async fn serve_terminal(
             let read = d.read_process(
                 &id,
                 pid,
-                from,
-                true,
+                (from, Reading::Follow),
                 |output| {
                     let frame = match output {
                         ProcessOutput::Data {
