@@ -15,6 +15,7 @@ mod cri;
 #[path = "common/oci.rs"]
 mod oci;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -167,7 +168,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
     // The pods' VMs are clones of `base` (its first build boots it), with
     // a network device for the pod network. Its two empty drives take two
     // containers' root file systems as media; a third container's tree is
-    // copied into the VM. Its two empty fs slots take volumes as shares.
+    // copied into the VM. Its three empty fs slots take volumes as shares.
     ctrd.husk(&[
         "template",
         "build",
@@ -175,7 +176,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         "--drive-slots",
         "2",
         "--fs-slots",
-        "2",
+        "3",
         "--network",
     ]);
     let (image, pause) = images();
@@ -378,6 +379,15 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
         };
         kubelet_writes("v1");
         std::os::unix::fs::symlink("..data/key", config_map.join("key")).expect("key link");
+        // An emptyDir as the kubelet makes one (root's, mode 0777, empty):
+        // given to the volumes' owner and shared, so what the pod writes
+        // there is on the host.
+        let empty_dir = ctrd
+            .dir
+            .join("pods/0a1b/volumes/kubernetes.io~empty-dir/cache");
+        std::fs::create_dir_all(&empty_dir).expect("emptyDir");
+        std::fs::set_permissions(&empty_dir, std::fs::Permissions::from_mode(0o777))
+            .expect("chmod");
         let mount = |at: &str, dir: &Path, readonly: bool| Mount {
             container_path: at.into(),
             host_path: dir.to_string_lossy().into_owned(),
@@ -388,6 +398,7 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
             mount("/data", &volume, false),
             mount("/escape/volume", &volume, true),
             mount("/etc/config", &config_map, true),
+            mount("/cache", &empty_dir, false),
         ];
         let loner = start_container(&mut runtime, (&pod, &config), loner).await;
         let wrote = exec_sync(
@@ -397,7 +408,8 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 "sh",
                 "-c",
                 "cat /data/sub/seed.txt /etc/volume/sub/seed.txt && \
-                     echo from-the-loner > /data/note && cat /etc/config/key",
+                     echo from-the-loner > /data/note && echo cached > /cache/made && \
+                     cat /etc/config/key",
             ],
         )
         .await;
@@ -418,6 +430,17 @@ fn a_pod_is_one_vm_whose_containers_share_localhost_with_roots_of_their_own() {
                 "from-the-loner\n"
             );
             assert_eq!((note.uid(), note.gid()), (4242, 4242), "the note's owner");
+            let made = std::fs::metadata(empty_dir.join("made")).expect("the emptyDir's file");
+            assert_eq!(
+                std::fs::read_to_string(empty_dir.join("made")).expect("made"),
+                "cached\n"
+            );
+            let owner = husk_types::VOLUME_OWNER;
+            assert_eq!(
+                (made.uid(), made.gid()),
+                (owner, owner),
+                "the emptyDir file's owner"
+            );
         }
         kubelet_writes("v2");
         let updated = exec_sync(

@@ -418,17 +418,31 @@ fn share_volume(vm: &Vm, daemon: &ApiClient, v: &bundle::Volume, dir: &str) -> O
     if vm.fs_slots == 0 {
         return None;
     }
-    let meta = std::fs::metadata(&v.source).ok()?;
-    // Root's files are shared read-only only (the daemon's rule); a root
-    // directory a container writes (an emptyDir) is copied.
-    let roots = meta.uid() == 0 || meta.gid() == 0;
-    if roots && !v.readonly {
-        tracing::info!(
-            source = %v.source.display(),
-            "a written volume of root's is copied into the pod's VM, not shared"
-        );
-        return None;
+    let mut meta = std::fs::metadata(&v.source).ok()?;
+    // Root's files are shared read-only only (the daemon's rule). An
+    // emptyDir the kubelet has just made (root's, empty) is given to the
+    // owner of what husk gives sandboxes to write, so it is shared; any
+    // other root directory a container writes is copied.
+    if !v.readonly && (meta.uid() == 0 || meta.gid() == 0) {
+        match take_empty_dir(&v.source) {
+            Ok(true) => meta = std::fs::metadata(&v.source).ok()?,
+            Ok(false) => {
+                tracing::info!(
+                    source = %v.source.display(),
+                    "a written volume of root's is copied into the pod's VM, not shared"
+                );
+                return None;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    source = %v.source.display(),
+                    "an emptyDir could not be given to the volumes' owner, so it is copied: {e}"
+                );
+                return None;
+            }
+        }
     }
+    let roots = meta.uid() == 0 || meta.gid() == 0;
     let mount = husk_types::MountSpec {
         host: v.source.to_string_lossy().into_owned(),
         volume: None,
@@ -453,6 +467,28 @@ fn share_volume(vm: &Vm, daemon: &ApiClient, v: &bundle::Volume, dir: &str) -> O
             None
         }
     }
+}
+
+/// Whether `dir` is an emptyDir volume as the kubelet makes one
+/// (`.../volumes/kubernetes.io~empty-dir/NAME`) that is still empty: then
+/// it is given to [`husk_types::VOLUME_OWNER`], its mode kept, and true.
+/// Its pod is the only user of it, and nothing is in it yet, so no file of
+/// root's becomes the guest's to write.
+fn take_empty_dir(dir: &std::path::Path) -> std::io::Result<bool> {
+    let parent = dir.parent();
+    let kind = parent.and_then(|p| p.file_name());
+    let volumes = parent.and_then(|p| p.parent()).and_then(|p| p.file_name());
+    if kind != Some("kubernetes.io~empty-dir".as_ref()) || volumes != Some("volumes".as_ref()) {
+        return Ok(false);
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.is_dir() || std::fs::read_dir(dir)?.next().is_some() {
+        return Ok(false);
+    }
+    let owner = husk_types::VOLUME_OWNER;
+    std::os::unix::fs::lchown(dir, Some(owner), Some(owner))?;
+    tracing::info!(dir = %dir.display(), owner, "an empty emptyDir given to the volumes' owner");
+    Ok(true)
 }
 
 /// Volume `v` copied into the pod's VM at `dir` (a copy at this time:

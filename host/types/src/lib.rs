@@ -32,4 +32,4 @@ pub use template::{
     MediumInfo, MediumRequest, RootfsSource, TemplateRecord, TemplateSpec, UploadInfo,
     MAX_DRIVE_SLOTS, MAX_FS_SLOTS,
 };
-pub use volume::{check_volume_name, VolumeInfo, VolumeRequest};
+pub use volume::{check_volume_name, VolumeInfo, VolumeRequest, VOLUME_OWNER};

@@ -3,6 +3,13 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The owner (uid and gid) of the host directories husk itself gives
+/// sandboxes to write (named volumes, a pod's emptyDir) and of everything
+/// guests make in them: the id just below the jails' range
+/// (`husk_jailer::UID_BASE`), neither root nor any jail's uid, so a jailed
+/// VMM gets them, idmapped, as its own.
+pub const VOLUME_OWNER: u32 = 199_999;
+
 /// A volume create request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

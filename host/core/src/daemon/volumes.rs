@@ -8,13 +8,12 @@
 //! root): neither root nor any jail's uid, so a jailed VMM gets it, idmapped,
 //! as its own and what guests make there stays that owner's on the host.
 
+pub use husk_types::VOLUME_OWNER;
 use husk_types::{check_volume_name, VolumeInfo};
 
 use super::*;
 
-/// The owner (uid and gid) of volumes' directories and everything guests
-/// make in them: the id just below the jails' range.
-pub const VOLUME_OWNER: u32 = husk_jailer::UID_BASE - 1;
+const _: () = assert!(VOLUME_OWNER == husk_jailer::UID_BASE - 1);
 
 /// Where volumes live, beneath the state directory.
 const VOLUMES: &str = "volumes";
