@@ -237,7 +237,9 @@ fn main() {
     let proxy_ca = tls.ca.pem().to_owned();
     let (decisions, decided) = std::sync::mpsc::sync_channel(1024);
     std::thread::spawn(move || for _ in decided {});
-    let egress = Arc::new(Egress::new(Some(&netns), decisions, Some(tls)).expect("egress"));
+    let egress = Arc::new(
+        Egress::new(Some(&netns), decisions, Some(tls), Default::default()).expect("egress"),
+    );
     let allow = Allowlist::parse(&[plain.to_string(), secure.to_string()]).expect("allowlist");
     let plain_socket = dir.join("plain.sock");
     let _plain_proxy = egress

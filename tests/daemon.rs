@@ -4296,6 +4296,150 @@ fn egress_goes_only_through_the_proxy_and_only_where_allowed() {
     assert!(message.contains("bad host!"), "{message}");
 }
 
+/// A named secret: a credential names it (`${husk.secrets.NAME}`), the
+/// proxy puts its value into each request as it is then (an update shows
+/// at the next request; a deleted one refuses the request), and no call,
+/// audit entry or sandbox file shows it.
+#[test]
+fn a_named_secret_is_resolved_per_request_and_never_shown() {
+    let (d, _g) = shared();
+    let Some(ns) = egress_net() else {
+        common::skip("the egress test network (a network namespace) needs root");
+        return;
+    };
+    let (server, seen) = egress_server(ns, EGRESS_SERVER_IP);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.as_nanos());
+    let (name, first, second) = (
+        format!("tok-{nanos:x}"),
+        format!("sk-first-{nanos:x}"),
+        format!("sk-second-{nanos:x}"),
+    );
+    let made: husk_types::SecretInfo = api()
+        .call(
+            "POST",
+            "/v1/secrets",
+            Some(&json!({ "name": name, "value": first })),
+        )
+        .expect("create a secret");
+    let s = create_with(json!({
+        "template": "base",
+        "egress": {
+            "allow": [server.to_string()],
+            "secrets": [{
+                "host": server.to_string(),
+                "header": "Authorization",
+                "value": format!("Bearer ${{husk.secrets.{name}}}"),
+            }],
+        },
+    }))
+    .expect("create naming the secret")
+    .sandbox;
+    let id = s.id.as_str();
+    let get = || sh(id, &format!("wget -q -O - http://{server}/x 2>&1"));
+    let with_first = get();
+    let updated: husk_types::SecretInfo = api()
+        .call(
+            "PUT",
+            &format!("/v1/secrets/{name}"),
+            Some(&json!({ "value": second, "metadata": { "team": "a" } })),
+        )
+        .expect("update the secret");
+    let with_second = get();
+    let listed = api()
+        .call::<Value>("GET", "/v1/secrets", None)
+        .expect("list")
+        .to_string();
+    let shown = api()
+        .call::<Value>("GET", &format!("/v1/secrets/{}", made.id), None)
+        .expect("get")
+        .to_string();
+    api()
+        .send("DELETE", &format!("/v1/secrets/{name}"), Payload::None)
+        .expect("delete the secret");
+    let without = get();
+    let refusals: Vec<(u16, String)> = [
+        json!({ "name": "a}b", "value": "x" }),
+        json!({ "name": "fine", "value": "a\r\nX-Injected: 1" }),
+        json!({ "value": "no name" }),
+    ]
+    .iter()
+    .map(|body| status(api().call::<Value>("POST", "/v1/secrets", Some(body))))
+    .collect();
+    let twice = {
+        let body = json!({ "name": format!("{name}-2"), "value": "x" });
+        let _ = api().call::<Value>("POST", "/v1/secrets", Some(&body));
+        let again = status(api().call::<Value>("POST", "/v1/secrets", Some(&body)));
+        let _ = api().send("DELETE", &format!("/v1/secrets/{name}-2"), Payload::None);
+        again
+    };
+    let gone = status(api().call::<Value>("GET", &format!("/v1/secrets/{name}"), None));
+    let audit = api()
+        .call::<Value>("GET", "/v1/audit?limit=10000", None)
+        .expect("audit")
+        .to_string();
+    let holders = Command::new("grep")
+        .args(["-rlaF", &first])
+        .arg(d.state_dir.join("sandboxes").join(id))
+        .output()
+        .expect("grep");
+    destroy(id);
+
+    let seen: Vec<String> = seen
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|b| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    assert_eq!((made.version, updated.version), (1, 2));
+    assert_eq!(updated.metadata.get("team").map(String::as_str), Some("a"));
+    assert_eq!(
+        with_first.stdout, "hello from the allowed host\n",
+        "{with_first:?}"
+    );
+    assert_eq!(
+        with_second.stdout, "hello from the allowed host\n",
+        "{with_second:?}"
+    );
+    assert_eq!(
+        seen.len(),
+        2,
+        "the deleted secret's request reached the host: {seen:?}"
+    );
+    assert!(
+        seen[0].contains(&format!("\r\nAuthorization: Bearer {first}\r\n")),
+        "{seen:?}"
+    );
+    assert!(
+        seen[1].contains(&format!("\r\nAuthorization: Bearer {second}\r\n")),
+        "{seen:?}"
+    );
+    assert_ne!(without.code, Some(0), "{without:?}");
+    assert!(without.stdout.contains("502"), "{without:?}");
+    assert!(
+        audit.contains(&format!("names secret `{name}`, which does not exist")),
+        "no refusal in the audit log"
+    );
+    for (what, text) in [("list", &listed), ("get", &shown), ("audit", &audit)] {
+        assert!(
+            !text.contains(&first) && !text.contains(&second),
+            "{what} shows a value"
+        );
+    }
+    assert!(shown.contains(&name), "{shown}");
+    assert!(
+        holders.stdout.is_empty(),
+        "in the sandbox's files: {holders:?}"
+    );
+    for (got, says) in refusals.iter().zip(["placeholder", "one line", "`name`"]) {
+        assert_eq!(got.0, 400, "{got:?}");
+        assert!(got.1.contains(says), "{got:?} should say {says}");
+    }
+    assert_eq!(twice.0, 409, "{twice:?}");
+    assert_eq!(gone.0, 404, "{gone:?}");
+}
+
 #[test]
 fn credentials_are_added_by_the_proxy_and_never_reach_the_guest() {
     let (d, _g) = shared();

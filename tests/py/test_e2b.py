@@ -19,6 +19,7 @@ from e2b import (
     PtySize,
     Sandbox,
     SandboxQuery,
+    Secret,
     TimeoutException,
     Volume,
 )
@@ -347,6 +348,44 @@ def test_network_options_are_the_sandboxs_egress_policy():
     with pytest.raises(Exception) as e:
         Sandbox.create(TEMPLATE, network={"dns_servers": ["1.1.1.1"]}, request_timeout=SLOW)
     assert "dnsServers" in str(e.value) and "resolves allowOut names on the host" in str(e.value)
+
+
+def test_secrets_are_write_only_and_rules_name_them():
+    # The request a rule's secret goes into is checked by tests/daemon.rs
+    # (a_named_secret_is_resolved_per_request...), on its test network.
+    name = f"tok-{os.getpid()}-{time.time_ns()}"
+    info = Secret.create(name, "sk-never-shown", metadata={"team": "a"}, request_timeout=SLOW)
+    assert (info.name, info.version, info.metadata) == (name, 1, {"team": "a"})
+    assert Secret.get_info(name, request_timeout=SLOW).secret_id == info.secret_id
+    updated = Secret.update(info.secret_id, "sk-next-never-shown", request_timeout=SLOW)
+    assert updated.version == 2
+    assert name in [s.name for s in Secret.list(request_timeout=SLOW).next_items()]
+    with pytest.raises(Exception) as e:
+        Secret.create(name, "again", request_timeout=SLOW)
+    assert "exists" in str(e.value)
+    rule = {"transform": {"headers": {"Authorization": f"Bearer {Secret.fill(name)}"}}}
+    s = Sandbox.create(
+        TEMPLATE,
+        timeout=600,
+        network={"allow_out": ["api.example.com"], "rules": {"api.example.com": [rule]}},
+        request_timeout=SLOW,
+    )
+    try:
+        r = s.commands.run("env; cat /etc/husk/* 2>/dev/null; true", timeout=SLOW, request_timeout=SLOW)
+        assert "never-shown" not in r.stdout
+    finally:
+        s.kill()
+    assert Secret.destroy(name, request_timeout=SLOW) is True
+    assert Secret.destroy(name, request_timeout=SLOW) is False
+    assert not Secret.exists(name, request_timeout=SLOW)
+    # Workload identity tokens: refused with the reason, not dropped.
+    with pytest.raises(Exception) as e:
+        Sandbox.create(
+            TEMPLATE,
+            iam={"tokens": {"aws": Secret.iam_token(audience="sts", token_type="JWT-SVID")}},
+            request_timeout=SLOW,
+        )
+    assert "workload identity" in str(e.value)
 
 
 def test_bad_input():

@@ -35,6 +35,7 @@ mod media;
 mod podnet;
 mod ports;
 mod processes;
+mod secrets;
 pub use processes::{ProcessInput, ProcessOutput, Reading};
 mod shares;
 mod volumes;
@@ -437,10 +438,16 @@ impl Daemon {
             )?,
             upstream: crate::egress::intercept::upstream_config(cfg.egress_upstream_ca.as_deref())?,
         };
+        // The named secrets credentials may name, from the store.
+        let vault = crate::egress::Vault::default();
+        for secret in store.secrets()? {
+            vault.set(&secret.name, &secret.value);
+        }
         let egress = Arc::new(Egress::new(
             cfg.egress_netns.as_deref(),
             decisions,
             Some(tls),
+            vault,
         )?);
         let daemon = Arc::new(Daemon {
             slots: Slots::new(cfg.restore_parallel),

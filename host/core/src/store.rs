@@ -50,6 +50,11 @@ CREATE TABLE IF NOT EXISTS volumes (
     name TEXT NOT NULL UNIQUE,
     created_unix_ms INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS secrets (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    record TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS pools (
     template TEXT PRIMARY KEY,
     target INTEGER NOT NULL
@@ -145,6 +150,36 @@ pub struct SandboxRecord {
     /// any whose mount failed (the VMM may hold that share).
     #[serde(default)]
     pub fs_slots_used: u8,
+}
+
+/// A named secret as stored: with its value (see [`crate::egress::Vault`]).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretRecord {
+    /// Its id (`sec-...`).
+    pub id: String,
+    /// Its name, unique.
+    pub name: String,
+    /// Its value (never shown).
+    pub value: String,
+    /// 1 when made, one more at each update.
+    pub version: u32,
+    /// The caller's metadata.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// When it was made, in ms since the epoch.
+    pub created_unix_ms: u64,
+    /// When it last changed, in ms since the epoch.
+    pub updated_unix_ms: u64,
+}
+
+impl std::fmt::Debug for SecretRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SecretRecord")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The store: one connection, used under a lock (every use is short).
@@ -301,6 +336,50 @@ impl Store {
         Ok(())
     }
 
+    /// Adds or replaces a secret (by id); false if another has its name.
+    pub fn put_secret(&self, rec: &SecretRecord) -> Result<bool, StoreError> {
+        let json = serde_json::to_string(rec)?;
+        let changed = self.conn().execute(
+            "INSERT INTO secrets (id, name, record) VALUES (?1, ?2, ?3)
+             ON CONFLICT(id) DO UPDATE SET record = excluded.record
+             ON CONFLICT(name) DO NOTHING",
+            params![rec.id, rec.name, json],
+        )?;
+        Ok(changed == 1)
+    }
+
+    /// Every secret, by name.
+    pub fn secrets(&self) -> Result<Vec<SecretRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT record FROM secrets ORDER BY name")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for row in rows {
+            out.push(serde_json::from_str(&row?)?);
+        }
+        Ok(out)
+    }
+
+    /// The secret with this id or name.
+    pub fn secret(&self, id_or_name: &str) -> Result<Option<SecretRecord>, StoreError> {
+        let json: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT record FROM secrets WHERE id = ?1 OR name = ?1",
+                params![id_or_name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(json.map(|j| serde_json::from_str(&j)).transpose()?)
+    }
+
+    /// Removes a secret's record.
+    pub fn remove_secret(&self, id: &str) -> Result<(), StoreError> {
+        self.conn()
+            .execute("DELETE FROM secrets WHERE id = ?1", params![id])?;
+        Ok(())
+    }
+
     /// Sets a template's pool size (0 removes the pool).
     pub fn set_pool(&self, template: &str, target: u32) -> Result<(), StoreError> {
         let conn = self.conn();
@@ -433,6 +512,43 @@ mod tests {
 
     fn sandbox(id: &str) -> SandboxRecord {
         test_record(id)
+    }
+
+    #[test]
+    fn secrets_are_unique_by_name_and_updated_in_place() {
+        let (store, dir) = temp_store();
+        let secret = |id: &str, name: &str, value: &str| SecretRecord {
+            id: id.into(),
+            name: name.into(),
+            value: value.into(),
+            version: 1,
+            metadata: BTreeMap::new(),
+            created_unix_ms: 1,
+            updated_unix_ms: 1,
+        };
+        assert!(store.put_secret(&secret("sec-1", "tok", "a")).expect("put"));
+        let same_name = store.put_secret(&secret("sec-2", "tok", "b")).expect("put");
+        let updated = store
+            .put_secret(&SecretRecord {
+                version: 2,
+                ..secret("sec-1", "tok", "c")
+            })
+            .expect("update");
+        drop(store);
+        let store = Store::open(&dir.join("husk.db")).expect("reopen");
+
+        assert!(!same_name, "a second secret of that name");
+        assert!(updated);
+        let kept = store.secret("tok").expect("get").expect("found");
+        assert_eq!(
+            (kept.id.as_str(), kept.value.as_str(), kept.version),
+            ("sec-1", "c", 2)
+        );
+        assert_eq!(store.secret("sec-1").expect("get"), Some(kept));
+        assert_eq!(store.secrets().expect("list").len(), 1);
+        store.remove_secret("sec-1").expect("remove");
+        assert_eq!(store.secret("tok").expect("get"), None);
+        std::fs::remove_dir_all(dir).expect("clean up");
     }
 
     #[test]

@@ -209,6 +209,11 @@ routes! {
     post "/v1/volumes" => create_volume,
     get "/v1/volumes/{id}" => get_volume,
     delete "/v1/volumes/{id}" => delete_volume,
+    get "/v1/secrets" => list_secrets,
+    post "/v1/secrets" => create_secret,
+    get "/v1/secrets/{id}" => get_secret,
+    put "/v1/secrets/{id}" => update_secret,
+    delete "/v1/secrets/{id}" => delete_secret,
     get "/v1/pools" => list_pools,
     put "/v1/pools/{template}" => set_pool,
     get "/v1/sandboxes" => list_sandboxes,
@@ -400,6 +405,46 @@ async fn delete_volume(
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     blocking(move || d.delete_volume(&id, &who.0)).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn list_secrets(State(d): State<Shared>) -> ApiResult<Response> {
+    let v = blocking(move || d.secrets()).await?;
+    Ok(ok(StatusCode::OK, v))
+}
+
+async fn create_secret(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let req: husk_types::SecretRequest = json(&body)?;
+    let v = blocking(move || d.create_secret(req, &who.0)).await?;
+    Ok(ok(StatusCode::CREATED, v))
+}
+
+async fn get_secret(State(d): State<Shared>, Path(id): Path<String>) -> ApiResult<Response> {
+    let v = blocking(move || d.secret(&id)).await?;
+    Ok(ok(StatusCode::OK, v))
+}
+
+async fn update_secret(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    let req: husk_types::SecretRequest = json(&body)?;
+    let v = blocking(move || d.update_secret(&id, req, &who.0)).await?;
+    Ok(ok(StatusCode::OK, v))
+}
+
+async fn delete_secret(
+    State(d): State<Shared>,
+    ConnectInfo(who): ConnectInfo<Peer>,
+    Path(id): Path<String>,
+) -> ApiResult<Response> {
+    blocking(move || d.delete_secret(&id, &who.0)).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 

@@ -48,6 +48,7 @@ use husk_types::{
 };
 
 mod process;
+mod secrets;
 mod snapshots;
 
 /// What husk's envd speaks (see the module docs).
@@ -304,6 +305,16 @@ pub fn router(e2b: Shared) -> Router {
         .route("/templates/{id}", delete(snapshots::delete_template))
         .route("/volumes", post(create_volume).get(list_volumes))
         .route("/volumes/{id}", get(volume).delete(delete_volume))
+        .route(
+            "/secrets",
+            post(secrets::create_secret).get(secrets::list_secrets),
+        )
+        .route(
+            "/secrets/{id}",
+            get(secrets::secret)
+                .post(secrets::update_secret)
+                .delete(secrets::delete_secret),
+        )
         .route("/health", get(health))
         .route("/files", get(download).post(upload))
         .route("/process.Process/StreamInput", post(process::stream_input))
@@ -462,6 +473,8 @@ struct CreateBody {
     /// Named volumes it mounts (read-write), by name.
     #[serde(default)]
     volume_mounts: Vec<VolumeMount>,
+    /// Workload identity tokens: refused when it names any.
+    iam: Option<Value>,
 }
 
 /// One of a create's `volumeMounts`.
@@ -524,6 +537,14 @@ struct Transform {
 /// `denyOut` blocks, wider `allowOut` blocks, DNS servers, a SOCKS proxy,
 /// host masks, HTTPS ports.
 fn egress_of(body: &CreateBody) -> Result<EgressSpec, String> {
+    let tokens = body.iam.as_ref().and_then(|i| i["tokens"].as_object());
+    if tokens.is_some_and(|t| !t.is_empty()) {
+        return Err(
+            "iam.tokens: workload identity tokens are not supported by husk; a rule's header \
+             may name a secret instead (Secret.fill(NAME), resolved by husk's egress proxy)"
+                .into(),
+        );
+    }
     network_egress(&body.network, body.allow_internet_access)
 }
 
@@ -578,14 +599,16 @@ fn network_egress(n: &Network, allow_internet_access: Option<bool>) -> Result<Eg
                 .iter()
                 .filter_map(|r| r.transform.as_ref())
                 .flat_map(move |t| {
-                    t.headers.iter().map(move |(header, value)| SecretSpec {
-                        host: host.clone(),
-                        header: header.clone(),
-                        value: value.clone(),
+                    t.headers.iter().map(move |(header, value)| {
+                        Ok(SecretSpec {
+                            host: host.clone(),
+                            header: header.clone(),
+                            value: secrets::placeholders(value)?,
+                        })
                     })
                 })
         })
-        .collect();
+        .collect::<Result<_, String>>()?;
     Ok(EgressSpec { allow, secrets })
 }
 

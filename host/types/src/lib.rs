@@ -9,6 +9,7 @@ mod audit;
 mod exec;
 mod process;
 mod sandbox;
+mod secret;
 mod template;
 mod volume;
 
@@ -26,6 +27,10 @@ pub use sandbox::{
     CreateRequest, Created, EgressSpec, ExpiryPolicy, ForkRequest, Forked, IdleAction, IdlePolicy,
     Killed, MountSpec, PodNetworkInfo, PodNetworkRequest, PoolInfo, PoolSize, PortInfo,
     SandboxInfo, SandboxState, SandboxUpdate, SecretSpec, SnapshotRequest,
+};
+pub use secret::{
+    check_secret_name, check_secret_value, SecretInfo, SecretRequest, MAX_SECRET_VALUE,
+    SECRET_PLACEHOLDER,
 };
 pub use template::{
     check_template_name, drive_slot_id, fs_slot_id, BuildEvent, ImageConfig, KernelSource,

@@ -333,6 +333,7 @@ pub(crate) struct Tunnel<'a> {
     pub host: &'a str,
     pub port: u16,
     pub secrets: &'a [&'a Secret],
+    pub vault: &'a crate::egress::Vault,
 }
 
 /// Carries one request through a tunnel the proxy opens: `guest` after the
@@ -369,22 +370,24 @@ pub(crate) fn carry(
     };
     let name = ServerName::try_from(t.host.to_owned()).map_err(|e| e.to_string())?;
     let client = ClientConnection::new(t.upstream_tls.clone(), name).map_err(|e| e.to_string())?;
+    let head = match crate::egress::compose(&inner.lines, t.secrets, t.vault) {
+        Ok(head) => head,
+        Err(why) => return Err(answer_inside(&mut g, Refused::Unreachable(why))),
+    };
     let mut u = rustls::StreamOwned::new(client, upstream);
-    let sent = u
-        .write_all(&crate::egress::compose(&inner.lines, t.secrets))
-        .and_then(|()| {
-            let early = &rest[..rest.len().min(inner.body as usize)];
-            u.write_all(early)?;
-            let left = inner.body - early.len() as u64;
-            let copied = io::copy(&mut (&mut g).take(left), &mut u)?;
-            if copied < left {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "the guest stopped inside the request body",
-                ));
-            }
-            u.flush()
-        });
+    let sent = u.write_all(&head).and_then(|()| {
+        let early = &rest[..rest.len().min(inner.body as usize)];
+        u.write_all(early)?;
+        let left = inner.body - early.len() as u64;
+        let copied = io::copy(&mut (&mut g).take(left), &mut u)?;
+        if copied < left {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the guest stopped inside the request body",
+            ));
+        }
+        u.flush()
+    });
     if let Err(e) = sent {
         let msg = format!(
             "TLS to {}: {e}",

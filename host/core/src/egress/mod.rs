@@ -30,6 +30,7 @@
 
 pub mod intercept;
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
@@ -233,6 +234,74 @@ impl Secret {
     }
 }
 
+/// The daemon's named secrets, which credentials' values name
+/// (`${husk.secrets.NAME}`): shared by every sandbox's proxy and read per
+/// request, so a secret's new value is used from the next request on and a
+/// deleted one no longer. Never printed.
+#[derive(Clone, Default)]
+pub struct Vault(Arc<RwLock<HashMap<String, String>>>);
+
+impl std::fmt::Debug for Vault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vault").finish_non_exhaustive()
+    }
+}
+
+impl Vault {
+    /// Sets secret `name`'s value.
+    pub fn set(&self, name: &str, value: &str) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_owned(), value.to_owned());
+    }
+
+    /// Forgets secret `name`.
+    pub fn remove(&self, name: &str) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+    }
+
+    /// Whether every one of `secrets` resolves (see [`Vault::resolve`]).
+    fn check(&self, secrets: &[&Secret]) -> Result<(), Refused> {
+        for s in secrets {
+            self.resolve(&s.value).map_err(|why| {
+                Refused::Unreachable(format!("the credential for `{}`: {why}", s.header))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `text` with every `${husk.secrets.NAME}` replaced by that secret's
+    /// value; why not if one names no secret.
+    fn resolve(&self, text: &str) -> Result<String, String> {
+        use husk_types::SECRET_PLACEHOLDER as OPEN;
+        if !text.contains(OPEN) {
+            return Ok(text.to_owned());
+        }
+        let secrets = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let mut out = String::with_capacity(text.len());
+        let mut rest = text;
+        while let Some(at) = rest.find(OPEN) {
+            out.push_str(&rest[..at]);
+            let after = &rest[at + OPEN.len()..];
+            let Some(end) = after.find('}') else {
+                return Err("a secret's placeholder is not closed with `}`".into());
+            };
+            let name = &after[..end];
+            match secrets.get(name) {
+                Some(value) => out.push_str(value),
+                None => return Err(format!("it names secret `{name}`, which does not exist")),
+            }
+            rest = &after[end + 1..];
+        }
+        out.push_str(rest);
+        Ok(out)
+    }
+}
+
 /// Why `ip` may not be reached from a sandbox, or None for a public address.
 pub fn refusal(ip: IpAddr) -> Option<&'static str> {
     match ip {
@@ -311,6 +380,7 @@ pub struct Egress {
     netns: Option<File>,
     decisions: mpsc::SyncSender<Decision>,
     tls: Option<Tls>,
+    vault: Vault,
 }
 
 /// What the proxy needs to open tunnels to hosts with credentials
@@ -334,6 +404,7 @@ impl Egress {
         netns: Option<&Path>,
         decisions: mpsc::SyncSender<Decision>,
         tls: Option<Tls>,
+        vault: Vault,
     ) -> io::Result<Egress> {
         let netns = match netns {
             Some(p) => Some(File::open(p).map_err(|e| {
@@ -345,7 +416,13 @@ impl Egress {
             netns,
             decisions,
             tls,
+            vault,
         })
+    }
+
+    /// The named secrets credentials may name.
+    pub fn vault(&self) -> &Vault {
+        &self.vault
     }
 
     /// Starts a sandbox's proxy, listening at `socket` (the VMM's vsock
@@ -695,8 +772,14 @@ fn header_name(line: &str) -> String {
 }
 
 /// The head to send: the guest's lines without any header a credential
-/// replaces, then the credentials, then the end of the head.
-pub(crate) fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
+/// replaces, then the credentials (their secrets' placeholders resolved
+/// from `vault`), then the end of the head; why not, naming the header,
+/// where a credential names a secret that does not exist.
+pub(crate) fn compose(
+    lines: &[String],
+    secrets: &[&Secret],
+    vault: &Vault,
+) -> Result<Vec<u8>, String> {
     let replaced: Vec<String> = secrets
         .iter()
         .map(|s| s.header.to_ascii_lowercase())
@@ -710,10 +793,13 @@ pub(crate) fn compose(lines: &[String], secrets: &[&Secret]) -> Vec<u8> {
         out.push_str("\r\n");
     }
     for s in secrets {
-        out.push_str(&format!("{}: {}\r\n", s.header, s.value));
+        let value = vault
+            .resolve(&s.value)
+            .map_err(|why| format!("the credential for `{}`: {why}", s.header))?;
+        out.push_str(&format!("{}: {value}\r\n", s.header));
     }
     out.push_str("Connection: close\r\n\r\n");
-    out.into_bytes()
+    Ok(out.into_bytes())
 }
 
 pub(crate) fn authority_of(host: &str, port: Option<u16>) -> String {
@@ -801,9 +887,21 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     };
     let what = format!("{} {}", req.method, authority_of(&req.host, Some(req.port)));
     let policy = sandbox.policy();
+    let bound: Vec<&Secret> = policy
+        .secrets
+        .iter()
+        .filter(|s| s.hosts.allows(&req.host, req.port))
+        .collect();
     let checked = if policy.allow.allows(&req.host, req.port) {
-        enter_netns(egress)
-            .map_err(|e| Refused::Unreachable(format!("the egress network namespace: {e}")))
+        // A credential that names a secret no longer there: refused before
+        // anything reaches the host.
+        egress
+            .vault
+            .check(&bound)
+            .and_then(|()| {
+                enter_netns(egress)
+                    .map_err(|e| Refused::Unreachable(format!("the egress network namespace: {e}")))
+            })
             .and_then(|()| connect(&req))
     } else {
         Err(Refused::Denied(format!(
@@ -826,11 +924,6 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
     let (Ok(mut guest_out), Ok(mut upstream_in)) = (conn.try_clone(), upstream.try_clone()) else {
         return;
     };
-    let bound: Vec<&Secret> = policy
-        .secrets
-        .iter()
-        .filter(|s| s.hosts.allows(&req.host, req.port))
-        .collect();
     let mut credentials = String::new();
     if !bound.is_empty() {
         let names: Vec<&str> = bound.iter().map(|s| s.header.as_str()).collect();
@@ -840,7 +933,15 @@ fn handle(mut conn: UnixStream, sandbox: &Sandbox) {
         }
     }
     if let Some(lines) = &req.forward {
-        if upstream.write_all(&compose(lines, &bound)).is_err() {
+        let head = match compose(lines, &bound, &egress.vault) {
+            Ok(head) => head,
+            Err(why) => {
+                let msg = format!("{what}: {why}");
+                let _ = conn.write_all(&answer("502 Bad Gateway", &msg));
+                return egress.record(&sandbox.id, false, msg);
+            }
+        };
+        if upstream.write_all(&head).is_err() {
             let msg = format!("{what}: the server closed the connection");
             let _ = conn.write_all(&answer("502 Bad Gateway", &msg));
             return;
@@ -965,6 +1066,7 @@ fn open_tunnel(
         host: &req.host,
         port: req.port,
         secrets: bound,
+        vault: &egress.vault,
     };
     let names: Vec<&str> = bound.iter().map(|s| s.header.as_str()).collect();
     match crate::egress::intercept::carry(&tunnel, conn, hello, upstream) {
@@ -1164,6 +1266,45 @@ mod tests {
     }
 
     #[test]
+    fn credentials_name_secrets_the_vault_resolves_per_request() {
+        let vault = Vault::default();
+        let lines = vec!["GET / HTTP/1.1".to_owned(), "Host: example.com".to_owned()];
+        let secret = Secret::new(
+            "example.com",
+            "Authorization",
+            "Bearer ${husk.secrets.tok}-${husk.secrets.tok}",
+        )
+        .expect("secret");
+        let head = |v: &Vault| {
+            compose(&lines, &[&secret], v).map(|h| String::from_utf8(h).expect("UTF-8"))
+        };
+
+        let missing = head(&vault).expect_err("no such secret yet");
+        vault.set("tok", "s3cr3t");
+        let first = head(&vault).expect("resolved");
+        vault.set("tok", "n3w");
+        let second = head(&vault).expect("resolved again");
+        vault.remove("tok");
+
+        assert!(
+            missing.contains("`Authorization`") && missing.contains("`tok`"),
+            "{missing}"
+        );
+        assert!(
+            first.contains("Authorization: Bearer s3cr3t-s3cr3t\r\n"),
+            "{first}"
+        );
+        assert!(
+            second.contains("Authorization: Bearer n3w-n3w\r\n"),
+            "{second}"
+        );
+        assert!(head(&vault).is_err());
+        assert!(!format!("{vault:?}").contains("n3w"));
+        let open = Secret::new("example.com", "X", "${husk.secrets.tok").expect("secret");
+        assert!(compose(&lines, &[&open], &vault).is_err());
+    }
+
+    #[test]
     fn plain_http_is_rewritten_to_origin_form_without_proxy_headers() {
         let head = b"GET http://Example.com:8080/a/b?c=d HTTP/1.1\r\nHost: other.example\r\n\
             Proxy-Authorization: Basic eA==\r\nProxy-Connection: keep-alive\r\nAccept: */*\r\n\r\n";
@@ -1171,13 +1312,14 @@ mod tests {
         assert_eq!((req.host.as_str(), req.port), ("example.com", 8080));
         let lines = req.forward.expect("a head");
         assert_eq!(
-            String::from_utf8(compose(&lines, &[])).expect("UTF-8"),
+            String::from_utf8(compose(&lines, &[], &Vault::default()).expect("head")).expect("UTF-8"),
             "GET /a/b?c=d HTTP/1.1\r\nHost: example.com:8080\r\nAccept: */*\r\nConnection: close\r\n\r\n"
         );
         // A credential replaces the guest's header of the same name.
         let secret = Secret::new("example.com", "Accept", "text/plain").expect("secret");
         assert_eq!(
-            String::from_utf8(compose(&lines, &[&secret])).expect("UTF-8"),
+            String::from_utf8(compose(&lines, &[&secret], &Vault::default()).expect("head"))
+                .expect("UTF-8"),
             "GET /a/b?c=d HTTP/1.1\r\nHost: example.com:8080\r\nAccept: text/plain\r\nConnection: close\r\n\r\n"
         );
         let req = parse(b"GET http://example.com?q HTTP/1.0\r\n\r\n")
@@ -1312,7 +1454,7 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("dir");
         let socket = dir.join("vsock_3128");
         let (tx, rx) = mpsc::sync_channel(16);
-        let egress = Arc::new(Egress::new(None, tx, None).expect("egress"));
+        let egress = Arc::new(Egress::new(None, tx, None, Vault::default()).expect("egress"));
         let proxy = egress
             .serve(
                 "sb-unit",
