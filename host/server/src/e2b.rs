@@ -742,7 +742,7 @@ async fn list(
         .map(|s| s.split(',').collect())
         .unwrap_or_else(|| vec!["running", "paused"]);
     let all = e2b.daemon.list(&want, None);
-    let mut matching: Vec<Value> = all
+    let matching: Vec<Value> = all
         .iter()
         .filter(|s| match s.state {
             SandboxState::Running => states.contains(&"running"),
@@ -751,16 +751,32 @@ async fn list(
         })
         .map(|s| detail_json(&e2b, s))
         .collect();
-    let start: usize = q
-        .next_token
-        .as_deref()
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0);
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let rest = matching.split_off(start.min(matching.len()));
-    let page: Vec<Value> = rest.iter().take(limit).cloned().collect();
+    paged(matching, q.limit, q.next_token.as_deref())
+}
+
+/// One page of a listing's `items`: `limit` of them (100 if not given, at
+/// most 1000) from `next_token` (an offset this server gave), with
+/// `x-next-token` when more are left.
+fn paged(
+    mut items: Vec<Value>,
+    limit: Option<usize>,
+    next_token: Option<&str>,
+) -> Result<Response, RestError> {
+    let start: usize = match next_token {
+        Some(token) => token.parse().map_err(|_| {
+            RestError(
+                StatusCode::BAD_REQUEST,
+                format!("nextToken `{token}` is not one this server gave"),
+            )
+        })?,
+        None => 0,
+    };
+    let limit = limit.unwrap_or(100).clamp(1, 1000);
+    let rest = items.split_off(start.min(items.len()));
+    let more = rest.len() > limit;
+    let page: Vec<Value> = rest.into_iter().take(limit).collect();
     let mut resp = (StatusCode::OK, axum::Json(page)).into_response();
-    if rest.len() > limit {
+    if more {
         if let Ok(v) = (start + limit).to_string().parse() {
             resp.headers_mut().insert("x-next-token", v);
         }

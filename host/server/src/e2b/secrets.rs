@@ -127,31 +127,13 @@ pub(super) async fn list_secrets(
     Query(q): Query<SecretsQuery>,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let start: usize = match &q.next_token {
-        Some(token) => token.parse().map_err(|_| {
-            RestError(
-                StatusCode::BAD_REQUEST,
-                format!("nextToken `{token}` is not one this server gave"),
-            )
-        })?,
-        None => 0,
-    };
     let e = e2b.clone();
     let all = blocking(move || Ok::<_, RestError>(e.daemon.secrets()?)).await?;
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let page: Vec<Value> = all
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(secret_json)
-        .collect();
-    let mut resp = axum::Json(page).into_response();
-    if all.len() > start + limit {
-        if let Ok(v) = (start + limit).to_string().parse() {
-            resp.headers_mut().insert("x-next-token", v);
-        }
-    }
-    Ok(resp)
+    paged(
+        all.iter().map(secret_json).collect(),
+        q.limit,
+        q.next_token.as_deref(),
+    )
 }
 
 #[cfg(test)]

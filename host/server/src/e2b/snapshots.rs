@@ -67,15 +67,6 @@ pub(super) async fn list_snapshots(
     Query(q): Query<SnapshotQuery>,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let start: usize = match &q.next_token {
-        Some(token) => token.parse().map_err(|_| {
-            RestError(
-                StatusCode::BAD_REQUEST,
-                format!("nextToken `{token}` is not one this server gave"),
-            )
-        })?,
-        None => 0,
-    };
     let e = e2b.clone();
     let mut snapshots: Vec<husk_types::TemplateRecord> =
         blocking(move || Ok::<_, RestError>(e.daemon.templates()?)).await?;
@@ -88,20 +79,11 @@ pub(super) async fn list_snapshots(
             && q.name.as_ref().is_none_or(|n| t.name == *n || t.id == *n)
     });
     snapshots.sort_by_key(|t| t.created_unix_ms);
-    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
-    let page: Vec<Value> = snapshots
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(snapshot_json)
-        .collect();
-    let mut resp = axum::Json(page).into_response();
-    if snapshots.len() > start + limit {
-        if let Ok(v) = (start + limit).to_string().parse() {
-            resp.headers_mut().insert("x-next-token", v);
-        }
-    }
-    Ok(resp)
+    paged(
+        snapshots.iter().map(snapshot_json).collect(),
+        q.limit,
+        q.next_token.as_deref(),
+    )
 }
 
 /// `DELETE /templates/{id}` (the SDK's `delete_snapshot`): refused while
