@@ -348,7 +348,6 @@ fn info(rec: &SandboxRecord) -> SandboxInfo {
     }
 }
 
-/// Why a sandbox that neither runs nor hibernates cannot be used.
 /// The gate of a guest whose clock stood still (paused, parked): it keeps
 /// the shares `last` had not mounted yet.
 fn clock_gate(last: Option<&Arc<Gate>>) -> Arc<Gate> {
@@ -359,6 +358,7 @@ fn clock_gate(last: Option<&Arc<Gate>>) -> Arc<Gate> {
     Gate::new(true, shares)
 }
 
+/// Why a sandbox that neither runs nor hibernates cannot be used.
 fn unusable(rec: &SandboxRecord) -> DaemonError {
     let id = &rec.id;
     DaemonError::Conflict(match rec.state {
