@@ -94,6 +94,23 @@ def test_a_reconnect_gets_what_the_program_wrote_meanwhile(sbx):
     assert all(p.pid != h.pid for p in sbx.commands.list(request_timeout=SLOW))
 
 
+def test_metrics_are_the_vms_own(sbx):
+    idle = sbx.get_metrics(request_timeout=SLOW)[-1]
+    h = sbx.commands.run("while :; do :; done", background=True, timeout=0, request_timeout=SLOW)
+    try:
+        time.sleep(1)
+        busy = sbx.get_metrics(request_timeout=SLOW)[-1]
+    finally:
+        h.kill()
+    assert idle.cpu_count >= 1
+    # The guest's own count of its memory: less than the VM's size (the
+    # kernel keeps some), more than nothing.
+    assert 0 < idle.mem_used < idle.mem_total <= 4096 << 20
+    assert 0.0 <= idle.cpu_used_pct <= 100.0
+    # A guest spinning a vCPU: its VM's process uses a CPU.
+    assert busy.cpu_used_pct > 20.0 / busy.cpu_count, (idle, busy)
+
+
 def test_a_command_that_times_out(sbx):
     with pytest.raises(TimeoutException):
         sbx.commands.run("sleep 600", timeout=3, request_timeout=SLOW)

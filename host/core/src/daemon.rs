@@ -2075,7 +2075,7 @@ impl Daemon {
         for live in inner.sandboxes.values() {
             *by_state.entry(live.rec.state.name()).or_default() += 1;
             if live.rec.state != SandboxState::Failed {
-                rss_bytes += rss(live.rec.pid);
+                rss_bytes += vm_rss(live.rec.pid);
             }
         }
         let (mem, _) = Self::usage(&inner);
@@ -2110,6 +2110,36 @@ pub fn rss(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kib| kib * 1024)
+}
+
+/// The resident memory of sandbox process `pid`'s VMM (a jailer's child,
+/// not the jailer) in bytes, or 0.
+pub fn vm_rss(pid: u32) -> u64 {
+    rss(vmm_process::vmm_of(pid))
+}
+
+/// The CPU use (user and system) of sandbox process `pid`'s VMM (a
+/// jailer's child, not the jailer) over `sample`, as a percentage of
+/// `cpus` CPUs; None if it cannot be read (the process is gone). Sleeps
+/// for `sample`.
+pub fn vm_cpu_used_pct(pid: u32, sample: Duration, cpus: u32) -> Option<f64> {
+    let pid = vmm_process::vmm_of(pid);
+    let ticks = || -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command (which may hold spaces), from field 3.
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let fields: Vec<&str> = rest.split(' ').collect();
+        let user: u64 = fields.get(11)?.parse().ok()?;
+        let system: u64 = fields.get(12)?.parse().ok()?;
+        Some(user + system)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let (before, started) = (ticks()?, Instant::now());
+    std::thread::sleep(sample);
+    let used = ticks()?.saturating_sub(before) as f64 / hz;
+    let elapsed = started.elapsed().as_secs_f64().max(1e-3);
+    Some((used / elapsed / f64::from(cpus.max(1)) * 100.0).min(100.0))
 }
 
 /// One control request to the VMM whose run directory is `run_dir`.

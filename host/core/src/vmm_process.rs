@@ -332,6 +332,18 @@ pub fn is_alive(pid: u32, pid_start: u64) -> bool {
     stat(pid).is_some_and(|(state, start)| state != 'Z' && start == pid_start)
 }
 
+/// The VMM's own pid for sandbox process `pid`: a jailer's child (the VMM
+/// it started), or `pid` itself (an unjailed VMM).
+pub fn vmm_of(pid: u32) -> u32 {
+    let children =
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    let mut children = children.split_whitespace().filter_map(|c| c.parse().ok());
+    match (children.next(), children.next()) {
+        (Some(child), None) => child,
+        _ => pid,
+    }
+}
+
 /// Kills the VMM if `pid` is still the process we started. A jailer's
 /// VMM (its child) is killed first: the jailer reaps it and dies the same
 /// way, so no VMM is left orphaned (and, under an init that does not reap,

@@ -1152,23 +1152,58 @@ async fn metrics(
     Path(id): Path<String>,
 ) -> Result<Response, RestError> {
     check_key(&e2b, &headers)?;
-    let info = e2b.daemon.sandbox(&id)?;
-    let now = now_ms();
-    let mem_total = u64::from(info.mem_mib) << 20;
-    let rss = husk_core::daemon::rss(info.pid);
-    let metric = json!({
-        "timestamp": rfc3339(now),
-        "timestampUnix": now / 1000,
-        "cpuCount": 1,
-        "cpuUsedPct": 0.0,
-        "memUsed": rss.min(mem_total),
-        "memTotal": mem_total,
-        "memCache": 0,
-        "diskUsed": 0,
-        "diskTotal": 0,
-    });
+    let e = e2b.clone();
+    let metric = blocking(move || {
+        let info = e.daemon.sandbox(&id)?;
+        let cpus = e
+            .daemon
+            .template(&info.template)
+            .map_or(1, |t| u32::from(t.vcpus));
+        // The VM's process: its vCPUs and devices, as the host counts them
+        // (none while hibernated: no process).
+        let cpu = match info.state {
+            SandboxState::Hibernated => 0.0,
+            _ => husk_core::daemon::vm_cpu_used_pct(info.pid, METRICS_SAMPLE, cpus).unwrap_or(0.0),
+        };
+        // Memory as the guest counts it, where it runs (asking a paused
+        // or hibernated one would wake it); else what the VM holds.
+        let mem_total = u64::from(info.mem_mib) << 20;
+        let (used, total) = match info.state {
+            SandboxState::Running => match e.daemon.guest_health(&id) {
+                Ok(h) => (
+                    h.mem_total_kib.saturating_sub(h.mem_available_kib) << 10,
+                    h.mem_total_kib << 10,
+                ),
+                Err(_) => (
+                    husk_core::daemon::vm_rss(info.pid).min(mem_total),
+                    mem_total,
+                ),
+            },
+            _ => (
+                husk_core::daemon::vm_rss(info.pid).min(mem_total),
+                mem_total,
+            ),
+        };
+        let now = now_ms();
+        // The page cache and the disk are not measured: 0.
+        Ok::<_, RestError>(json!({
+            "timestamp": rfc3339(now),
+            "timestampUnix": now / 1000,
+            "cpuCount": cpus,
+            "cpuUsedPct": (cpu * 10.0).round() / 10.0,
+            "memUsed": used,
+            "memTotal": total,
+            "memCache": 0,
+            "diskUsed": 0,
+            "diskTotal": 0,
+        }))
+    })
+    .await?;
     Ok((StatusCode::OK, axum::Json(vec![metric])).into_response())
 }
+
+/// How long `GET /sandboxes/{id}/metrics` samples the VM's CPU use.
+const METRICS_SAMPLE: Duration = Duration::from_millis(200);
 
 // ---- data plane ----
 
