@@ -2124,20 +2124,11 @@ pub fn vm_rss(pid: u32) -> u64 {
 /// for `sample`.
 pub fn vm_cpu_used_pct(pid: u32, sample: Duration, cpus: u32) -> Option<f64> {
     let pid = vmm_process::vmm_of(pid);
-    let ticks = || -> Option<u64> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // Fields after the command (which may hold spaces), from field 3.
-        let rest = &stat[stat.rfind(')')? + 2..];
-        let fields: Vec<&str> = rest.split(' ').collect();
-        let user: u64 = fields.get(11)?.parse().ok()?;
-        let system: u64 = fields.get(12)?.parse().ok()?;
-        Some(user + system)
-    };
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let (before, started) = (ticks()?, Instant::now());
+    let (before, started) = (vmm_process::cpu_ticks(pid)?, Instant::now());
     std::thread::sleep(sample);
-    let used = ticks()?.saturating_sub(before) as f64 / hz;
+    let used = vmm_process::cpu_ticks(pid)?.saturating_sub(before) as f64 / hz;
     let elapsed = started.elapsed().as_secs_f64().max(1e-3);
     Some((used / elapsed / f64::from(cpus.max(1)) * 100.0).min(100.0))
 }

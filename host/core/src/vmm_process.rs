@@ -318,12 +318,36 @@ pub fn start_time(pid: u32) -> Option<u64> {
 /// Process `pid`'s state letter (field 3 of /proc/PID/stat) and start
 /// time (field 22).
 fn stat(pid: u32) -> Option<(char, u64)> {
+    let fields = stat_fields(pid)?;
+    let state = fields.first()?.chars().next()?;
+    Some((state, fields.get(19)?.parse().ok()?))
+}
+
+/// The fields of /proc/PID/stat from field 3 (the state) on.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces and parentheses: fields
     // are counted after its closing parenthesis.
-    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    Some((state, fields.nth(18)?.parse().ok()?))
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// Process `pid`'s CPU time so far, user and system (fields 14 and 15),
+/// in clock ticks.
+pub fn cpu_ticks(pid: u32) -> Option<u64> {
+    let fields = stat_fields(pid)?;
+    let user: u64 = fields.get(11)?.parse().ok()?;
+    let system: u64 = fields.get(12)?.parse().ok()?;
+    Some(user + system)
+}
+
+/// Process `pid`'s children.
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|c| c.parse().ok())
+        .collect()
 }
 
 /// Whether `pid` is still the process started at `pid_start`, and is not
@@ -335,11 +359,8 @@ pub fn is_alive(pid: u32, pid_start: u64) -> bool {
 /// The VMM's own pid for sandbox process `pid`: a jailer's child (the VMM
 /// it started), or `pid` itself (an unjailed VMM).
 pub fn vmm_of(pid: u32) -> u32 {
-    let children =
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-    let mut children = children.split_whitespace().filter_map(|c| c.parse().ok());
-    match (children.next(), children.next()) {
-        (Some(child), None) => child,
+    match children(pid)[..] {
+        [child] => child,
         _ => pid,
     }
 }
@@ -352,15 +373,10 @@ pub fn kill(pid: u32, pid_start: u64) {
     if pid == 0 || !is_alive(pid, pid_start) {
         return;
     }
-    let children =
-        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
     let mut killed = false;
-    for child in children
-        .split_whitespace()
-        .filter_map(|c| c.parse::<i32>().ok())
-    {
+    for child in children(pid) {
         // SAFETY: kill(2) on a child of the process we checked is ours.
-        killed |= unsafe { libc::kill(child, libc::SIGKILL) } == 0;
+        killed |= unsafe { libc::kill(child as i32, libc::SIGKILL) } == 0;
     }
     if !killed {
         // SAFETY: kill(2) with a pid we checked is our VMM; no memory is
@@ -411,6 +427,19 @@ pub fn tail(path: &Path, lines: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn this_process_has_cpu_time_that_grows_and_no_child_vmm() {
+        let me = std::process::id();
+        let before = cpu_ticks(me).expect("ticks");
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_millis(100) {
+            std::hint::black_box(0u64);
+        }
+        assert!(cpu_ticks(me).expect("ticks") >= before);
+        assert_eq!(cpu_ticks(u32::MAX), None);
+        assert_eq!(vmm_of(u32::MAX), u32::MAX);
+    }
 
     #[test]
     fn this_process_is_alive_with_its_own_start_time() {
