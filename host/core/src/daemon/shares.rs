@@ -197,13 +197,7 @@ impl Daemon {
             Ok(())
         })?;
         self.store.put_sandbox(&rec)?;
-        let (host_ms, guest_ms) = attached.map_err(|e| match e {
-            DaemonError::Failed(why) => DaemonError::Failed(format!(
-                "mount {} at {}: {why}",
-                checked.spec.host, checked.spec.guest
-            )),
-            other => other,
-        })?;
+        let (host_ms, guest_ms) = attached.map_err(|e| naming(&checked.spec, e))?;
         self.store.audit(
             who,
             "mount",
@@ -319,13 +313,7 @@ impl Daemon {
         for (index, CheckedMount { spec: mount, owner }) in mounts.iter().enumerate() {
             let tag = fs_slot_id(index as u8);
             self.serve_mount(rec, &tag, mount, *owner)
-                .map_err(|e| match e {
-                    DaemonError::Failed(why) => DaemonError::Failed(format!(
-                        "mount {} at {}: {why}",
-                        mount.host, mount.guest
-                    )),
-                    other => other,
-                })?;
+                .map_err(|e| naming(mount, e))?;
             shares.push(Share {
                 tag,
                 target: mount.guest.clone(),
@@ -465,6 +453,16 @@ fn sandboxignore(dir: &Path) -> Result<Vec<String>, String> {
         patterns.push(line.to_owned());
     }
     Ok(patterns)
+}
+
+/// A failure to give `mount`, naming it.
+fn naming(mount: &MountSpec, e: DaemonError) -> DaemonError {
+    match e {
+        DaemonError::Failed(why) => {
+            DaemonError::Failed(format!("mount {} at {}: {why}", mount.host, mount.guest))
+        }
+        other => other,
+    }
 }
 
 /// A mount as the audit log names it.
