@@ -10,8 +10,8 @@
 //! - pooled create with a mount against one without (alternating, from a
 //!   pool of 2): the API call until the daemon answers with a sandbox that
 //!   takes an exec; the difference is the host's part of mounting (the
-//!   jailer entering the running jail, the VMM's share request; the
-//!   create's audit entry has it); then the create with its first exec
+//!   daemon's detached idmapped mount, the VMM's share request passing
+//!   it; the create's audit entry has it); then the create with its first exec
 //!   (ahead of which the guest mounts the share) with against without;
 //! - a source tree (FILES files of 4 KiB in 10 directories) reaching a
 //!   guest program: on the share (the host wrote it; the guest reads every
@@ -325,7 +325,7 @@ fn main() {
         );
     }
     summary(
-        "of which the host's part (jailer --enter, the VMM's share request)",
+        "of which the host's part (the detached mount, the VMM's share request)",
         &host_side,
     );
     println!("create and a first exec (the guest mounts the share ahead of it):");

@@ -5,19 +5,28 @@
 //! Requests are carried out on the VMM's main thread between device
 //! events, so devices are quiet while a snapshot is taken.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsRawFd;
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use event_manager::{EventOps, EventSet, Events, MutEventSubscriber};
-use husk_vmm_api::{parse_request, to_line, MAX_LINE};
+use husk_vmm_api::{parse_request, read_request, to_line};
 pub use husk_vmm_api::{Reply, Request, RunState, SnapshotReport};
 
 /// A request waiting for the main loop, with the connection to answer on.
-pub type Pending = Arc<Mutex<Vec<(Request, UnixStream)>>>;
+pub type Pending = Arc<Mutex<Vec<Taken>>>;
+
+/// A request read from the socket.
+#[derive(Debug)]
+pub struct Taken {
+    pub request: Request,
+    /// The descriptor that came with it (a share's directory), if any.
+    pub fd: Option<OwnedFd>,
+    pub stream: UnixStream,
+}
 
 /// Sends one reply line; a client that left is not an error.
 pub fn reply(mut stream: UnixStream, reply: &Reply) {
@@ -65,18 +74,18 @@ impl ApiServer {
         // The main loop waits for at most this long on a slow client.
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-        let mut line = String::new();
-        let read = match stream.try_clone() {
-            Ok(s) => std::io::Read::take(BufReader::new(s), MAX_LINE).read_line(&mut line),
-            Err(e) => Err(e),
-        };
-        match read.map(|_| parse_request(&line)) {
-            Ok(Ok(request)) => self
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((request, stream)),
-            Ok(Err(message)) => error_reply(stream, &message),
+        match read_request(&stream).map(|(line, fd)| (parse_request(&line), fd)) {
+            Ok((Ok(request), fd)) => {
+                self.pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(Taken {
+                        request,
+                        fd,
+                        stream,
+                    })
+            }
+            Ok((Err(message), _)) => error_reply(stream, &message),
             Err(e) => error_reply(stream, &format!("cannot read the request: {e}")),
         }
     }

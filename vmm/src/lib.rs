@@ -427,8 +427,10 @@ impl Vmm {
     }
 
     /// Has the virtio-fs device `spec` names serve the directory it
-    /// names (`--fs` syntax); returns the tag.
-    fn share(&mut self, spec: &str) -> Result<String, VmmError> {
+    /// names (`--fs` syntax), or `dir` (a descriptor passed with the
+    /// request: a detached mount the daemon made for a jailed VMM); returns
+    /// the tag.
+    fn share(&mut self, spec: &str, dir: Option<OwnedFd>) -> Result<String, VmmError> {
         let share: config::FsConfig = spec
             .parse()
             .map_err(|e: config::ConfigError| VmmError::Unsupported(e.to_string()))?;
@@ -443,14 +445,15 @@ impl Vmm {
                 VmmError::Unsupported(format!("this VM has no shared directory `{}`", share.tag))
             })?;
         lock(device)
-            .serve_dir(&share)
+            .serve_dir(&share, dir)
             .map_err(VmmError::Unsupported)?;
         tracing::info!(tag = %share.tag, path = ?share.path, "virtio-fs: a new directory");
         Ok(share.tag)
     }
 
     /// Carries out one control request; returns the reply.
-    fn serve_request(&mut self, request: api::Request) -> api::Reply {
+    /// `fd`: the descriptor that came with it (only a share takes one).
+    fn serve_request(&mut self, request: api::Request, fd: Option<OwnedFd>) -> api::Reply {
         use std::time::Instant;
         let started = Instant::now();
         let id = self.id.clone();
@@ -482,9 +485,9 @@ impl Vmm {
             } => self
                 .change_medium(&drive, &path, overlay.as_deref())
                 .map(|size| api::Reply::Medium { id, drive, size }),
-            api::Request::Share { spec } => {
-                self.share(&spec).map(|tag| api::Reply::Share { id, tag })
-            }
+            api::Request::Share { spec } => self
+                .share(&spec, fd)
+                .map(|tag| api::Reply::Share { id, tag }),
             api::Request::Snapshot { dir, diff } => {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {
@@ -584,8 +587,13 @@ impl Vmm {
                 .as_ref()
                 .map(|p| std::mem::take(&mut *lock(p)))
                 .unwrap_or_default();
-            for (request, stream) in requests {
-                let reply = self.serve_request(request);
+            for api::Taken {
+                request,
+                fd,
+                stream,
+            } in requests
+            {
+                let reply = self.serve_request(request, fd);
                 api::reply(stream, &reply);
             }
         }

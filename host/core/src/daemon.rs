@@ -2138,8 +2138,21 @@ fn control(
     run_dir: &Path,
     request: &husk_vmm_api::Request,
 ) -> Result<husk_vmm_api::Reply, DaemonError> {
-    husk_vmm_api::call(&run_dir.join(vmm_process::API), request, AGENT_TIMEOUT)
-        .map_err(|e| DaemonError::Failed(format!("the VMM's control socket: {e}")))
+    control_with_fd(run_dir, request, None)
+}
+
+/// As [`control`], passing descriptor `fd` (if any) with the request.
+fn control_with_fd(
+    run_dir: &Path,
+    request: &husk_vmm_api::Request,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> Result<husk_vmm_api::Reply, DaemonError> {
+    let socket = run_dir.join(vmm_process::API);
+    match fd {
+        Some(fd) => husk_vmm_api::call_with_fd(&socket, request, fd, AGENT_TIMEOUT),
+        None => husk_vmm_api::call(&socket, request, AGENT_TIMEOUT),
+    }
+    .map_err(|e| DaemonError::Failed(format!("the VMM's control socket: {e}")))
 }
 
 #[cfg(test)]

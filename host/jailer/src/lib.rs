@@ -30,11 +30,11 @@
 //!    SIGTERM/SIGINT/SIGHUP and exits as the VMM did, so to whoever started
 //!    it, the jailer *is* the VMM.
 //!
-//! A running jail takes more shared directories under [`SHARES`] (a
-//! root-only tmpfs, writable where the rest of the root is not):
-//! [`share_into_running`] makes the idmapped mount outside and attaches it
-//! inside, from the jail's mount namespace (a pooled clone given a host
-//! directory after its restore).
+//! A running jail's VMM takes more shared directories without a mount in
+//! the jail: [`share_tree`] makes a detached idmapped mount of the host
+//! directory, and the daemon passes its descriptor to the VMM over the
+//! control socket (a pooled clone given a host directory after its
+//! restore).
 //!
 //! Copy-on-write clones still share their snapshot's page cache: a bind
 //! mount is the same file.
@@ -66,9 +66,6 @@ pub const DEFAULT_NOFILE: u64 = 4096;
 /// Where the jail's root is built (a tmpfs mounted in the jail's own mount
 /// namespace; on the host this stays an empty directory).
 pub const ROOT: &str = "/run/husk-jail";
-/// Where a running jail's added shares are mounted, inside it: a tmpfs
-/// only root writes, so the VMM can neither add nor replace one.
-pub const SHARES: &str = "/shares";
 
 /// The uids the daemon gives its jails, each to one VMM at a time.
 #[derive(Debug, Default)]
@@ -393,16 +390,6 @@ impl Jail {
         for (share, userns) in self.shares.iter().zip(idmaps) {
             share_into(root, share, userns)?;
         }
-        let shares = root.join(SHARES.trim_start_matches('/'));
-        std::fs::create_dir_all(&shares).map_err(io(format!("create {SHARES}")))?;
-        mount(
-            Some("tmpfs"),
-            &shares,
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-            Some("size=64k,nr_inodes=64,mode=0755"),
-        )
-        .map_err(sys(format!("mount a tmpfs on {SHARES}")))?;
         let dev = root.join("dev");
         std::fs::create_dir_all(dev.join("net")).map_err(io("create /dev"))?;
         let mut nodes = vec![("kvm", kvm, 0o600), ("urandom", makedev(1, 9), 0o444)];
@@ -625,49 +612,61 @@ fn bind_into(root: &Path, bind: &Bind) -> Result<(), JailError> {
 }
 
 /// A user namespace whose only ids are `owner`'s, seen as `jail`'s: the
-/// idmapping of a share's mount. Made by a child that enters it and waits
-/// while this process writes its maps and opens it.
+/// idmapping of a share's mount. Made by a child cloned into it that only
+/// waits to be killed, on a stack of its own and sharing this process's
+/// memory (no copy of a large daemon's page tables), with every signal
+/// blocked: cheap, and safe in a threaded process (the daemon's). Its maps
+/// are written and the namespace opened from here.
 fn idmap(owner: (u32, u32), jail: (u32, u32)) -> Result<OwnedFd, JailError> {
-    use nix::unistd::{pipe, read};
-    let (ready_r, ready_w) = pipe().map_err(sys("make a pipe"))?;
-    let (done_r, done_w) = pipe().map_err(sys("make a pipe"))?;
-    // SAFETY: this process is single-threaded (see `Jail::exec`); the
-    // child only unshares, writes, reads and exits.
-    match unsafe { fork() }.map_err(sys("fork the idmap helper"))? {
-        ForkResult::Child => {
-            drop((ready_r, done_w));
-            let ok = unshare(CloneFlags::CLONE_NEWUSER).is_ok();
-            let _ = nix::unistd::write(&ready_w, &[u8::from(ok)]);
-            let mut byte = [0u8; 1];
-            let _ = read(done_r.as_raw_fd(), &mut byte);
-            // SAFETY: _exit ends the child without running the parent's
-            // exit handlers.
-            unsafe { libc::_exit(0) }
-        }
-        ForkResult::Parent { child } => {
-            drop((ready_w, done_r));
-            let mut byte = [0u8; 1];
-            let entered =
-                read(ready_r.as_raw_fd(), &mut byte).map_err(sys("wait for the idmap helper"))?;
-            let result = if entered == 1 && byte[0] == 1 {
-                let proc = PathBuf::from(format!("/proc/{child}"));
-                std::fs::write(proc.join("uid_map"), format!("{} {} 1\n", owner.0, jail.0))
-                    .and_then(|()| {
-                        std::fs::write(proc.join("gid_map"), format!("{} {} 1\n", owner.1, jail.1))
-                    })
-                    .and_then(|()| std::fs::File::open(proc.join("ns/user")))
-                    .map(OwnedFd::from)
-                    .map_err(io("map a share's owner to the jail's ids"))
-            } else {
-                Err(JailError::Invalid(
-                    "cannot make a user namespace for a share's idmapped mount".into(),
-                ))
-            };
-            drop(done_w);
-            let _ = waitpid(child, None);
-            result
+    extern "C" fn wait(_: *mut libc::c_void) -> libc::c_int {
+        loop {
+            // SAFETY: pause(2) has no preconditions; only SIGKILL ends it.
+            unsafe { libc::syscall(libc::SYS_pause) };
         }
     }
+    const STACK: usize = 16 << 10;
+    let mut stack = vec![0u128; STACK / 16];
+    // SAFETY: one past the end of the stack's allocation, 16-byte aligned.
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) }.cast::<libc::c_void>();
+    // SAFETY: sigset_t is plain data; sigfillset and pthread_sigmask only
+    // write the sets passed.
+    let (all, mut old) = unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        (all, std::mem::zeroed::<libc::sigset_t>())
+    };
+    // SAFETY: as above; the child inherits this thread's mask.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old) };
+    // SAFETY: `wait` touches no memory but its own stack frame on `stack`,
+    // which outlives the child (reaped below before `stack` is dropped).
+    let child = unsafe {
+        libc::clone(
+            wait,
+            top,
+            libc::CLONE_NEWUSER | libc::CLONE_VM | libc::SIGCHLD,
+            std::ptr::null_mut(),
+        )
+    };
+    let cloned = std::io::Error::last_os_error();
+    // SAFETY: restores the mask saved above.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut()) };
+    if child < 0 {
+        return Err(JailError::Io(
+            "make a user namespace for a share's idmapped mount".into(),
+            cloned,
+        ));
+    }
+    let proc = PathBuf::from(format!("/proc/{child}"));
+    let result = std::fs::write(proc.join("uid_map"), format!("{} {} 1\n", owner.0, jail.0))
+        .and_then(|()| std::fs::write(proc.join("gid_map"), format!("{} {} 1\n", owner.1, jail.1)))
+        .and_then(|()| std::fs::File::open(proc.join("ns/user")))
+        .map(OwnedFd::from)
+        .map_err(io("map a share's owner to the jail's ids"));
+    // SAFETY: kill(2) of the child made above, then reaping it.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    let _ = waitpid(Pid::from_raw(child), None);
+    drop(stack);
+    result
 }
 
 /// Mounts `share.path` at the same path under `root`, idmapped through
@@ -680,25 +679,13 @@ fn share_into(root: &Path, share: &Share, userns: &OwnedFd) -> Result<(), JailEr
     attach(&tree, &target, share)
 }
 
-/// Mounts `share` at `at` (a name under [`SHARES`], made here) inside the
-/// running jail of process `pid` (the jailer, or the VMM), idmapped so that
-/// its owner's files are `jail`'s ids there, nosuid, nodev, and read-only
-/// unless writable. Run as root, in a single-threaded process: it enters
-/// the jail's mount namespace and does not come back.
-pub fn share_into_running(
-    pid: u32,
-    jail: (u32, u32),
-    share: &Share,
-    at: &Path,
-) -> Result<(), JailError> {
-    let name = at
-        .strip_prefix(SHARES)
-        .ok()
-        .filter(|n| n.components().count() == 1)
-        .filter(|n| matches!(n.components().next(), Some(std::path::Component::Normal(_))))
-        .ok_or_else(|| {
-            JailError::Invalid(format!("{}: not a name under {SHARES}", at.display()))
-        })?;
+/// A detached mount of `share` for a running jail's VMM, which serves the
+/// share from this descriptor (passed over its control socket): idmapped so
+/// that the owner's files are `jail`'s ids on it, nosuid, nodev, and
+/// read-only unless writable. Nothing is mounted anywhere: the mount lives
+/// as long as a descriptor of it does, and reaches nothing above the
+/// share. Run as root; safe in a threaded process.
+pub fn share_tree(share: &Share, jail: (u32, u32)) -> Result<OwnedFd, JailError> {
     if share.root_owned_writable() {
         return Err(JailError::Invalid(format!(
             "share {}: a writable share's owner must not be root",
@@ -711,35 +698,7 @@ pub fn share_into_running(
             share.path.display()
         )));
     }
-    let userns = idmap(share.owner, jail)?;
-    // Opened before the jail's namespace is entered: the host's directory.
-    let tree = idmapped_tree(share, &userns)?;
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))
-        .map_err(io(format!("open the mount namespace of process {pid}")))?;
-    let own = std::fs::metadata("/proc/self/ns/mnt").map_err(io("find this mount namespace"))?;
-    let theirs = ns
-        .metadata()
-        .map_err(io("find the jail's mount namespace"))?;
-    if (own.dev(), own.ino()) == (theirs.dev(), theirs.ino()) {
-        return Err(JailError::Invalid(format!(
-            "process {pid} is not in a jail (it shares this mount namespace)"
-        )));
-    }
-    nix::sched::setns(&ns, CloneFlags::CLONE_NEWNS)
-        .map_err(sys(format!("enter the mount namespace of process {pid}")))?;
-    // setns put this process at the jail's root.
-    let target = Path::new(SHARES).join(name);
-    match std::fs::create_dir(&target) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            return Err(JailError::Invalid(format!(
-                "{} is taken in the jail of process {pid}",
-                target.display()
-            )))
-        }
-        Err(e) => return Err(JailError::Io(format!("create {}", target.display()), e)),
-    }
-    attach(&tree, &target, share)
+    idmapped_tree(share, &idmap(share.owner, jail)?)
 }
 
 /// A detached copy of `share.path`'s mount, idmapped through `userns`,

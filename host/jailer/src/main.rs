@@ -10,13 +10,8 @@
 //! Paths keep their host names inside the jail, so the program's arguments
 //! need no rewriting. Run as root; the program runs as `--uid`/`--gid`.
 //!
-//! A running jail takes another shared directory (the daemon gives a
-//! pooled clone its share this way):
-//!
-//! ```text
-//! husk-jailer --enter JAILER_PID --uid 200001 --gid 200001 \
-//!     --share 1000:1000:/home/me/project --at /shares/fs0
-//! ```
+//! A running jail's VMM is given further shared directories by the daemon
+//! (`husk_jailer::share_tree`), not by this program.
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -29,8 +24,8 @@ use husk_jailer::{Bind, Jail, Share, DEFAULT_NOFILE};
 #[command(name = "husk-jailer", version, about = "Run husk-vmm in a jail")]
 struct Args {
     /// The jail's name (its host name inside): letters, digits, - and _.
-    #[arg(long, required_unless_present = "enter")]
-    id: Option<String>,
+    #[arg(long)]
+    id: String,
     /// The unprivileged uid the program runs as.
     #[arg(long)]
     uid: u32,
@@ -63,39 +58,13 @@ struct Args {
     /// Largest file the program may write, in bytes.
     #[arg(long)]
     fsize: Option<u64>,
-    /// Not a new jail: add the one --share (or --share-ro) to the running
-    /// jail of this process (its jailer's pid), at --at.
-    #[arg(long, requires = "at", conflicts_with_all = ["id", "command", "binds", "binds_ro", "tap"])]
-    enter: Option<u32>,
-    /// With --enter: where the share goes inside, /shares/NAME.
-    #[arg(long, requires = "enter")]
-    at: Option<PathBuf>,
     /// The program (an absolute path) and its arguments.
-    #[arg(last = true, required_unless_present = "enter")]
+    #[arg(last = true, required = true)]
     command: Vec<OsString>,
-}
-
-/// `--enter PID --share... --at /shares/NAME`.
-fn enter(args: Args, pid: u32) -> ExitCode {
-    let mut shares = args.shares.into_iter().chain(args.shares_ro);
-    let (Some(share), None, Some(at)) = (shares.next(), shares.next(), args.at) else {
-        eprintln!("husk-jailer: --enter takes one --share or --share-ro, and --at");
-        return ExitCode::from(2);
-    };
-    match husk_jailer::share_into_running(pid, (args.uid, args.gid), &share, &at) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("husk-jailer: {e}");
-            ExitCode::from(2)
-        }
-    }
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(pid) = args.enter {
-        return enter(args, pid);
-    }
     let mut command = args.command.into_iter();
     let Some(program) = command.next().map(PathBuf::from) else {
         eprintln!("husk-jailer: give the program to run after --");
@@ -115,7 +84,7 @@ fn main() -> ExitCode {
         }))
         .collect();
     let jail = Jail {
-        id: args.id.unwrap_or_default(),
+        id: args.id,
         uid: args.uid,
         gid: args.gid,
         binds,

@@ -1,11 +1,15 @@
 //! A share through the real jailer (as root): the jail's uid works on the
 //! owner's files as its own, what it creates is the owner's on the host,
 //! files of anyone else are not its to write, and a read-only share is;
-//! root's files are shared read-only only.
+//! root's files are shared read-only only. A running jail's share is a
+//! detached idmapped mount, mounted nowhere.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::Command;
+
+use husk_jailer::{share_tree, Share};
 
 /// Why this machine cannot run the test; with `HUSK_REQUIRE_ALL=1` (CI)
 /// that is a failure.
@@ -139,84 +143,111 @@ fn a_share_is_its_owners_on_the_host_and_the_jails_inside() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("must not be root"));
 }
 
+/// What a process with the jail's ids (200098) can do on detached mounts
+/// `rw` and `ro` of one directory: each check's failure is its own exit
+/// code. Runs in a forked child of this (threaded) test: raw calls only.
+fn as_the_jail(rw: &OwnedFd, ro: &OwnedFd) -> i32 {
+    // SAFETY: the child makes only async-signal-safe calls and _exits.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork");
+    if child == 0 {
+        // SAFETY: plain syscalls on descriptors this process holds, C
+        // string literals and stack buffers.
+        let code = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            let mut root: libc::stat = std::mem::zeroed();
+            let errno = || *libc::__errno_location();
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(200098) != 0
+                || libc::setuid(200098) != 0
+            {
+                10
+            } else if libc::openat(rw.as_raw_fd(), c"note".as_ptr(), libc::O_RDONLY) < 0 {
+                11
+            } else if libc::fstatat(rw.as_raw_fd(), c"note".as_ptr(), &mut st, 0) != 0
+                || st.st_uid != 200098
+            {
+                12
+            } else if libc::openat(
+                rw.as_raw_fd(),
+                c"new".as_ptr(),
+                libc::O_CREAT | libc::O_WRONLY | libc::O_EXCL,
+                0o644,
+            ) < 0
+            {
+                13
+            } else if libc::openat(
+                ro.as_raw_fd(),
+                c"ro-new".as_ptr(),
+                libc::O_CREAT | libc::O_WRONLY,
+                0o644,
+            ) >= 0
+                || errno() != libc::EROFS
+            {
+                14
+            } else if libc::fstatat(rw.as_raw_fd(), c"../..".as_ptr(), &mut st, 0) != 0
+                || libc::fstatat(rw.as_raw_fd(), c"".as_ptr(), &mut root, libc::AT_EMPTY_PATH) != 0
+                || (st.st_dev, st.st_ino) != (root.st_dev, root.st_ino)
+            {
+                15
+            } else {
+                0
+            }
+        };
+        // SAFETY: ends the child without the test harness's handlers.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: the child forked above.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    libc::WEXITSTATUS(status)
+}
+
 #[test]
-fn a_running_jail_takes_a_share_under_shares_and_nothing_else() {
+fn a_running_jails_share_is_a_detached_idmapped_mount() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return skip("the jailer runs as root");
+        return skip("idmapped mounts are made as root");
     }
-    if !Path::new("/bin/busybox").exists() {
-        return skip("no /bin/busybox (busybox-static) to run in the jail");
-    }
-    let base = std::env::temp_dir().join(format!("husk-jailer-enter-{}", std::process::id()));
+    let base = std::env::temp_dir().join(format!("husk-jailer-tree-{}", std::process::id()));
     let late = base.join("late");
     std::fs::create_dir_all(&late).expect("mkdir");
     std::os::unix::fs::chown(&late, Some(1000), Some(1000)).expect("chown");
     std::fs::write(late.join("note"), "late\n").expect("write");
     std::os::unix::fs::chown(late.join("note"), Some(1000), Some(1000)).expect("chown");
-    // The jail waits (bounded) for its share, uses it, and waits to be
-    // let go.
-    let script =
-        "(mkdir /shares/mine) 2>/dev/null && echo shares-writable || echo shares-refused; \
-         i=0; while [ ! -e /shares/late/note ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 9; \
-         sleep 0.1; done; cat /shares/late/note; stat -c %u /shares/late/note; \
-         echo jail > /shares/late/new; \
-         i=0; while [ ! -e /shares/late/stop ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 9; \
-         sleep 0.1; done";
-    let jail = Command::new(env!("CARGO_BIN_EXE_husk-jailer"))
-        .args(["--id", "enter-test", "--uid", "200098", "--gid", "200098"])
-        .args(["--", "/bin/busybox", "sh", "-c", script])
-        .current_dir(&base)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("husk-jailer");
-    let enter = |at: &str, owner: &str| {
-        Command::new(env!("CARGO_BIN_EXE_husk-jailer"))
-            .arg("--enter")
-            .arg(jail.id().to_string())
-            .args(["--uid", "200098", "--gid", "200098", "--at", at, "--share"])
-            .arg(format!("{owner}:{}", late.display()))
-            .output()
-            .expect("husk-jailer --enter")
+    let mounts = || std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
+    let before = mounts();
+    let share = |owner: (u32, u32), writable: bool, path: &Path| Share {
+        path: path.to_owned(),
+        owner,
+        writable,
     };
-    // The jail's namespaces exist once its program runs: until then the
-    // entry finds the host's and refuses.
-    let started = std::time::Instant::now();
-    let entered = loop {
-        let out = enter("/shares/late", "1000:1000");
-        if out.status.success() || started.elapsed() > std::time::Duration::from_secs(60) {
-            break out;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(200));
-    };
-    let twice = enter("/shares/late", "1000:1000");
-    let escape = enter("/shares/../etc", "1000:1000");
-    let as_root = enter("/shares/other", "0:0");
-    std::fs::write(late.join("stop"), "").expect("write");
-    let done = jail.wait_with_output().expect("the jail");
+    let rw = share_tree(&share((1000, 1000), true, &late), (200098, 200098)).expect("rw");
+    let ro = share_tree(&share((1000, 1000), false, &late), (200098, 200098)).expect("ro");
+    let code = as_the_jail(&rw, &ro);
+    let during = mounts();
+    let as_root = share_tree(&share((0, 0), true, &late), (200098, 200098));
+    let relative = share_tree(
+        &share((1000, 1000), true, Path::new("late")),
+        (200098, 200098),
+    );
+    let for_root = share_tree(&share((1000, 1000), true, &late), (0, 0));
+    let not_dir = share_tree(
+        &share((1000, 1000), true, &late.join("note")),
+        (200098, 200098),
+    );
     let new_owner = std::fs::metadata(late.join("new")).map(|m| (m.uid(), m.gid()));
+    let ro_new = late.join("ro-new").exists();
+    drop((rw, ro));
     let _ = std::fs::remove_dir_all(&base);
 
-    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    assert!(entered.status.success(), "{}", text(&entered.stderr));
-    assert!(
-        done.status.success(),
-        "{}{}",
-        text(&done.stdout),
-        text(&done.stderr)
-    );
-    assert_eq!(
-        text(&done.stdout).lines().collect::<Vec<_>>(),
-        ["shares-refused", "late", "200098"]
-    );
+    assert_eq!(code, 0, "the jail's checks (see as_the_jail)");
     assert_eq!(new_owner.expect("the jail's new file"), (1000, 1000));
-    assert!(
-        text(&twice.stderr).contains("taken"),
-        "{}",
-        text(&twice.stderr)
-    );
-    assert!(text(&escape.stderr).contains("not a name under /shares"));
-    assert!(text(&as_root.stderr).contains("must not be root"));
-    assert!(!Path::new("/shares/late").exists(), "a mount on the host");
+    assert!(!ro_new);
+    assert_eq!(before, during, "a detached mount is mounted nowhere");
+    let refused = |r: Result<OwnedFd, husk_jailer::JailError>| r.err().map(|e| e.to_string());
+    assert!(refused(as_root).is_some_and(|e| e.contains("must not be root")));
+    assert!(refused(relative).is_some_and(|e| e.contains("absolute path")));
+    assert!(refused(for_root).is_some_and(|e| e.contains("not root's")));
+    assert!(refused(not_dir).is_some_and(|e| e.contains("not a directory")));
 }

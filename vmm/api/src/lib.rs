@@ -13,7 +13,7 @@
 //! | `{"op":"resume"}` | [`Reply::Resumed`] |
 //! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after |
 //! | `{"op":"medium","drive":ID,"path":FILE,"overlay":FILE}` | [`Reply::Medium`]: drive ID now reads FILE (copy-on-write into a new `overlay`, or read-only without one) and the guest is told its new capacity by a configuration change interrupt, as a CD drive takes a new disc; the guest must have stopped using the old one |
-//! | `{"op":"share","spec":"tag=TAG,path=DIR[,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]..."}` | [`Reply::Share`]: the virtio-fs device `TAG` (an empty slot, or a share the guest has not mounted) now serves DIR, with the options of `--fs`; the guest mounts it with `mount -t virtiofs TAG DIR` |
+//! | `{"op":"share","spec":"tag=TAG[,path=DIR][,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]..."}` | [`Reply::Share`]: the virtio-fs device `TAG` (an empty slot, or a share the guest has not mounted) now serves DIR, or the directory whose descriptor comes with the request (SCM_RIGHTS: see [`call_with_fd`]), with the options of `--fs`; the guest mounts it with `mount -t virtiofs TAG DIR` |
 //!
 //! A request the VMM cannot carry out gets [`Reply::Error`] with a message
 //! that says why.
@@ -24,6 +24,7 @@ pub mod sched;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -171,11 +172,38 @@ pub fn to_line<T: Serialize>(value: &T) -> String {
 /// Sends `request` to the VMM at `socket` and waits up to `timeout` for
 /// its reply; a [`Reply::Error`] becomes [`ControlError::Refused`].
 pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Reply, ControlError> {
+    call_passing(socket, request, None, timeout)
+}
+
+/// As [`call`], with descriptor `fd` passed along with the request (the
+/// directory a share request serves, where the VMM cannot open it by path:
+/// a detached mount made for a jailed VMM).
+pub fn call_with_fd(
+    socket: &Path,
+    request: &Request,
+    fd: BorrowedFd<'_>,
+    timeout: Duration,
+) -> Result<Reply, ControlError> {
+    call_passing(socket, request, Some(fd), timeout)
+}
+
+fn call_passing(
+    socket: &Path,
+    request: &Request,
+    fd: Option<BorrowedFd<'_>>,
+    timeout: Duration,
+) -> Result<Reply, ControlError> {
     let io = |e| ControlError::Io(socket.to_owned(), e);
     let mut stream =
         UnixStream::connect(socket).map_err(|e| ControlError::Connect(socket.to_owned(), e))?;
     stream.set_read_timeout(Some(timeout)).map_err(io)?;
-    stream.write_all(to_line(request).as_bytes()).map_err(io)?;
+    stream.set_write_timeout(Some(timeout)).map_err(io)?;
+    let line = to_line(request);
+    let sent = match fd {
+        Some(fd) => send_with_fd(&stream, line.as_bytes(), fd).map_err(io)?,
+        None => 0,
+    };
+    stream.write_all(&line.as_bytes()[sent..]).map_err(io)?;
     let mut line = String::new();
     BufReader::new(stream.take(MAX_LINE))
         .read_line(&mut line)
@@ -187,9 +215,196 @@ pub fn call(socket: &Path, request: &Request, timeout: Duration) -> Result<Reply
     }
 }
 
+/// Room for one descriptor's control message, aligned for `cmsghdr`.
+#[repr(C, align(8))]
+struct OneFd([u8; 32]);
+
+/// Sends the start of `bytes` with `fd` attached (SCM_RIGHTS); returns how
+/// many bytes went.
+fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> std::io::Result<usize> {
+    let mut space = OneFd([0; 32]);
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: msghdr is plain data; the fields set below point at `iov`
+    // and `space`, which outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = space.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a size.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as _;
+    // SAFETY: `space` holds one aligned header and one descriptor
+    // (CMSG_SPACE of an int is 24 bytes on 64-bit, within its 32).
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
+    }
+    // SAFETY: a connected socket and the message built above.
+    let sent = unsafe { libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    usize::try_from(sent).map_err(|_| std::io::Error::last_os_error())
+}
+
+/// Reads one request line (at most [`MAX_LINE`] bytes) from `stream`, and
+/// the one descriptor it may carry (SCM_RIGHTS; any more are closed).
+pub fn read_request(stream: &UnixStream) -> std::io::Result<(String, Option<OwnedFd>)> {
+    let mut line = Vec::new();
+    let mut passed: Option<OwnedFd> = None;
+    let mut buf = [0u8; 4096];
+    while !line.contains(&b'\n') {
+        if line.len() as u64 >= MAX_LINE {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "a request line longer than 64 KiB",
+            ));
+        }
+        let mut space = OneFd([0; 32]);
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: as in `send_with_fd`.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = space.0.as_mut_ptr().cast();
+        msg.msg_controllen = space.0.len() as _;
+        // SAFETY: a connected socket and a message whose buffers outlive
+        // the call; descriptors arrive close-on-exec.
+        let n = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        let n = match usize::try_from(n) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(_) => {
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    std::io::ErrorKind::Interrupted => continue,
+                    _ => return Err(e),
+                }
+            }
+        };
+        // SAFETY: walking the control messages the kernel wrote into
+        // `space`, within `msg_controllen`.
+        let mut cmsg = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+        while !cmsg.is_null() {
+            // SAFETY: a header within the control buffer.
+            let (level, kind, len) = unsafe {
+                (
+                    (*cmsg).cmsg_level,
+                    (*cmsg).cmsg_type,
+                    (*cmsg).cmsg_len as usize,
+                )
+            };
+            if (level, kind) == (libc::SOL_SOCKET, libc::SCM_RIGHTS) {
+                // SAFETY: CMSG_LEN only computes a size.
+                let header = unsafe { libc::CMSG_LEN(0) } as usize;
+                let count = len.saturating_sub(header) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    // SAFETY: `count` descriptors follow the header; each
+                    // is this process's now, owned by nothing else.
+                    let fd = unsafe {
+                        let raw =
+                            std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>().add(i));
+                        OwnedFd::from_raw_fd(raw)
+                    };
+                    // A second descriptor is closed here (dropped).
+                    if passed.is_none() {
+                        passed = Some(fd);
+                    }
+                }
+            }
+            // SAFETY: the next header, or null past the buffer.
+            cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
+        }
+        line.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8(line).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a request that is not UTF-8",
+        )
+    })?;
+    Ok((line, passed))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn a_request_carries_one_descriptor_and_no_more() {
+        use std::io::Seek;
+        let (client, server) = UnixStream::pair().expect("pair");
+        let mut file = tempfile_with(b"passed");
+        let line = to_line(&Request::Status);
+        let sent = send_with_fd(&client, line.as_bytes(), file.as_fd()).expect("send");
+        (&client).write_all(&line.as_bytes()[sent..]).expect("rest");
+        let (got, fd) = read_request(&server).expect("read");
+        assert_eq!(got, line);
+        let mut passed = std::fs::File::from(fd.expect("the descriptor"));
+        passed.rewind().expect("rewind");
+        let mut text = String::new();
+        passed.read_to_string(&mut text).expect("read");
+        assert_eq!(text, "passed");
+
+        // Without one: the line alone. Two in one message: the second closed.
+        (&client).write_all(line.as_bytes()).expect("plain");
+        assert!(read_request(&server).expect("read").1.is_none());
+        file.rewind().expect("rewind");
+        // SAFETY: as in `send_with_fd`, with room for two descriptors.
+        let two = unsafe {
+            let mut space = [0u64; 8];
+            let mut iov = libc::iovec {
+                iov_base: line.as_ptr() as *mut libc::c_void,
+                iov_len: line.len(),
+            };
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = space.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(8) as _;
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(8) as _;
+            let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+            std::ptr::write_unaligned(data, file.as_raw_fd());
+            std::ptr::write_unaligned(data.add(1), file.as_raw_fd());
+            libc::sendmsg(client.as_raw_fd(), &msg, 0)
+        };
+        assert_eq!(two, line.len() as isize);
+        let (got, fd) = read_request(&server).expect("read two");
+        assert_eq!(got, line);
+        assert!(fd.is_some());
+
+        // A line that never ends is cut off.
+        let long = vec![b'x'; MAX_LINE as usize + 10];
+        let writer = std::thread::spawn(move || {
+            let _ = (&client).write_all(&long);
+        });
+        assert!(read_request(&server).is_err());
+        drop(server);
+        writer.join().expect("writer");
+    }
+
+    fn tempfile_with(bytes: &[u8]) -> std::fs::File {
+        let path = std::env::temp_dir().join(format!("husk-vmm-api-{}", std::process::id()));
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .expect("temp file");
+        let _ = std::fs::remove_file(&path);
+        file.write_all(bytes).expect("write");
+        file
+    }
 
     #[test]
     fn requests_round_trip_as_one_json_line() {

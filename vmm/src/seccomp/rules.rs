@@ -125,7 +125,11 @@ pub const CONTROL: &[(i64, &str)] = &[
     (libc::SYS_epoll_pwait, "its event loop"),
     (libc::SYS_epoll_ctl, "its event loop"),
     (libc::SYS_accept4, "control socket connections"),
-    (libc::SYS_recvfrom, "control requests"),
+    (libc::SYS_recvfrom, "std's reads of sockets"),
+    (
+        libc::SYS_recvmsg,
+        "control requests, and the directory a share request passes",
+    ),
     (libc::SYS_sendto, "control replies"),
     (libc::SYS_setsockopt, "control connection timeouts"),
     (libc::SYS_shutdown, "closing control connections"),

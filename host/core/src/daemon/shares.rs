@@ -6,10 +6,11 @@
 //!
 //! For each mount, in order: the host directory is checked (beneath one of
 //! the daemon's mount roots, a directory, owned by someone other than
-//! root unless read-only); a jailed VMM gets it bound into its running jail at
-//! `/shares/fsN` by `husk-jailer --enter`, idmapped so that the owner's
-//! files are the jail uid's there (what the guest creates is the owner's on
-//! the host); the VMM's slot serves it (its `share` request), the owner
+//! root unless read-only); a jailed VMM is passed a detached mount of it
+//! over its control socket ([`husk_jailer::share_tree`]: nothing is mounted
+//! in its jail), idmapped so that the owner's files are the jail uid's
+//! there (what the guest creates is the owner's on the host); the VMM's
+//! slot serves it (its `share` request), the owner
 //! shown to the guest as its `user`; the agent mounts it at the guest path:
 //! a create's mounts ahead of the first request that reaches the guest (a
 //! [`Gate`]: the create answers once the host has served them, and the
@@ -21,6 +22,7 @@
 //! leaves the host directories as they are: the jail's mounts go with its
 //! mount namespace.
 
+use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
 
 use husk_agent_client::Share;
@@ -31,9 +33,6 @@ use super::*;
 /// The guest user the owner of a shared directory appears as (guest-init's
 /// root file system's `user`).
 const GUEST_USER: (u32, u32) = (1000, 1000);
-
-/// Where a jailed VMM finds its added shares.
-const JAIL_SHARES: &str = husk_jailer::SHARES;
 
 /// The file at the top of a host directory that lists what its guests
 /// must not see (patterns as a mount's `hide` takes them).
@@ -327,8 +326,9 @@ impl Daemon {
         Ok((shares, took))
     }
 
-    /// The host's part of a mount: the directory bound into a jailed
-    /// VMM's jail, and served from fs slot `tag`; what it took in ms.
+    /// The host's part of a mount: the directory (for a jailed VMM, a
+    /// detached idmapped mount of it) served from fs slot `tag`; what it
+    /// took in ms.
     fn serve_mount(
         &self,
         rec: &SandboxRecord,
@@ -340,34 +340,22 @@ impl Daemon {
         // The VMM sees the owner's files as the ids it runs with in its
         // jail, or as the owner's where it runs unjailed; the guest sees
         // them as its user's, and what the guest makes is the owner's.
-        let (path, ids) = match &self.cfg.jail {
-            Some(jail) => {
-                let at = Path::new(JAIL_SHARES).join(tag);
-                let out = std::process::Command::new(&jail.jailer)
-                    .arg("--enter")
-                    .arg(rec.pid.to_string())
-                    .args(["--uid", &rec.uid.to_string(), "--gid", &rec.uid.to_string()])
-                    .arg(if mount.readonly {
-                        "--share-ro"
-                    } else {
-                        "--share"
-                    })
-                    .arg(format!("{}:{}:{}", owner.0, owner.1, mount.host))
-                    .arg("--at")
-                    .arg(&at)
-                    .stdin(std::process::Stdio::null())
-                    .output()
-                    .map_err(|e| DaemonError::Failed(format!("{}: {e}", jail.jailer.display())))?;
-                if !out.status.success() {
-                    return Err(DaemonError::Failed(
-                        String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-                    ));
-                }
-                (at.display().to_string(), (rec.uid, rec.uid))
+        // A jailed VMM cannot reach the host's directory by path: it is
+        // passed a detached idmapped mount of it (no mount in its jail).
+        let (dir, ids) = match &self.cfg.jail {
+            Some(_) => {
+                let share = husk_jailer::Share {
+                    path: PathBuf::from(&mount.host),
+                    owner,
+                    writable: !mount.readonly,
+                };
+                let tree = husk_jailer::share_tree(&share, (rec.uid, rec.uid))
+                    .map_err(|e| DaemonError::Failed(e.to_string()))?;
+                (Some(tree), (rec.uid, rec.uid))
             }
-            None => (mount.host.clone(), owner),
+            None => (None, owner),
         };
-        let jail_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let tree_ms = started.elapsed().as_secs_f64() * 1000.0;
         // A root-owned directory (only ever read-only, see `check_mount`:
         // a pod's configMap or secret) shows its files as root's.
         let guest_owner = match owner.0 == 0 || owner.1 == 0 {
@@ -375,9 +363,13 @@ impl Daemon {
             false => GUEST_USER,
         };
         let mut spec = format!(
-            "tag={tag},path={path},owner={}:{},guest-owner={}:{}",
+            "tag={tag},owner={}:{},guest-owner={}:{}",
             ids.0, ids.1, guest_owner.0, guest_owner.1
         );
+        if dir.is_none() {
+            spec.push_str(",path=");
+            spec.push_str(&mount.host);
+        }
         if mount.readonly {
             spec.push_str(",ro");
         }
@@ -385,7 +377,8 @@ impl Daemon {
             spec.push_str(",hide=");
             spec.push_str(pattern);
         }
-        match control(&rec.run_dir, &husk_vmm_api::Request::Share { spec })? {
+        let request = husk_vmm_api::Request::Share { spec };
+        match control_with_fd(&rec.run_dir, &request, dir.as_ref().map(|d| d.as_fd()))? {
             husk_vmm_api::Reply::Share { .. } => {}
             other => {
                 return Err(DaemonError::Failed(format!(
@@ -394,7 +387,7 @@ impl Daemon {
             }
         }
         let host_ms = started.elapsed().as_secs_f64() * 1000.0;
-        tracing::debug!(sandbox = %rec.id, tag, jail_ms, vmm_ms = host_ms - jail_ms, "share served");
+        tracing::debug!(sandbox = %rec.id, tag, tree_ms, vmm_ms = host_ms - tree_ms, "share served");
         Ok(host_ms)
     }
 }

@@ -13,7 +13,7 @@
 pub mod abi;
 pub mod server;
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 
 use event_manager::{EventOps, Events, MutEventSubscriber};
@@ -94,29 +94,41 @@ impl FsDevice {
     }
 
     /// Serves `share`'s directory from now on (a clone's empty slot
-    /// taking its share after the restore). Refused while the guest has
+    /// taking its share after the restore): `share.path`, or `dir` (a
+    /// descriptor of it) with no path. Refused while the guest has
     /// this device mounted: its session's inodes are the old directory's.
-    pub fn serve_dir(&mut self, share: &Share) -> Result<(), String> {
+    pub fn serve_dir(&mut self, share: &Share, dir: Option<OwnedFd>) -> Result<(), String> {
         if share.tag != self.tag {
             return Err(format!(
                 "this is device `{}`, not `{}`",
                 self.tag, share.tag
             ));
         }
-        let Some(path) = share.path.as_deref() else {
-            return Err(format!(
-                "share `{}`: no directory given (path=DIR)",
-                share.tag
-            ));
-        };
         if self.server.has_session() {
             return Err(format!(
                 "the guest has `{}` mounted: unmount it before it serves another directory",
                 self.tag
             ));
         }
-        self.server = Server::new(Some(path), share.options.clone())
-            .map_err(|e| format!("share `{}`: {}: {e}", share.tag, path.display()))?;
+        let server = match (dir, share.path.as_deref()) {
+            (Some(_), Some(_)) => {
+                return Err(format!(
+                    "share `{}`: a directory is passed, and path= names another",
+                    share.tag
+                ))
+            }
+            (Some(fd), None) => Server::with_root(fd, share.options.clone())
+                .map_err(|e| format!("share `{}`: the directory passed: {e}", share.tag))?,
+            (None, Some(path)) => Server::new(Some(path), share.options.clone())
+                .map_err(|e| format!("share `{}`: {}: {e}", share.tag, path.display()))?,
+            (None, None) => {
+                return Err(format!(
+                    "share `{}`: no directory given (path=DIR)",
+                    share.tag
+                ))
+            }
+        };
+        self.server = server;
         Ok(())
     }
 

@@ -260,31 +260,46 @@ fn bytes<T: ByteValued>(value: &T) -> Vec<u8> {
 impl Server {
     /// A server for `dir` (None: an empty slot).
     pub fn new(dir: Option<&Path>, options: ShareOptions) -> std::io::Result<Self> {
-        let root = match dir {
-            Some(dir) => {
-                let c = CString::new(dir.as_os_str().as_encoded_bytes())
-                    .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-                // SAFETY: a valid C string; the descriptor is owned below.
-                let fd = unsafe {
-                    libc::open(
-                        c.as_ptr(),
-                        libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
-                    )
-                };
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // SAFETY: just opened, owned by nothing else.
-                Some(unsafe { OwnedFd::from_raw_fd(fd) })
-            }
-            None => None,
+        let Some(dir) = dir else {
+            return Ok(Self::serving(None, Vec::new(), options));
         };
-        let root_path = dir.map(|d| d.as_os_str().as_encoded_bytes().to_vec());
-        let root_path = match (&root, root_path) {
-            (Some(fd), Some(given)) => fd_path(fd.as_raw_fd()).unwrap_or(given),
-            _ => Vec::new(),
+        let c = CString::new(dir.as_os_str().as_encoded_bytes())
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+        // SAFETY: a valid C string; the descriptor is owned below.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
         };
-        Ok(Server {
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: just opened, owned by nothing else.
+        Self::with_root(unsafe { OwnedFd::from_raw_fd(fd) }, options)
+    }
+
+    /// A server for the directory `root` is a descriptor of (opened by
+    /// path, or a detached mount passed by the daemon).
+    pub fn with_root(root: OwnedFd, options: ShareOptions) -> std::io::Result<Self> {
+        let st = stat_fd(root.as_raw_fd()).map_err(std::io::Error::from_raw_os_error)?;
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOTDIR));
+        }
+        // Hidden paths are matched on paths beneath this one: without it,
+        // nothing is served (a directory deleted since it was given).
+        let mut root_path = fd_path(root.as_raw_fd())
+            .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOENT))?;
+        // A detached mount's root reads as `/`: kept without a trailing
+        // `/`, every path beneath the root is the root's and `/NAME...`.
+        while root_path.last() == Some(&b'/') {
+            root_path.pop();
+        }
+        Ok(Self::serving(Some(root), root_path, options))
+    }
+
+    fn serving(root: Option<OwnedFd>, root_path: Vec<u8>, options: ShareOptions) -> Self {
+        Server {
             root,
             root_path,
             options,
@@ -294,7 +309,7 @@ impl Server {
             handles: HashMap::new(),
             next_handle: 1,
             session: false,
-        })
+        }
     }
 
     /// Whether the guest has the share mounted (a FUSE session).
@@ -1036,7 +1051,38 @@ mod tests {
     /// A server on a fresh directory, after INIT.
     fn server(options: ShareOptions) -> (TempDir, Server) {
         let dir = TempDir::new().expect("tempdir");
-        let mut server = Server::new(Some(dir.as_path()), options).expect("server");
+        let server = Server::new(Some(dir.as_path()), options).expect("server");
+        (dir, init(server))
+    }
+
+    /// A server on a detached mount of a fresh directory (as the daemon
+    /// passes a jailed VMM), after INIT; None unless run as root.
+    fn detached_server(options: ShareOptions) -> Option<(TempDir, Server)> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: a detached mount is made as root");
+            return None;
+        }
+        let dir = TempDir::new().expect("tempdir");
+        let path = CString::new(dir.as_path().as_os_str().as_encoded_bytes()).expect("path");
+        // SAFETY: a valid C string; the descriptor is owned below.
+        let tree = unsafe {
+            libc::syscall(
+                libc::SYS_open_tree,
+                libc::AT_FDCWD,
+                path.as_ptr(),
+                1 | libc::O_CLOEXEC as libc::c_uint, // OPEN_TREE_CLONE
+            )
+        };
+        assert!(tree >= 0, "open_tree: {}", std::io::Error::last_os_error());
+        // SAFETY: just returned, owned by nothing else.
+        let tree = unsafe { OwnedFd::from_raw_fd(tree as RawFd) };
+        let server = Server::with_root(tree, options).expect("server");
+        assert!(server.root_path.is_empty(), "a detached root reads as /");
+        Some((dir, init(server)))
+    }
+
+    fn init(mut server: Server) -> Server {
         let init = abi::InitIn {
             major: 7,
             minor: 38,
@@ -1047,7 +1093,7 @@ mod tests {
         assert_eq!(error, 0);
         let out: abi::InitOut = read(&out).expect("init_out");
         assert_eq!((out.major, out.minor, out.max_write), (7, 38, MAX_IO));
-        (dir, server)
+        server
     }
 
     /// Sends one request; its error and payload.
@@ -1324,10 +1370,17 @@ mod tests {
 
     #[test]
     fn hidden_names_and_paths_are_absent_to_the_guest() {
-        let (dir, mut s) = server(ShareOptions {
+        let options = ShareOptions {
             hidden: vec![".env".into(), "*.pem".into(), ".git/hooks".into()],
             ..Default::default()
-        });
+        };
+        hidden_are_absent(server(options.clone()));
+        if let Some(detached) = detached_server(options) {
+            hidden_are_absent(detached);
+        }
+    }
+
+    fn hidden_are_absent((dir, mut s): (TempDir, Server)) {
         let share = dir.as_path();
         std::fs::create_dir_all(share.join(".git/hooks")).expect("mkdir");
         std::fs::create_dir_all(share.join("app/.git/hooks")).expect("mkdir");
