@@ -2189,6 +2189,14 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     d.kill();
     d.start(&["--hibernated-disk-mib", "1"]);
     let over = status(api().hibernate(&s.id));
+    // Snapshots share that budget: one is refused the same way.
+    let templates = || {
+        let dirs = std::fs::read_dir(d.state_dir.join("templates")).expect("templates");
+        (api().templates().expect("templates").len(), dirs.count())
+    };
+    let templates_before = templates();
+    let snapshot_over = status(api().snapshot(&s.id, "over-the-budget"));
+    let templates_after = templates();
     let after_over = get(&s.id).expect("listed");
     let entries_after_over = entries_under(&run_dir);
     let ran_after_over = sh(&s.id, "echo on");
@@ -2213,10 +2221,17 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
         "{}",
         over.1
     );
+    assert_eq!(snapshot_over.0, 429, "{}", snapshot_over.1);
+    assert!(
+        snapshot_over.1.contains("--hibernated-disk-mib"),
+        "{}",
+        snapshot_over.1
+    );
+    assert_eq!(templates_after, templates_before, "a refused snapshot");
     assert_eq!(after_over.state, SandboxState::Running);
     assert_eq!(
         entries_after_over, files,
-        "a refused hibernation leaves nothing"
+        "a refused hibernation and snapshot leave nothing"
     );
     assert_eq!(ran_after_over.stdout, "on\n");
     destroy(&s.id);
@@ -3355,6 +3370,50 @@ fn every_documented_route_is_served() {
             }
         }
     }
+}
+
+#[test]
+fn every_documented_e2b_route_is_served() {
+    let (d, _g) = shared();
+    let doc: Value =
+        serde_json::from_str(include_str!("../host/e2b-openapi.json")).expect("e2b-openapi.json");
+    let agent = ureq::AgentBuilder::new().timeout(patience()).build();
+    // Each route with a sandbox, template, volume or secret that is not
+    // there, and an empty body: nothing is made; an answer other than the
+    // route's own (405, or the fallback's "no such route") means it is
+    // not served.
+    let answer = |method: &str, path: &str| {
+        let url = format!("http://{}{}", d.e2b, path.replace("{id}", "nope"));
+        let result = agent
+            .request(method, &url)
+            .set("X-API-Key", E2B_KEY)
+            .set("E2b-Sandbox-Id", "nope")
+            .set("X-Access-Token", "nope")
+            .set("Content-Type", "application/json")
+            .send_bytes(b"{}");
+        match result {
+            Ok(r) => (r.status(), r.into_string().expect("body")),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().expect("body")),
+            Err(e) => panic!("{method} {path}: {e}"),
+        }
+    };
+    let mut routes = 0;
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for method in item.as_object().expect("item").keys() {
+            let (status, body) = answer(&method.to_uppercase(), path);
+            assert!(
+                status != 405 && !body.contains("no such route"),
+                "{method} {path}: {status} {body}"
+            );
+            routes += 1;
+        }
+    }
+    // One the document says is not served answers as such.
+    let logs = answer("GET", "/sandboxes/{id}/logs");
+
+    assert!(routes >= 40, "{routes} routes documented");
+    assert_eq!(logs.0, 404);
+    assert!(logs.1.contains("no such route"), "{}", logs.1);
 }
 
 #[test]

@@ -1554,10 +1554,16 @@ impl Daemon {
         }
         self.reserve_name(name)?;
         let parent = self.store.template(&rec.template)?;
-        let result = template::from_sandbox(&self.cfg, &new_id("tpl"), name, &rec, parent.as_ref());
+        let result = template::from_sandbox(&self.cfg, &new_id("tpl"), name, &rec, parent.as_ref())
+            .map_err(DaemonError::from)
+            .and_then(|t| {
+                let reserved = self.reserve_snapshot(&t)?;
+                self.store.put_template(&t)?;
+                drop(reserved);
+                Ok(t)
+            });
         self.lock().building.retain(|n| n != name);
         let t = result?;
-        self.store.put_template(&t)?;
         self.store
             .audit(who, "snapshot", Some(id), Some(&t.id), name)?;
         Ok(t)

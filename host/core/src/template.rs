@@ -430,6 +430,10 @@ fn boot_and_snapshot(
     Ok(())
 }
 
+/// How the source of a template made from a sandbox starts (then the
+/// sandbox's id).
+pub const FROM_SANDBOX: &str = "sandbox:";
+
 /// Snapshots running sandbox `rec` into template `id` named `name`.
 pub fn from_sandbox(
     cfg: &DaemonConfig,
@@ -481,7 +485,7 @@ pub fn from_sandbox(
         snapshot_dir,
         vcpus: parent.map_or(1, |p| p.vcpus),
         mem_mib: rec.mem_mib,
-        source: format!("sandbox:{}", rec.id),
+        source: format!("{FROM_SANDBOX}{}", rec.id),
         checksums,
         build_ms: BTreeMap::from([("snapshot".to_owned(), ms(started))]),
         network: rec.tap.is_some(),

@@ -14,11 +14,13 @@ use std::os::unix::fs::FileTypeExt;
 
 use super::*;
 
-/// The refusal of a hibernation that would pass the disk budget.
+/// The refusal of a hibernation or snapshot that would pass the disk
+/// budget.
 fn over_budget(budget: u64, used: u64, needed: u64) -> String {
     format!(
-        "hibernated sandboxes may take {} MiB of disk (husk serve --hibernated-disk-mib); \
-         {} MiB are taken{}: destroy or wake some first (the sandbox is left as it was)",
+        "hibernated sandboxes and sandboxes' snapshots may take {} MiB of disk \
+         (husk serve --hibernated-disk-mib); {} MiB are taken{}: destroy or wake some \
+         sandboxes, or delete snapshots, first (the sandbox is left as it was)",
         budget >> 20,
         used >> 20,
         match needed {
@@ -33,14 +35,18 @@ const PREFIX: &str = "hibernation-";
 
 /// Sandbox `id`'s hibernation or wake in progress: others of the same
 /// sandbox wait for it; other sandboxes' go on.
-struct Change<'a> {
+pub(super) struct Change<'a> {
     daemon: &'a Daemon,
-    id: &'a str,
+    id: String,
 }
+
+/// The key in the changes of a snapshot's reservation (no sandbox id has a
+/// space).
+const SNAPSHOT_KEY: &str = "snapshot ";
 
 impl Drop for Change<'_> {
     fn drop(&mut self) {
-        self.daemon.changes().remove(self.id);
+        self.daemon.changes().remove(&self.id);
         self.daemon.changed.notify_all();
     }
 }
@@ -197,7 +203,7 @@ impl Daemon {
 
     /// Waits for sandbox `id`'s change in progress, if any, and starts
     /// its own.
-    fn change<'a>(&'a self, id: &'a str) -> Change<'a> {
+    fn change(&self, id: &str) -> Change<'_> {
         let mut changes = self.changes();
         while changes.contains_key(id) {
             changes = self
@@ -206,13 +212,17 @@ impl Daemon {
                 .unwrap_or_else(|e| e.into_inner());
         }
         changes.insert(id.to_owned(), None);
-        Change { daemon: self, id }
+        Change {
+            daemon: self,
+            id: id.to_owned(),
+        }
     }
 
-    /// Counts `bytes` of hibernation `change` against the host's limits:
-    /// the number of hibernated sandboxes and their disk budget, with the
-    /// hibernations in flight (a hibernation that ends is counted twice
-    /// for a moment, never not at all).
+    /// Counts `bytes` of hibernation (or snapshot) `change` against the
+    /// host's limits: the number of hibernated sandboxes and the disk
+    /// budget they share with the sandboxes' snapshots, with the changes in
+    /// flight (one that ends is counted twice for a moment, never not at
+    /// all).
     fn reserve(&self, change: &Change<'_>, bytes: u64) -> Result<(), DaemonError> {
         let mut changes = self.changes();
         let (asleep, recorded) = self
@@ -225,10 +235,13 @@ impl Daemon {
             });
         let others = changes
             .iter()
-            .filter(|(id, _)| id.as_str() != change.id)
-            .filter_map(|(_, b)| *b);
-        let in_flight = others.clone().count();
-        let used = recorded + others.sum::<u64>();
+            .filter(|(id, _)| **id != change.id)
+            .filter_map(|(id, b)| Some((id, (*b)?)));
+        let in_flight = others
+            .clone()
+            .filter(|(id, _)| !id.starts_with(SNAPSHOT_KEY))
+            .count();
+        let used = recorded + self.snapshot_bytes()? + others.map(|(_, b)| b).sum::<u64>();
         let budget = self.cfg.max_hibernated_bytes;
         if bytes == 0 && asleep + in_flight >= self.cfg.max_hibernated as usize {
             return Err(DaemonError::Limit(format!(
@@ -242,6 +255,34 @@ impl Daemon {
         }
         changes.insert(change.id.to_owned(), Some(bytes));
         Ok(())
+    }
+
+    /// The disk the templates made from sandboxes take (snapshots and
+    /// forks' templates): they share the hibernations' budget.
+    fn snapshot_bytes(&self) -> Result<u64, DaemonError> {
+        Ok(self
+            .store
+            .templates()?
+            .iter()
+            .filter(|t| t.source.starts_with(template::FROM_SANDBOX))
+            .map(|t| disk_bytes(&t.snapshot_dir))
+            .sum())
+    }
+
+    /// Counts snapshot `t` (just written) against the disk budget; past
+    /// it, the snapshot is removed and refused. `reserved` holds it in the
+    /// budget until the template is stored.
+    pub(super) fn reserve_snapshot(&self, t: &TemplateRecord) -> Result<Change<'_>, DaemonError> {
+        let change = self.change(&format!("{SNAPSHOT_KEY}{}", t.id));
+        let reserved = self.reserve(&change, disk_bytes(&t.snapshot_dir).max(1));
+        match reserved {
+            Ok(()) => Ok(change),
+            Err(e) => {
+                drop(change);
+                let _ = std::fs::remove_dir_all(t.snapshot_dir.parent().unwrap_or(&t.snapshot_dir));
+                Err(e)
+            }
+        }
     }
 
     /// Wakes a hibernated sandbox (a running one is left as it is).

@@ -71,11 +71,11 @@ pub(super) async fn list_snapshots(
     let mut snapshots: Vec<husk_types::TemplateRecord> =
         blocking(move || Ok::<_, RestError>(e.daemon.templates()?)).await?;
     snapshots.retain(|t| {
-        t.source.starts_with("sandbox:")
+        t.source.starts_with(husk_core::template::FROM_SANDBOX)
             && !t.name.starts_with(FORK_TEMPLATE)
             && q.sandbox_id
                 .as_ref()
-                .is_none_or(|s| t.source == format!("sandbox:{s}"))
+                .is_none_or(|s| t.source == format!("{}{s}", husk_core::template::FROM_SANDBOX))
             && q.name.as_ref().is_none_or(|n| t.name == *n || t.id == *n)
     });
     snapshots.sort_by_key(|t| t.created_unix_ms);
