@@ -3377,20 +3377,29 @@ fn every_documented_e2b_route_is_served() {
     let (d, _g) = shared();
     let doc: Value =
         serde_json::from_str(include_str!("../host/e2b-openapi.json")).expect("e2b-openapi.json");
-    let agent = ureq::AgentBuilder::new().timeout(patience()).build();
+    // A connection per request: a route that answers before it reads a
+    // body may close its connection.
+    let agent = ureq::AgentBuilder::new()
+        .timeout(patience())
+        .max_idle_connections(0)
+        .build();
     // Each route with a sandbox, template, volume or secret that is not
     // there, and an empty body: nothing is made; an answer other than the
     // route's own (405, or the fallback's "no such route") means it is
     // not served.
     let answer = |method: &str, path: &str| {
         let url = format!("http://{}{}", d.e2b, path.replace("{id}", "nope"));
-        let result = agent
+        let request = agent
             .request(method, &url)
             .set("X-API-Key", E2B_KEY)
             .set("E2b-Sandbox-Id", "nope")
-            .set("X-Access-Token", "nope")
-            .set("Content-Type", "application/json")
-            .send_bytes(b"{}");
+            .set("X-Access-Token", "nope");
+        let result = match method {
+            "POST" | "PUT" => request
+                .set("Content-Type", "application/json")
+                .send_bytes(b"{}"),
+            _ => request.call(),
+        };
         match result {
             Ok(r) => (r.status(), r.into_string().expect("body")),
             Err(ureq::Error::Status(code, r)) => (code, r.into_string().expect("body")),
@@ -4370,11 +4379,31 @@ fn a_named_secret_is_resolved_per_request_and_never_shown() {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |t| t.as_nanos());
-    let (name, first, second) = (
+    let (name, first, second, third) = (
         format!("tok-{nanos:x}"),
         format!("sk-first-{nanos:x}"),
         format!("sk-second-{nanos:x}"),
+        format!("sk-third-{nanos:x}"),
     );
+    // `husk secret`: its value on standard input, never an argument.
+    let husk = |args: &[&str], stdin: &str| {
+        let mut child = Command::new(common::husk_binary())
+            .args(args)
+            .env("HUSK_HOST", d.state_dir.join("husk.sock"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("husk");
+        let mut input = child.stdin.take().expect("stdin");
+        std::io::Write::write_all(&mut input, stdin.as_bytes()).expect("write the value");
+        drop(input);
+        let out = child.wait_with_output().expect("husk");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
     let made: husk_types::SecretInfo = api()
         .call(
             "POST",
@@ -4406,6 +4435,9 @@ fn a_named_secret_is_resolved_per_request_and_never_shown() {
         )
         .expect("update the secret");
     let with_second = get();
+    let cli_set = husk(&["secret", "set", &name], &format!("{third}\n"));
+    let with_third = get();
+    let cli_ls = husk(&["secret", "ls", "--json"], "");
     let listed = api()
         .call::<Value>("GET", "/v1/secrets", None)
         .expect("list")
@@ -4414,9 +4446,7 @@ fn a_named_secret_is_resolved_per_request_and_never_shown() {
         .call::<Value>("GET", &format!("/v1/secrets/{}", made.id), None)
         .expect("get")
         .to_string();
-    api()
-        .send("DELETE", &format!("/v1/secrets/{name}"), Payload::None)
-        .expect("delete the secret");
+    let cli_rm = husk(&["secret", "rm", &name], "");
     let without = get();
     let refusals: Vec<(u16, String)> = [
         json!({ "name": "a}b", "value": "x" }),
@@ -4461,10 +4491,21 @@ fn a_named_secret_is_resolved_per_request_and_never_shown() {
         with_second.stdout, "hello from the allowed host\n",
         "{with_second:?}"
     );
+    assert!(cli_set.0 && cli_set.1.contains("version 3"), "{cli_set:?}");
+    assert_eq!(
+        with_third.stdout, "hello from the allowed host\n",
+        "{with_third:?}"
+    );
+    assert!(cli_ls.0 && cli_ls.1.contains(&name), "{cli_ls:?}");
+    assert!(cli_rm.0, "{cli_rm:?}");
     assert_eq!(
         seen.len(),
-        2,
+        3,
         "the deleted secret's request reached the host: {seen:?}"
+    );
+    assert!(
+        seen[2].contains(&format!("\r\nAuthorization: Bearer {third}\r\n")),
+        "{seen:?}"
     );
     assert!(
         seen[0].contains(&format!("\r\nAuthorization: Bearer {first}\r\n")),
@@ -4480,9 +4521,17 @@ fn a_named_secret_is_resolved_per_request_and_never_shown() {
         audit.contains(&format!("names secret `{name}`, which does not exist")),
         "no refusal in the audit log"
     );
-    for (what, text) in [("list", &listed), ("get", &shown), ("audit", &audit)] {
+    for (what, text) in [
+        ("list", &listed),
+        ("get", &shown),
+        ("audit", &audit),
+        ("husk secret ls", &cli_ls.1),
+        ("husk secret set", &cli_set.1),
+    ] {
         assert!(
-            !text.contains(&first) && !text.contains(&second),
+            [&first, &second, &third]
+                .iter()
+                .all(|v| !text.contains(v.as_str())),
             "{what} shows a value"
         );
     }

@@ -300,6 +300,11 @@ enum Command {
     /// Warm pools: set a template's size, list.
     #[command(subcommand)]
     Pool(PoolCommand),
+    /// Named secrets: values the egress proxy puts into sandboxes'
+    /// requests where a credential names them (`${husk.secrets.NAME}`),
+    /// never shown and never in a guest.
+    #[command(subcommand)]
+    Secret(SecretCommand),
     /// Named volumes: directories the daemon keeps, mounted by name
     /// (`husk run --volume NAME:GUEST_DIR`), which outlive sandboxes.
     #[command(subcommand)]
@@ -453,6 +458,24 @@ enum VolumeCommand {
         json: bool,
     },
     /// Delete volumes and their files (refused while mounted).
+    Rm {
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SecretCommand {
+    /// Make secret NAME, or give it a new value (its next version): the
+    /// value is read from standard input (one line; never an argument,
+    /// which other users' `ps` would show).
+    Set { name: String },
+    /// Every secret (names, versions, times; never a value).
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete secrets: requests whose credentials name them are refused.
     Rm {
         #[arg(required = true)]
         names: Vec<String>,
@@ -930,6 +953,7 @@ fn through_daemon(command: &Command) -> bool {
         | Command::Port { .. }
         | Command::Template(_)
         | Command::Pool(_)
+        | Command::Secret(_)
         | Command::Volume(_)
         | Command::Audit { .. } => true,
         _ => false,
@@ -1157,6 +1181,9 @@ fn run_daemon(command: Command) -> sandboxes::CliResult {
         Command::Template(TemplateCommand::Verify { name }) => sandboxes::template_verify(&name),
         Command::Pool(PoolCommand::Set { template, size }) => sandboxes::pool_set(&template, size),
         Command::Pool(PoolCommand::Ls { json }) => sandboxes::pool_ls(json),
+        Command::Secret(SecretCommand::Set { name }) => sandboxes::secret_set(&name),
+        Command::Secret(SecretCommand::Ls { json }) => sandboxes::secret_ls(json),
+        Command::Secret(SecretCommand::Rm { names }) => sandboxes::secret_rm(&names),
         Command::Volume(VolumeCommand::Create { name }) => sandboxes::volume_create(&name),
         Command::Volume(VolumeCommand::Ls { json }) => sandboxes::volume_ls(json),
         Command::Volume(VolumeCommand::Rm { names }) => sandboxes::volume_rm(&names),

@@ -464,6 +464,52 @@ pub fn volume_rm(names: &[String]) -> CliResult {
     Ok(0)
 }
 
+/// Makes secret `name`, or updates it where it exists, with the one line
+/// standard input holds.
+pub fn secret_set(name: &str) -> CliResult {
+    use std::io::Read;
+    let mut value = String::new();
+    if let Err(e) = std::io::stdin()
+        .take(husk_types::MAX_SECRET_VALUE as u64 + 2)
+        .read_to_string(&mut value)
+    {
+        eprintln!("husk: cannot read the secret's value from standard input: {e}");
+        return Ok(2);
+    }
+    let value = value.strip_suffix('\n').unwrap_or(&value);
+    let value = value.strip_suffix('\r').unwrap_or(value);
+    let c = client();
+    let exists = c.secrets()?.iter().any(|s| s.name == name);
+    let s = match exists {
+        true => c.update_secret(name, value)?,
+        false => c.create_secret(name, value)?,
+    };
+    println!("{} {} version {}", s.id, s.name, s.version);
+    Ok(0)
+}
+
+pub fn secret_ls(as_json: bool) -> CliResult {
+    let list = client().secrets()?;
+    if as_json {
+        print_json(&list);
+        return Ok(0);
+    }
+    println!("{:<20}  {:<32}  VERSION", "ID", "NAME");
+    for s in list {
+        println!("{:<20}  {:<32}  {}", s.id, s.name, s.version);
+    }
+    Ok(0)
+}
+
+/// Deletes each secret; the first refusal stops it.
+pub fn secret_rm(names: &[String]) -> CliResult {
+    let c = client();
+    for name in names {
+        c.delete_secret(name)?;
+    }
+    Ok(0)
+}
+
 pub fn audit(sandbox: Option<&str>, as_json: bool) -> CliResult {
     let log = client().audit(sandbox)?;
     if as_json {

@@ -25,8 +25,8 @@ use tokio::sync::mpsc;
 use husk_types::{
     AuditEntry, BuildEvent, CreateRequest, Created, DirEntry, ExecEvent, ExecSpec, ForkRequest,
     Forked, Killed, PoolInfo, PoolSize, PortInfo, ProcessEvent, ProcessInfo, ProcessSpec,
-    SandboxInfo, SandboxUpdate, SignalName, SignalRequest, SnapshotRequest, TemplateRecord,
-    TemplateSpec, TerminalSize, VolumeInfo, VolumeRequest,
+    SandboxInfo, SandboxUpdate, SecretInfo, SecretRequest, SignalName, SignalRequest,
+    SnapshotRequest, TemplateRecord, TemplateSpec, TerminalSize, VolumeInfo, VolumeRequest,
 };
 
 /// Errors talking to the daemon.
@@ -1026,6 +1026,46 @@ impl ApiClient {
             Payload::None,
         )
         .map(drop)
+    }
+
+    /// Makes named secret `name` with `value` (`POST /v1/secrets`).
+    pub fn create_secret(&self, name: &str, value: &str) -> Result<SecretInfo, ApiClientError> {
+        let body = serde_json::to_vec(&SecretRequest {
+            name: Some(name.to_owned()),
+            value: value.to_owned(),
+            metadata: None,
+        })
+        .unwrap_or_default();
+        self.send("POST", "/v1/secrets", Payload::Json(body))?
+            .json()
+    }
+
+    /// Gives secret `id_or_name` a new value, its next version (`PUT
+    /// /v1/secrets/{id}`).
+    pub fn update_secret(
+        &self,
+        id_or_name: &str,
+        value: &str,
+    ) -> Result<SecretInfo, ApiClientError> {
+        let body = serde_json::to_vec(&SecretRequest {
+            name: None,
+            value: value.to_owned(),
+            metadata: None,
+        })
+        .unwrap_or_default();
+        let path = format!("/v1/secrets/{}", encode(id_or_name));
+        self.send("PUT", &path, Payload::Json(body))?.json()
+    }
+
+    /// Every named secret, never a value (`GET /v1/secrets`).
+    pub fn secrets(&self) -> Result<Vec<SecretInfo>, ApiClientError> {
+        self.send("GET", "/v1/secrets", Payload::None)?.json()
+    }
+
+    /// Deletes secret `id_or_name` (`DELETE /v1/secrets/{id}`).
+    pub fn delete_secret(&self, id_or_name: &str) -> Result<(), ApiClientError> {
+        let path = format!("/v1/secrets/{}", encode(id_or_name));
+        self.send("DELETE", &path, Payload::None).map(drop)
     }
 
     /// Every warm pool (`GET /v1/pools`).
