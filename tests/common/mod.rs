@@ -407,7 +407,8 @@ fn base_snapshot() -> &'static Path {
         std::fs::File::create(&slot).expect("empty drive");
         let slot = format!("path={},id={SLOT}", slot.display());
         // And empty shared-directory slots, which a clone fills.
-        let mut args = vec!["--drive".to_owned(), slot];
+        // And a balloon: what a clone frees goes back to the host.
+        let mut args = vec!["--drive".to_owned(), slot, "--balloon".to_owned()];
         for tag in FS_SLOTS {
             args.extend(["--fs".to_owned(), format!("tag={tag}")]);
         }

@@ -23,6 +23,7 @@ use crate::device_manager::{
 use crate::devices::bus::{Bus, BusError};
 use crate::devices::i8042::I8042;
 use crate::devices::serial::{ConsoleFacts, ConsoleWriter, SerialDevice, SerialSnapshot};
+use crate::devices::virtio::balloon::BalloonDevice;
 use crate::devices::virtio::block::{BlockDevice, Disk, DiskError};
 use crate::devices::virtio::fs::{FsDevice, Share};
 use crate::devices::virtio::net::{NetDevice, Tap, TapError};
@@ -149,6 +150,12 @@ pub fn build_vm(
         let device = Arc::new(Mutex::new(device));
         let parts = (vm.fd(), &mem, &mut platform.events);
         mmio.attach_virtio(parts, Some(&mut cmdline), DeviceHandle::Net(device), None)?;
+    }
+    if config.balloon {
+        let device = BalloonDevice::new().map_err(BuildError::EventFd)?;
+        let device = DeviceHandle::Balloon(Arc::new(Mutex::new(device)));
+        let parts = (vm.fd(), &mem, &mut platform.events);
+        mmio.attach_virtio(parts, Some(&mut cmdline), device, None)?;
     }
     write_cmdline_and_zero_page(&mem, &cmdline, &loaded, initramfs, &regions)?;
     let devices = std::mem::take(&mut mmio.devices);
@@ -345,6 +352,10 @@ fn restore_devices(
                     });
                 let device = FsDevice::new(&share).map_err(|e| share_error(&share, e))?;
                 DeviceHandle::Fs(Arc::new(Mutex::new(device)))
+            }
+            SavedDevice::Balloon { actual } => {
+                let device = BalloonDevice::restored_with(*actual).map_err(BuildError::EventFd)?;
+                DeviceHandle::Balloon(Arc::new(Mutex::new(device)))
             }
             SavedDevice::Block { id, disk } => {
                 let overlay = config

@@ -239,6 +239,9 @@ pub struct VmConfig {
     pub shares: Vec<FsConfig>,
     pub vsock: Option<VsockConfig>,
     pub net: Option<NetConfig>,
+    /// A virtio-balloon device with free page reporting: memory the guest
+    /// frees goes back to the host.
+    pub balloon: bool,
     pub limits: DeviceLimits,
 }
 
@@ -409,6 +412,7 @@ mod tests {
             shares: vec![],
             vsock: None,
             net: None,
+            balloon: false,
             limits: DeviceLimits::default(),
         }
     }

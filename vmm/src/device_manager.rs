@@ -14,6 +14,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::layout::{IRQ_MAX, VIRTIO_MMIO_START};
 use crate::devices::bus::{Bus, BusError};
+use crate::devices::virtio::balloon::BalloonDevice;
 use crate::devices::virtio::block::BlockDevice;
 use crate::devices::virtio::fs::FsDevice;
 use crate::devices::virtio::mmio::{MmioTransport, TransportArgs, TransportSnapshot, MMIO_LEN};
@@ -55,6 +56,7 @@ pub enum DeviceHandle {
     Net(Arc<Mutex<NetDevice>>),
     Vsock(Arc<Mutex<VsockDevice>>),
     Fs(Arc<Mutex<FsDevice>>),
+    Balloon(Arc<Mutex<BalloonDevice>>),
 }
 
 impl DeviceHandle {
@@ -64,6 +66,7 @@ impl DeviceHandle {
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
             DeviceHandle::Fs(d) => d.clone(),
+            DeviceHandle::Balloon(d) => d.clone(),
         }
     }
 
@@ -73,6 +76,7 @@ impl DeviceHandle {
             DeviceHandle::Net(d) => d.clone(),
             DeviceHandle::Vsock(d) => d.clone(),
             DeviceHandle::Fs(d) => d.clone(),
+            DeviceHandle::Balloon(d) => d.clone(),
         }
     }
 }

@@ -301,6 +301,9 @@ impl Vmm {
                 DeviceHandle::Fs(d) => persist::SavedDevice::Fs {
                     tag: lock(d).tag().to_owned(),
                 },
+                DeviceHandle::Balloon(d) => persist::SavedDevice::Balloon {
+                    actual: lock(d).actual(),
+                },
                 DeviceHandle::Block(d) => {
                     let d = lock(d);
                     let disk = d

@@ -77,6 +77,9 @@ pub enum SavedDevice {
     /// virtio-fs: the share's tag. Its directory is the clone's to give
     /// (the guest had none mounted: a mounted share does not snapshot).
     Fs { tag: String },
+    /// virtio-balloon (free page reporting), with the pages its driver
+    /// said it held.
+    Balloon { actual: u32 },
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -210,6 +210,9 @@ pub fn spawn(vm: &VmSpawn<'_>) -> std::io::Result<Child> {
             }
             args.extend(["--vcpus".into(), vcpus.to_string().into()]);
             args.extend(["--mem-mib".into(), mem_mib.to_string().into()]);
+            // Memory the guest frees goes back to the host (clones keep
+            // the device from the template's snapshot).
+            args.push("--balloon".into());
             if *nested_virt {
                 args.push("--nested-virt".into());
             }

@@ -113,6 +113,12 @@ struct Args {
     /// with the VMM).
     #[arg(long)]
     net: Option<NetConfig>,
+    /// A virtio-balloon device with free page reporting: blocks of memory
+    /// the guest frees go back to the host (a clone's fall back to its
+    /// snapshot's shared pages). Kept by snapshots (not given with
+    /// --restore).
+    #[arg(long)]
+    balloon: bool,
     /// Rate limit for every drive: `bytes=N[K|M|G],ops=N` per second (either
     /// may be left out). Host policy: also given with --restore.
     #[arg(long, value_parser = parse_limits)]
@@ -202,6 +208,7 @@ impl Args {
             shares: self.shares,
             vsock: self.vsock,
             net: self.net,
+            balloon: self.balloon,
             limits: DeviceLimits {
                 block: self.block_limit.unwrap_or_default(),
                 net: self.net_limit.unwrap_or_default(),

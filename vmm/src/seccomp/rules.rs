@@ -90,7 +90,10 @@ pub const COMMON: &[(i64, &str)] = &[
     (libc::SYS_munmap, "the allocator"),
     (libc::SYS_mremap, "the allocator"),
     (libc::SYS_mprotect, "the allocator"),
-    (libc::SYS_madvise, "the allocator returning memory"),
+    (
+        libc::SYS_madvise,
+        "the allocator returning memory; the balloon dropping memory the guest freed",
+    ),
     (libc::SYS_brk, "the allocator"),
     (
         libc::SYS_openat,

@@ -5,6 +5,7 @@
 //! the VMM's event loop (it is also an event-manager subscriber). Queue
 //! notifications arrive through ioeventfds, interrupts leave through irqfds.
 
+pub mod balloon;
 pub mod block;
 pub mod fs;
 pub mod mmio;
@@ -23,6 +24,7 @@ pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
 /// Device ids (virtio 1.2, section 5).
 pub const TYPE_NET: u32 = 1;
 pub const TYPE_BLOCK: u32 = 2;
+pub const TYPE_BALLOON: u32 = 5;
 pub const TYPE_VSOCK: u32 = 19;
 pub const TYPE_FS: u32 = 26;
 /// Interrupt status bits (4.2.2): a used buffer, a configuration change.
