@@ -99,3 +99,34 @@ fn a_sandbox_command_without_a_daemon_says_to_start_one() {
     let err = text(&out.stderr);
     assert!(err.contains("husk serve"), "{err}");
 }
+
+#[test]
+fn a_template_from_a_file_that_is_not_here_says_so_before_the_daemon_is_asked() {
+    // No daemon at HUSK_HOST: the check comes first.
+    let build = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_husk"))
+            .args(["template", "build", "t"])
+            .args(args)
+            .env("HUSK_HOST", "/nonexistent/husk.sock")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run husk")
+    };
+    let reference = build(&["--image", "python:3.12-slim"]);
+    let tar = build(&["--tar", "/nonexistent/root.tar"]);
+
+    assert_eq!(reference.status.code(), Some(2));
+    let err = text(&reference.stderr);
+    assert!(
+        err.contains("--image python:3.12-slim")
+            && err.contains("does not pull images from registries")
+            && !err.contains("daemon at"),
+        "{err}"
+    );
+    assert_eq!(tar.status.code(), Some(2));
+    let err = text(&tar.stderr);
+    assert!(
+        err.contains("/nonexistent/root.tar") && err.contains("no such file"),
+        "{err}"
+    );
+}

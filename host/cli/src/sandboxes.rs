@@ -288,6 +288,26 @@ pub fn image_command(template: &str) -> Result<Vec<String>, ApiClientError> {
         .unwrap_or_default())
 }
 
+/// Why `path`, given with `flag`, cannot be used: it is not on this
+/// machine; an image named like a registry reference is told how to get
+/// one onto it.
+fn missing(flag: &str, path: &std::path::Path) -> String {
+    let text = path.to_string_lossy();
+    let reference = flag == "--image"
+        && !text.starts_with(['/', '.'])
+        && (text.contains(':') || text.contains('/'));
+    match reference {
+        true => format!(
+            "no such file or directory here; husk does not pull images from registries \
+             yet: give a `docker save` archive or an OCI image layout of it (for example \
+             `docker save {text} -o image.tar`, or `skopeo copy docker://{text} oci:DIR`)"
+        ),
+        false => "no such file or directory on this machine (the CLI uploads it; \
+                  with --on-host the daemon reads it on its own)"
+            .to_owned(),
+    }
+}
+
 /// Builds a template, showing its progress.
 pub fn template_build(a: BuildArgs) -> CliResult {
     let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
@@ -301,6 +321,23 @@ pub fn template_build(a: BuildArgs) -> CliResult {
         eprintln!("uploading {}", path.display());
         client().upload(&mut file)
     };
+    // Files this machine uploads: one that is not here is said to be so,
+    // before the daemon is asked anything.
+    if !a.on_host {
+        let named = [
+            ("--dir", &a.dir),
+            ("--tar", &a.tar),
+            ("--kernel", &a.kernel),
+        ];
+        if let Some((flag, path)) = named
+            .into_iter()
+            .chain([("--image", &a.image)])
+            .find_map(|(flag, p)| p.as_ref().filter(|p| !p.exists()).map(|p| (flag, p)))
+        {
+            eprintln!("husk: {flag} {}: {}", path.display(), missing(flag, path));
+            return Ok(2);
+        }
+    }
     // clap lets at most one of --dir, --tar and --image through.
     let rootfs = match (a.dir, a.tar, a.image, a.on_host) {
         (Some(path), _, _, true) => RootfsSource::Dir { path: abs(path) },
