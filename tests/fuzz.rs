@@ -21,6 +21,7 @@ const TARGETS: &[(&str, Target)] = &[
     ("mmio_registers", husk_vmm::fuzz::mmio_registers),
     ("snapshot_state", husk_vmm::fuzz::snapshot_state),
     ("fs_request", husk_vmm::fuzz::fs_request),
+    ("balloon_chain", husk_vmm::fuzz::balloon_chain),
     ("agent_frames", husk_server::fuzz::agent_frames),
     ("api_requests", husk_server::fuzz::api_requests),
     ("egress_requests", husk_server::fuzz::egress_requests),
@@ -390,6 +391,20 @@ fn the_seed_corpus_is_the_one_made_here() {
         );
         put("fs_request", name, &seed);
     }
+
+    // A free page report of two 4 KiB ranges, and an inflate buffer of
+    // two page frame numbers.
+    put(
+        "balloon_chain",
+        "report",
+        &chain(&[(0x4000, 4096, NEXT | WRITE), (0x8000, 8192, WRITE)], &[]),
+    );
+    let pfns: Vec<u8> = [4u32, 9].iter().flat_map(|p| p.to_le_bytes()).collect();
+    put(
+        "balloon_chain",
+        "inflate",
+        &chain(&[(0x1000, 8, 0)], &[(0x1000, &pfns)]),
+    );
 
     let mut frame = vec![0u8; 12];
     frame.extend_from_slice(&[0xff; 6]);

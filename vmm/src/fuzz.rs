@@ -101,6 +101,18 @@ pub fn net_frame(data: &[u8]) {
     }
 }
 
+/// virtio-balloon chains: the same chain as a free page report (ranges to
+/// drop) and as an inflate buffer (page frame numbers), against 64 KiB of
+/// guest memory.
+pub fn balloon_chain(data: &[u8]) {
+    use crate::devices::virtio::balloon::{inflate, report};
+    let Some((mem, descriptors)) = guest(data) else {
+        return;
+    };
+    let _ = report(&mem, &descriptors);
+    let _ = inflate(&mem, &descriptors);
+}
+
 /// virtio-mmio register traffic from a driver that may be hostile: the
 /// input is a memory image (first 4 KiB) and then 7-byte operations (kind,
 /// offset u16, value u32) against a block device's transport. A started

@@ -159,7 +159,7 @@ fn drop_range(mem: &GuestMemoryMmap, addr: u64, len: u64) -> u64 {
 
 /// A reporting chain: each device-writable buffer is a range of free
 /// guest memory.
-fn report(mem: &GuestMemoryMmap, chain: &[Descriptor]) -> u64 {
+pub(crate) fn report(mem: &GuestMemoryMmap, chain: &[Descriptor]) -> u64 {
     chain
         .iter()
         .filter(|d| d.is_write_only())
@@ -167,19 +167,25 @@ fn report(mem: &GuestMemoryMmap, chain: &[Descriptor]) -> u64 {
         .sum()
 }
 
-/// An inflate chain: each device-readable buffer is an array of 4 KiB page
-/// frame numbers the guest gave up.
-fn inflate(mem: &GuestMemoryMmap, chain: &[Descriptor]) -> u64 {
+/// Most page frame numbers an inflate chain is read for (Linux sends at
+/// most 256 a chain): a guest cannot keep the device loop, which other
+/// devices share, busy for longer with one chain.
+const MAX_PFNS: usize = 256;
+
+/// An inflate chain: its device-readable buffers are arrays of 4 KiB page
+/// frame numbers the guest gave up (at most [`MAX_PFNS`] are read).
+pub(crate) fn inflate(mem: &GuestMemoryMmap, chain: &[Descriptor]) -> u64 {
+    let addresses = chain
+        .iter()
+        .filter(|d| !d.is_write_only())
+        .flat_map(|d| (0..u64::from(d.len()) / 4).map(move |i| d.addr().0.checked_add(i * 4)))
+        .take(MAX_PFNS);
     let mut dropped = 0;
-    for d in chain.iter().filter(|d| !d.is_write_only()) {
-        // A chain is at most a queue's length of buffers; each is read in
-        // bounded steps.
-        for at in (0..u64::from(d.len()) / 4).map(|i| d.addr().0 + i * 4) {
-            let Ok(pfn) = mem.read_obj::<u32>(GuestAddress(at)) else {
-                break;
-            };
-            dropped += drop_range(mem, u64::from(pfn) * PAGE, PAGE);
-        }
+    for at in addresses {
+        let Some(Ok(pfn)) = at.map(|at| mem.read_obj::<u32>(GuestAddress(at))) else {
+            break;
+        };
+        dropped += drop_range(mem, u64::from(pfn) * PAGE, PAGE);
     }
     dropped
 }
@@ -281,6 +287,25 @@ mod tests {
         ] {
             assert_eq!(drop_range(&mem, addr, len), 0, "{addr:#x}+{len}");
         }
+    }
+
+    #[test]
+    fn an_inflate_chain_drops_its_pages_and_no_more_than_256() {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 4 << 20)]).expect("memory");
+        // 1000 page numbers, all of page 0x100 (in memory), at 0x1000.
+        for i in 0..1000u64 {
+            mem.write_obj(0x100u32, GuestAddress(0x1000 + i * 4))
+                .expect("pfn");
+        }
+        let chain = [Descriptor::new(0x1000, 4000, 0, 0)];
+        // Out of memory, and writable (not an inflate buffer): nothing.
+        let outside = [Descriptor::new(8 << 20, 4000, 0, 0)];
+        let writable = [Descriptor::new(0x1000, 4000, 2, 0)];
+
+        assert_eq!(inflate(&mem, &chain), 256 * PAGE);
+        assert_eq!(inflate(&mem, &outside), 0);
+        assert_eq!(inflate(&mem, &writable), 0);
+        assert_eq!(report(&mem, &writable), 4000 - 4000 % PAGE);
     }
 
     #[test]
