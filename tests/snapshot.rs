@@ -943,6 +943,12 @@ fn the_cli_restores_clones_with_their_own_overlays_and_snapshots_them() {
         .stdin(Stdio::null())
         .output()
         .expect("husk restore");
+    assert!(
+        out.status.success(),
+        "husk restore: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
     let stdout = text(&out.stdout);
     let pids = Pids(
         stdout

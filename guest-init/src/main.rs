@@ -78,6 +78,10 @@ fn main() -> std::process::ExitCode {
         "/sys/module/page_reporting/parameters/page_reporting_order",
         "9",
     );
+    // Compaction only when an allocation needs it, never in the
+    // background: kcompactd moving pages about costs every sandbox CPU
+    // (and a clone private copies of the pages it moves).
+    let _ = std::fs::write("/proc/sys/vm/compaction_proactiveness", "0");
     if let Err(e) = sys::exempt_from_oom() {
         log(&format!("the agent is not exempt from the OOM killer: {e}"));
     }
