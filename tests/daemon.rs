@@ -2184,19 +2184,37 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     d.start(&["--max-hibernated", "0"]);
     let refused = status(api().hibernate(&s.id));
     let running = get(&s.id).expect("listed");
-    // And a disk budget: 1 MiB is less than a hibernation takes, which is
-    // found once it is written; it goes, and the sandbox runs on.
-    d.kill();
-    d.start(&["--hibernated-disk-mib", "1"]);
-    let over = status(api().hibernate(&s.id));
-    // Snapshots share that budget: one is refused the same way.
+    // And a disk budget, which hibernations share with the snapshots made
+    // from sandboxes (other tests' too, on this daemon). A snapshot is
+    // refused before it is written, as it may take its memory's size: the
+    // refusal says what is taken.
     let templates = || {
         let dirs = std::fs::read_dir(d.state_dir.join("templates")).expect("templates");
         (api().templates().expect("templates").len(), dirs.count())
     };
+    d.kill();
+    d.start(&["--hibernated-disk-mib", "1"]);
     let templates_before = templates();
     let snapshot_over = status(api().snapshot(&s.id, "over-the-budget"));
     let templates_after = templates();
+    let taken: u64 = snapshot_over
+        .1
+        .split(" MiB are taken")
+        .next()
+        .and_then(|before| before.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("the refusal says what is taken");
+    // 2 MiB more than that is less than a hibernation of a sandbox holding
+    // a 6.9 MB file takes, which is found once it is written; it goes, and
+    // the sandbox runs on.
+    let filled = sh(
+        &s.id,
+        // Pages of their own (a hibernation leaves zeros out).
+        "seq 1 1000000 > /tmp/six && echo filled",
+    );
+    d.kill();
+    d.start(&["--hibernated-disk-mib", &(taken + 2).to_string()]);
+    let over = status(api().hibernate(&s.id));
     let after_over = get(&s.id).expect("listed");
     let entries_after_over = entries_under(&run_dir);
     let ran_after_over = sh(&s.id, "echo on");
@@ -2215,6 +2233,7 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     assert_eq!(refused.0, 429, "{}", refused.1);
     assert!(refused.1.contains("--max-hibernated"), "{}", refused.1);
     assert_eq!(running.state, SandboxState::Running);
+    assert_eq!(filled.stdout, "filled\n", "{filled:?}");
     assert_eq!(over.0, 429, "{}", over.1);
     assert!(
         over.1.contains("--hibernated-disk-mib") && over.1.contains("this one needs"),

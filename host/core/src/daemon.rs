@@ -1554,10 +1554,11 @@ impl Daemon {
         }
         self.reserve_name(name)?;
         let parent = self.store.template(&rec.template)?;
-        let result = template::from_sandbox(&self.cfg, &new_id("tpl"), name, &rec, parent.as_ref())
-            .map_err(DaemonError::from)
-            .and_then(|t| {
-                let reserved = self.reserve_snapshot(&t)?;
+        let result = self
+            .reserve_snapshot(id, u64::from(rec.mem_mib) << 20)
+            .and_then(|reserved| {
+                let t =
+                    template::from_sandbox(&self.cfg, &new_id("tpl"), name, &rec, parent.as_ref())?;
                 self.store.put_template(&t)?;
                 drop(reserved);
                 Ok(t)

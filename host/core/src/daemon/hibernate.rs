@@ -269,20 +269,15 @@ impl Daemon {
             .sum())
     }
 
-    /// Counts snapshot `t` (just written) against the disk budget; past
-    /// it, the snapshot is removed and refused. `reserved` holds it in the
-    /// budget until the template is stored.
-    pub(super) fn reserve_snapshot(&self, t: &TemplateRecord) -> Result<Change<'_>, DaemonError> {
-        let change = self.change(&format!("{SNAPSHOT_KEY}{}", t.id));
-        let reserved = self.reserve(&change, disk_bytes(&t.snapshot_dir).max(1));
-        match reserved {
-            Ok(()) => Ok(change),
-            Err(e) => {
-                drop(change);
-                let _ = std::fs::remove_dir_all(t.snapshot_dir.parent().unwrap_or(&t.snapshot_dir));
-                Err(e)
-            }
-        }
+    /// Holds `bound` bytes of the disk budget for a snapshot of sandbox
+    /// `id` about to be written (its memory's size: a snapshot takes no
+    /// more), until the change is dropped; refused past the budget before
+    /// anything is written (a snapshot written and then removed would
+    /// leave the VMM diffing against it).
+    pub(super) fn reserve_snapshot(&self, id: &str, bound: u64) -> Result<Change<'_>, DaemonError> {
+        let change = self.change(&format!("{SNAPSHOT_KEY}{id}"));
+        self.reserve(&change, bound.max(1))?;
+        Ok(change)
     }
 
     /// Wakes a hibernated sandbox (a running one is left as it is).
