@@ -27,19 +27,7 @@ use husk_protocol::Termination;
 
 /// The clone's private copies of guest memory, in MiB.
 fn private_mib(pid: u32) -> f64 {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    let (mut kib, mut guest) = (0u64, false);
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or_default();
-        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-            guest = line.ends_with("/memory");
-        } else if let Some(v) = line.strip_prefix("Anonymous:") {
-            if guest {
-                kib += v.trim().trim_end_matches(" kB").parse::<u64>().unwrap_or(0);
-            }
-        }
-    }
-    kib as f64 / 1024.0
+    common::guest_private_kib(pid) as f64 / 1024.0
 }
 
 /// Allocated bytes of the files in `dir`, in MiB.

@@ -1109,36 +1109,13 @@ fn vmm_own_rss_kib(pid: u32) -> u64 {
     own
 }
 
-/// The clone's private copies of its guest memory, in KiB: the anonymous
-/// pages of its mapping of the snapshot's memory file.
-fn guest_private_kib(pid: u32) -> u64 {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    let mut private = 0;
-    let mut guest_mapping = false;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or_default();
-        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
-            guest_mapping = line.ends_with("/memory");
-        } else if let Some(kib) = line.strip_prefix("Anonymous:") {
-            if guest_mapping {
-                private += kib
-                    .trim()
-                    .trim_end_matches(" kB")
-                    .parse::<u64>()
-                    .unwrap_or(0);
-            }
-        }
-    }
-    private
-}
-
 #[test]
 fn memory_a_clone_frees_goes_back_to_the_host_through_the_balloon() {
     const FILL_MIB: u64 = 16;
     let vm = sandbox("balloon");
     let mut client = vm.client();
     let pid = vm.pid();
-    let private = || guest_private_kib(pid);
+    let private = || common::guest_private_kib(pid);
     let run = |client: &mut husk_agent_client::AgentClient, script: &str| {
         let out = client.exec(common::sh(script)).expect("exec");
         assert_eq!(

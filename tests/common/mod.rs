@@ -662,3 +662,26 @@ pub fn flip_byte(path: &Path, offset: u64) {
     file.write_all_at(&[!byte[0]], offset)
         .expect("flip the byte");
 }
+
+/// A clone's private copies of its guest memory, in KiB: the anonymous
+/// pages of VMM `pid`'s mapping of the snapshot's memory file.
+pub fn guest_private_kib(pid: u32) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut private = 0;
+    let mut guest_mapping = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or_default();
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            guest_mapping = line.ends_with("/memory");
+        } else if let Some(kib) = line.strip_prefix("Anonymous:") {
+            if guest_mapping {
+                private += kib
+                    .trim()
+                    .trim_end_matches(" kB")
+                    .parse::<u64>()
+                    .unwrap_or(0);
+            }
+        }
+    }
+    private
+}

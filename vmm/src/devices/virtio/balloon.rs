@@ -50,8 +50,6 @@ pub struct BalloonDevice {
     actual: u32,
     queue_evts: [EventFd; 3],
     active: Option<ActiveQueues>,
-    /// Bytes dropped since the device was made (reported and inflated).
-    dropped: u64,
 }
 
 impl BalloonDevice {
@@ -61,7 +59,6 @@ impl BalloonDevice {
             actual: 0,
             queue_evts: [evt()?, evt()?, evt()?],
             active: None,
-            dropped: 0,
         })
     }
 
@@ -75,11 +72,6 @@ impl BalloonDevice {
     /// The pages the driver says the balloon holds (for snapshots).
     pub fn actual(&self) -> u32 {
         self.actual
-    }
-
-    /// Bytes of guest memory dropped since the device was made.
-    pub fn dropped_bytes(&self) -> u64 {
-        self.dropped
     }
 
     /// Has the device loop look at every queue.
@@ -101,14 +93,17 @@ impl BalloonDevice {
         let Some(queue) = active.queues.get_mut(index) else {
             return;
         };
-        let dropped = &mut self.dropped;
         let Served { used_any, broken } = serve_queue(queue, &mem, "virtio-balloon", |chain| {
-            *dropped += match index {
-                INFLATE => inflate(&mem, chain),
-                REPORTING => report(&mem, chain),
+            match index {
+                INFLATE => {
+                    inflate(&mem, chain);
+                }
+                REPORTING => {
+                    report(&mem, chain);
+                }
                 // Pages the guest takes back (DEFLATE) need nothing here.
-                _ => 0,
-            };
+                _ => {}
+            }
             Some(0)
         });
         if used_any && queue.needs_notification(&mem).unwrap_or(true) {
