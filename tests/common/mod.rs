@@ -666,16 +666,22 @@ pub fn flip_byte(path: &Path, offset: u64) {
 /// A clone's private copies of its guest memory, in KiB: the anonymous
 /// pages of VMM `pid`'s mapping of the snapshot's memory file.
 pub fn guest_private_kib(pid: u32) -> u64 {
+    smaps_kib(pid, "Anonymous:", true)
+}
+
+/// The sum of smaps field `field` (KiB) over VMM `pid`'s mappings of guest
+/// memory (the snapshot's memory file), or (`guest` false) over all others.
+pub fn smaps_kib(pid: u32, field: &str, guest: bool) -> u64 {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
-    let mut private = 0;
+    let mut sum = 0;
     let mut guest_mapping = false;
     for line in smaps.lines() {
         let first = line.split_whitespace().next().unwrap_or_default();
         if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
             guest_mapping = line.ends_with("/memory");
-        } else if let Some(kib) = line.strip_prefix("Anonymous:") {
-            if guest_mapping {
-                private += kib
+        } else if let Some(kib) = line.strip_prefix(field) {
+            if guest_mapping == guest {
+                sum += kib
                     .trim()
                     .trim_end_matches(" kB")
                     .parse::<u64>()
@@ -683,5 +689,5 @@ pub fn guest_private_kib(pid: u32) -> u64 {
             }
         }
     }
-    private
+    sum
 }
