@@ -1092,6 +1092,60 @@ fn vmm_own_rss_kib(pid: u32) -> u64 {
     common::smaps_kib(pid, "Rss:", false)
 }
 
+#[test]
+fn memory_a_clone_frees_goes_back_to_the_host_through_the_balloon() {
+    const FILL_MIB: u64 = 16;
+    let vm = sandbox("balloon");
+    let mut client = vm.client();
+    let pid = vm.pid();
+    let private = || common::guest_private_kib(pid);
+    let run = |client: &mut husk_agent_client::AgentClient, script: &str| {
+        let out = client.exec(common::sh(script)).expect("exec");
+        assert_eq!(
+            out.report.termination,
+            Termination::Code(0),
+            "{script}: {out:?}"
+        );
+        text(&out.stdout)
+    };
+    // The guest's tmpfs takes FILL_MIB of fresh pages: private copies.
+    let before = private();
+    run(
+        &mut client,
+        &format!("dd if=/dev/zero of=/tmp/fill bs=1M count={FILL_MIB} 2>/dev/null"),
+    );
+    let filled = private();
+    // Freed, they are reported (about 2 s later, in free blocks of 2 MiB:
+    // pages freed among others that stay in use are not) and dropped: the
+    // clone falls back to its snapshot's pages. At least a quarter.
+    run(&mut client, "rm /tmp/fill");
+    let back = FILL_MIB * 1024 / 4;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut after = private();
+    while after + back > filled && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        after = private();
+    }
+    // The memory it got back is the guest's to use again, intact.
+    let reused = run(
+        &mut client,
+        "seq 1 100000 > /tmp/again; cp /tmp/again /tmp/copy; \
+         cmp /tmp/again /tmp/copy && tail -n 1 /tmp/copy",
+    );
+
+    assert!(
+        filled >= before + FILL_MIB * 1024 * 3 / 4,
+        "the fill made {} KiB of private copies ({before} -> {filled})",
+        filled.saturating_sub(before)
+    );
+    assert!(
+        after + back <= filled,
+        "{} KiB of {FILL_MIB} MiB came back ({before} -> {filled} -> {after} KiB)",
+        filled.saturating_sub(after)
+    );
+    assert_eq!(reused, "100000\n");
+}
+
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
 }
