@@ -2220,6 +2220,10 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
     let ran_after_over = sh(&s.id, "echo on");
     d.kill();
     d.start(&[]);
+    // The refused hibernation's directory is gone: the next one is whole,
+    // and wakes with the file.
+    api().hibernate(&s.id).expect("hibernate after a refusal");
+    let kept_after_over = sh(&s.id, "tail -n 1 /tmp/six");
 
     // Idle agent connections come and go (at most a few per sandbox).
     assert!(
@@ -2253,7 +2257,31 @@ fn twenty_hibernations_leak_nothing_and_the_hibernated_have_a_limit_of_their_own
         "a refused hibernation and snapshot leave nothing"
     );
     assert_eq!(ran_after_over.stdout, "on\n");
+    assert_eq!(kept_after_over.stdout, "1000000\n", "{kept_after_over:?}");
     destroy(&s.id);
+}
+
+#[test]
+fn a_snapshotted_sandbox_hibernates_and_wakes_with_its_files() {
+    let (_d, _g) = shared();
+    let s = create("base").sandbox;
+    let wrote = sh(&s.id, "echo before > /tmp/a && echo ok");
+    // Its snapshot is moved into a template once written: the sandbox's
+    // own hibernation must not diff against where it was written.
+    let t = api()
+        .snapshot(&s.id, &format!("snap-{}", s.id))
+        .expect("snapshot");
+    let after = sh(&s.id, "echo after > /tmp/b && echo ok");
+    api().hibernate(&s.id).expect("hibernate");
+    let woke = sh(&s.id, "cat /tmp/a /tmp/b");
+    destroy(&s.id);
+    let _ = api().send("DELETE", &format!("/v1/templates/{}", t.id), Payload::None);
+
+    assert_eq!(
+        (wrote.stdout.as_str(), after.stdout.as_str()),
+        ("ok\n", "ok\n")
+    );
+    assert_eq!(woke.stdout, "before\nafter\n", "{woke:?}");
 }
 
 #[test]

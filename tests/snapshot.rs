@@ -699,6 +699,7 @@ fn snapshots_of_clones_restore_and_a_killed_snapshot_never_does() {
             husk_vmm_api::to_line(&husk_vmm_api::Request::Snapshot {
                 dir: third.clone(),
                 diff: false,
+                keep_base: false,
             })
             .as_bytes(),
         )

@@ -542,6 +542,7 @@ pub fn snapshot(
     let request = husk_vmm_api::Request::Snapshot {
         dir: dir.to_owned(),
         diff,
+        keep_base: false,
     };
     match control(api, &request)? {
         husk_vmm_api::Reply::Snapshot { report, .. } => Ok(report),

@@ -262,17 +262,27 @@ impl Vmm {
     }
 
     /// Writes a snapshot of the paused VM to `dir`: all of its memory, or
-    /// (`diff`) only the pages written since the last snapshot.
+    /// (`diff`) only the pages written since the last snapshot. With
+    /// `keep_base`, the snapshot is taken for elsewhere (a template, a
+    /// hibernation that may be discarded): the VM's next diff stays
+    /// against what it diffed against before, and none of its written
+    /// pages are consumed (so a diff against a dirty log is refused).
     pub fn snapshot(
         &mut self,
         dir: &std::path::Path,
         diff: bool,
+        keep_base: bool,
     ) -> Result<persist::WriteTimes, VmmError> {
         if !self.paused {
             return Err(VmmError::NotPaused);
         }
         let diff_base = match (diff, &self.last_snapshot, &self.cow) {
             (false, ..) => None,
+            (true, Some(_), _) if self.dirty_logging && keep_base => {
+                return Err(VmmError::Unsupported(
+                    "a diff against the dirty log consumes it: it cannot keep its base".into(),
+                ))
+            }
             (true, Some(base), _) if self.dirty_logging => Some(DiffBase::Dirty(base.clone())),
             // Restored and not snapshotted since: the pages that are no
             // longer the memory file's are the diff against it.
@@ -331,7 +341,9 @@ impl Vmm {
             Some(DiffBase::Cow(cow)) => {
                 let written = vstate::memory::written_since_mapped(&self.mem)
                     .map_err(|e| VmmError::Unsupported(format!("/proc/self/pagemap: {e}")))?;
-                vstate::memory::clear_dirty(&self.mem);
+                if !keep_base {
+                    vstate::memory::clear_dirty(&self.mem);
+                }
                 persist::MemoryLayout::Diff {
                     base: std::fs::canonicalize(&cow.root).map_err(|e| {
                         VmmError::Unsupported(format!("{}: {e}", cow.root.display()))
@@ -341,11 +353,14 @@ impl Vmm {
                 }
             }
             None => {
-                if self.dirty_logging {
-                    // Everything is in this one: start the next diff afresh.
-                    self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
+                if !keep_base {
+                    if self.dirty_logging {
+                        // Everything is in this one: start the next diff
+                        // afresh.
+                        self.vm.dirty_log(&self.mem).map_err(dirty_error)?;
+                    }
+                    vstate::memory::clear_dirty(&self.mem);
                 }
-                vstate::memory::clear_dirty(&self.mem);
                 persist::MemoryLayout::Full
             }
         };
@@ -371,6 +386,7 @@ impl Vmm {
         };
         // (write fills in a diff's checksum as it writes the pages.)
         match persist::write(dir, &mut state, &self.mem) {
+            Ok(times) if keep_base => Ok(times),
             Ok(times) => {
                 self.last_snapshot = std::fs::canonicalize(dir).ok();
                 self.cow = None;
@@ -385,7 +401,9 @@ impl Vmm {
             Err(e) => {
                 // The dirty pages were consumed: only a full snapshot is
                 // complete now.
-                self.last_snapshot = None;
+                if !keep_base {
+                    self.last_snapshot = None;
+                }
                 Err(e.into())
             }
         }
@@ -491,11 +509,15 @@ impl Vmm {
             api::Request::Share { spec } => self
                 .share(&spec, fd)
                 .map(|tag| api::Reply::Share { id, tag }),
-            api::Request::Snapshot { dir, diff } => {
+            api::Request::Snapshot {
+                dir,
+                diff,
+                keep_base,
+            } => {
                 let was_running = !self.paused;
                 let result = self.pause().and_then(|()| {
                     let paused = started.elapsed();
-                    Ok((paused, self.snapshot(&dir, diff)?))
+                    Ok((paused, self.snapshot(&dir, diff, keep_base)?))
                 });
                 if was_running {
                     if let Err(e) = self.resume() {

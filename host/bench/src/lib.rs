@@ -423,6 +423,7 @@ fn husk_cold_run(
         let request = Request::Snapshot {
             dir: dir.to_owned(),
             diff: false,
+            keep_base: false,
         };
         match husk_vmm_api::call(&vmm.api, &request, config.restore_budget) {
             Ok(Reply::Snapshot { .. }) => taken = Some(Instant::now()),

@@ -1322,7 +1322,14 @@ fn run(command: Command) -> Result<u8, ClientError> {
         Command::Resume { target } => control(target.as_ref(), &Request::Resume),
         Command::Snapshot { target, dest, diff } => {
             let dir = std::path::absolute(&dest)?;
-            control(target.as_ref(), &Request::Snapshot { dir, diff })
+            control(
+                target.as_ref(),
+                &Request::Snapshot {
+                    dir,
+                    diff,
+                    keep_base: false,
+                },
+            )
         }
         Command::Restore {
             dir,

@@ -419,6 +419,7 @@ fn boot_and_snapshot(
     let request = husk_vmm_api::Request::Snapshot {
         dir: written.clone(),
         diff: false,
+        keep_base: false,
     };
     match husk_vmm_api::call(&run.join(vmm_process::API), &request, AGENT_TIMEOUT) {
         Ok(husk_vmm_api::Reply::Snapshot { .. }) => {}
@@ -448,9 +449,12 @@ pub fn from_sandbox(
     let started = Instant::now();
     // Written where a jailed VMM can write, then moved into place.
     let written = rec.run_dir.join(format!("snapshot-{id}"));
+    // Moved away once written: the sandbox's own hibernations must not
+    // diff against it.
     let request = husk_vmm_api::Request::Snapshot {
         dir: written.clone(),
         diff: false,
+        keep_base: true,
     };
     let reply = husk_vmm_api::call(&rec.run_dir.join(vmm_process::API), &request, AGENT_TIMEOUT);
     let checked = match reply {

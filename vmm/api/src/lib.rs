@@ -11,7 +11,7 @@
 //! | `{"op":"status"}` | [`Reply::Status`]: running or paused, the VMM's phases |
 //! | `{"op":"pause"}` | [`Reply::Paused`]: every vCPU is out of KVM_RUN |
 //! | `{"op":"resume"}` | [`Reply::Resumed`] |
-//! | `{"op":"snapshot","dir":DIR,"diff":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after |
+//! | `{"op":"snapshot","dir":DIR,"diff":false,"keep_base":false}` | [`Reply::Snapshot`]: a full snapshot (or with `diff`, only the pages written since the last one; for a restored VM not snapshotted since, the pages that are no longer those of the memory file its restore mapped, which becomes the base) in DIR; a running VM is paused for it and resumed after. With `keep_base`, a snapshot taken for elsewhere (moved, or perhaps discarded): the VM's next diff stays against its earlier base |
 //! | `{"op":"medium","drive":ID,"path":FILE,"overlay":FILE}` | [`Reply::Medium`]: drive ID now reads FILE (copy-on-write into a new `overlay`, or read-only without one) and the guest is told its new capacity by a configuration change interrupt, as a CD drive takes a new disc; the guest must have stopped using the old one |
 //! | `{"op":"share","spec":"tag=TAG[,path=DIR][,ro][,owner=UID:GID[,guest-owner=UID:GID]][,hide=PATTERN]..."}` | [`Reply::Share`]: the virtio-fs device `TAG` (an empty slot, or a share the guest has not mounted) now serves DIR, or the directory whose descriptor comes with the request (SCM_RIGHTS: see [`call_with_fd`]), with the options of `--fs`; the guest mounts it with `mount -t virtiofs TAG DIR` |
 //!
@@ -51,6 +51,11 @@ pub enum Request {
         /// Only the pages written since the VM's last snapshot (or restore).
         #[serde(default)]
         diff: bool,
+        /// Taken for elsewhere (a template, a hibernation that may be
+        /// discarded): the VM's next diff stays against what it diffed
+        /// against before, as if this snapshot had not been taken.
+        #[serde(default)]
+        keep_base: bool,
     },
     /// A new medium in a drive (see the table above).
     Medium {
@@ -415,6 +420,7 @@ mod tests {
             Request::Snapshot {
                 dir: "/tmp/s 1".into(),
                 diff: true,
+                keep_base: false,
             },
             Request::Medium {
                 drive: "ctr0".into(),
@@ -437,7 +443,8 @@ mod tests {
             parse_request(r#"{"op":"snapshot","dir":"/s"}"#),
             Ok(Request::Snapshot {
                 dir: "/s".into(),
-                diff: false
+                diff: false,
+                keep_base: false,
             })
         );
     }

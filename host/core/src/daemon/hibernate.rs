@@ -113,6 +113,10 @@ impl Daemon {
             &husk_vmm_api::Request::Snapshot {
                 dir: dir.clone(),
                 diff: true,
+                // Against the memory its restore mapped, always: a refused
+                // hibernation's directory goes, and the next one must not
+                // diff against it.
+                keep_base: true,
             },
         )
         .and_then(|reply| match reply {
