@@ -141,6 +141,15 @@ impl shim::Shim for HuskShim {
         } else {
             PathBuf::from(&args.bundle)
         };
+        // The shim crate hands SIGPIPE to signal-hook, whose handler wakes
+        // its iterator with a `send` that has no MSG_NOSIGNAL: once that
+        // iterator's end is closed (a shim on its way out), each wake
+        // raises SIGPIPE again, a storm that held a core for as long as the
+        // process lived. SIGPIPE is ignored, as Rust's runtime had it
+        // before the crate: a closed peer is an EPIPE error to whoever
+        // wrote. Nothing reads SIGPIPE from the iterator but a debug log.
+        // SAFETY: sets a signal's disposition, touching no memory.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
         HuskShim {
             exit: Arc::new(ExitSignal::default()),
             namespace: args.namespace.clone(),
