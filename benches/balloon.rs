@@ -1,20 +1,23 @@
 //! Memory a clone frees, given back through the balloon's free page
-//! reporting, against the same clone with reporting off:
+//! reporting, against the same clone with reporting off, and the page
+//! cache an idle clone drops when asked to reclaim (`Body::Reclaim`, what
+//! the daemon sends a sandbox idle for `--reclaim-idle-s`):
 //!
-//!     cargo bench --bench balloon          (HUSK_BENCH_FILL_MIB=48 HUSK_BENCH_SETTLE_S=10)
+//!     cargo bench --bench balloon   (HUSK_BENCH_FILL_MIB=64 HUSK_BENCH_CACHE_MIB=32 HUSK_BENCH_SETTLE_S=10)
 //!
-//! Boots once (the test binaries' base guest: 128 MiB, with `--balloon`;
-//! its /tmp holds at most half of that), then for
-//! each of two clones of it: the clone's private memory (its copy-on-write
-//! copies of snapshot pages, from /proc/PID/smaps) when restored, after the
-//! guest wrote FILL MiB into its tmpfs, and SETTLE seconds after it removed
-//! that file; then the memory of a diff snapshot of it (what a hibernation
-//! writes). Reporting is off in the second clone by setting its
-//! `page_reporting_order` past the buddy allocator's largest order, so no
-//! free block qualifies.
+//! Boots once (the test binaries' base guest: 128 MiB, with `--balloon`),
+//! then for each clone of it: the clone's private memory (its
+//! copy-on-write copies of snapshot pages, from /proc/PID/smaps) when
+//! restored, after the guest allocated FILL MiB (one `dd` buffer of that
+//! size, filled, then freed as dd exits) and SETTLE seconds later; then the
+//! memory of a diff snapshot of it (what a hibernation writes). Reporting
+//! is off in the second clone by setting its `page_reporting_order` past
+//! the buddy allocator's largest order, so no free block qualifies. A third
+//! clone reads a CACHE MiB file from an ext4 medium (its page cache), waits
+//! SETTLE seconds, is asked to reclaim, and waits SETTLE seconds again.
 //!
-//! On an emulating (PVM) host the guest's writes are slow (the fill takes
-//! tens of seconds); the memory numbers are the same as on hardware KVM.
+//! On an emulating (PVM) host the guest's work is slow (tens of seconds);
+//! the memory numbers are the same as on hardware KVM.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -55,11 +58,19 @@ fn run(client: &mut husk_agent_client::AgentClient, script: &str) {
 }
 
 fn main() {
-    let fill = env_count("HUSK_BENCH_FILL_MIB", 48);
+    let fill = env_count("HUSK_BENCH_FILL_MIB", 64);
+    let cache = env_count("HUSK_BENCH_CACHE_MIB", 32);
     let settle = Duration::from_secs(env_count("HUSK_BENCH_SETTLE_S", 10) as u64);
+    let diff_mib = |vm: &common::Sandbox| {
+        let dir = vm.api.with_extension("diff");
+        common::snapshot(&vm.api, &dir, true).expect("diff snapshot");
+        let diff = disk_mib(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        diff
+    };
     println!(
-        "a clone writes {fill} MiB into its tmpfs and removes it; private memory \
-         (MiB) restored / filled / {}s after the remove, and its diff snapshot:",
+        "a clone allocates {fill} MiB and frees it; private memory (MiB) restored / \
+         allocated / {}s after, and its diff snapshot:",
         settle.as_secs()
     );
     for (name, reporting) in [("reporting", true), ("off", false)] {
@@ -73,22 +84,105 @@ fn main() {
         }
         let pid = vm.pid();
         let restored = private_mib(pid);
-        run(
-            &mut client,
-            &format!("dd if=/dev/zero of=/tmp/fill bs=1M count={fill} 2>/dev/null"),
-        );
-        let filled = private_mib(pid);
-        run(&mut client, "rm /tmp/fill");
+        // dd's one buffer of FILL MiB, filled from /dev/zero, freed as it
+        // exits; the peak is read while it sleeps on a FIFO's open.
+        run(&mut client, "mkfifo /tmp/hold");
+        let holder = std::thread::scope(|scope| {
+            let mut second = vm.client();
+            second.set_read_timeout(None).expect("timeout");
+            let dd = scope.spawn(move || {
+                run(
+                    &mut second,
+                    &format!(
+                        "dd if=/dev/zero bs={fill}M count=1 2>/dev/null | \
+                         {{ cat /tmp/hold > /dev/null; cat > /dev/null; }}"
+                    ),
+                )
+            });
+            // Until dd's buffer is resident (it blocks writing into the
+            // pipe, whose reader waits on the FIFO).
+            let deadline = std::time::Instant::now() + Duration::from_secs(600);
+            let mut peak = private_mib(pid);
+            while peak < restored + fill as f64 * 0.75 && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(500));
+                peak = private_mib(pid);
+            }
+            // Then until it stops growing (dd filling the rest).
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+                let now = private_mib(pid);
+                if now < peak + 0.5 || std::time::Instant::now() > deadline {
+                    break;
+                }
+                peak = now;
+            }
+            run(&mut client, "echo > /tmp/hold");
+            dd.join().expect("dd");
+            peak
+        });
         std::thread::sleep(settle);
         let freed = private_mib(pid);
-        let dir = vm.api.with_extension("diff");
-        common::snapshot(&vm.api, &dir, true).expect("diff snapshot");
-        let diff = disk_mib(&dir);
-        let _ = std::fs::remove_dir_all(&dir);
+        let diff = diff_mib(&vm);
         println!(
-            "  {name:<9}: {restored:.1} / {filled:.1} / {freed:.1} MiB private \
+            "  {name:<9}: {restored:.1} / {holder:.1} / {freed:.1} MiB private \
              ({:.1} MiB given back); diff snapshot {diff:.1} MiB on disk",
-            filled - freed
+            holder - freed
         );
     }
+
+    println!(
+        "a clone reads a {cache} MiB file (page cache), then is asked to reclaim; private memory \
+         (MiB) restored / read / {0}s after / {0}s after the reclaim, and its diff snapshot:",
+        settle.as_secs()
+    );
+    let vm = sandbox("balloon-cache");
+    let mut client = vm.client();
+    let pid = vm.pid();
+    let dir = vm.api.with_extension("medium");
+    std::fs::create_dir_all(dir.join("tree")).expect("tree");
+    std::fs::write(dir.join("tree/big"), vec![0x5a_u8; cache << 20]).expect("big");
+    let image = dir.join("disk.ext4");
+    let image_mib = cache as u64 + 8;
+    std::fs::File::create(&image)
+        .and_then(|f| f.set_len(image_mib << 20))
+        .expect("image");
+    let made = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-d"])
+        .arg(dir.join("tree"))
+        .arg(&image)
+        .status()
+        .expect("mkfs.ext4");
+    assert!(made.success(), "mkfs.ext4");
+    common::control(
+        &vm.api,
+        &husk_vmm_api::Request::Medium {
+            drive: common::SLOT.into(),
+            path: image,
+            overlay: Some(dir.join("overlay")),
+        },
+    )
+    .expect("medium");
+    client
+        .mount_medium(common::SLOT, image_mib << 20, "/ctr/b/root")
+        .expect("mount");
+    let restored = private_mib(pid);
+    run(&mut client, "cat /ctr/b/root/big > /dev/null");
+    let read = private_mib(pid);
+    std::thread::sleep(settle);
+    let kept = private_mib(pid);
+    let started = std::time::Instant::now();
+    let (free_before, free_after) = client.reclaim().expect("reclaim");
+    let took = started.elapsed();
+    std::thread::sleep(settle);
+    let reclaimed = private_mib(pid);
+    let diff = diff_mib(&vm);
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "  reclaim  : {restored:.1} / {read:.1} / {kept:.1} / {reclaimed:.1} MiB private \
+         ({:.1} MiB given back); diff snapshot {diff:.1} MiB on disk; the guest's reclaim \
+         took {} ms and freed {:.1} MiB",
+        kept - reclaimed,
+        took.as_millis(),
+        (free_after.saturating_sub(free_before)) as f64 / 1024.0
+    );
 }

@@ -1146,6 +1146,109 @@ fn memory_a_clone_frees_goes_back_to_the_host_through_the_balloon() {
     assert_eq!(reused, "100000\n");
 }
 
+#[test]
+fn memory_an_idle_guest_caches_goes_back_when_it_is_asked_to_reclaim() {
+    use husk_vmm_api::{Reply, Request};
+    const FILE_MIB: u64 = 24;
+    let vm = sandbox("reclaim");
+    let mut client = vm.client();
+    let pid = vm.pid();
+    let private = || common::guest_private_kib(pid);
+    // A file of FILE_MIB on a mounted medium, read whole: the guest's
+    // page cache holds it, in pages the device wrote (private copies on
+    // the host).
+    let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
+    let tree = dir.as_path().join("tree");
+    std::fs::create_dir_all(&tree).expect("tree");
+    std::fs::write(tree.join("big"), vec![0x5a_u8; (FILE_MIB << 20) as usize]).expect("big");
+    let image = dir.as_path().join("disk.ext4");
+    const IMAGE_MIB: u64 = FILE_MIB + 8;
+    std::fs::File::create(&image)
+        .and_then(|f| f.set_len(IMAGE_MIB << 20))
+        .expect("image");
+    let made = Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-d"])
+        .arg(&tree)
+        .arg(&image)
+        .status()
+        .expect("run mkfs.ext4");
+    assert!(made.success(), "mkfs.ext4 failed");
+    let put = control(
+        &vm.api,
+        &Request::Medium {
+            drive: SLOT.into(),
+            path: image.clone(),
+            overlay: Some(dir.as_path().join("disk.overlay")),
+        },
+    );
+    assert!(matches!(put, Ok(Reply::Medium { .. })), "{put:?}");
+    client
+        .mount_medium(SLOT, IMAGE_MIB << 20, "/ctr/r/root")
+        .expect("mount the medium");
+    // The page cache of files (tmpfs pages are counted in it too).
+    let cached = |client: &mut husk_agent_client::AgentClient| {
+        let out = client.exec(sh("cat /proc/meminfo")).expect("meminfo");
+        let field = |name: &str| {
+            text(&out.stdout)
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .expect(name)
+        };
+        field("Cached:").saturating_sub(field("Shmem:"))
+    };
+    let before = private();
+    let read = client
+        .exec(sh(
+            "cat /ctr/r/root/big > /dev/null && busybox od -An -tx1 -N2 /ctr/r/root/big",
+        ))
+        .expect("read the file");
+    let cached_read = cached(&mut client);
+    let filled = private();
+    // Asked to reclaim, it drops them; free page reporting (about 2 s
+    // later) hands them back. At least a quarter.
+    let reclaimed = client.reclaim();
+    let cached_after = cached(&mut client);
+    let back = FILE_MIB * 1024 / 4;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut after = private();
+    while after + back > filled && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        after = private();
+    }
+    // What it reads again comes from the disk, intact.
+    let again = client
+        .exec(sh("busybox od -An -tx1 -N2 -j 12345678 /ctr/r/root/big"))
+        .expect("read again");
+
+    assert_eq!(text(&read.stdout).trim(), "5a 5a", "{read:?}");
+    assert!(
+        cached_read >= FILE_MIB * 1024 * 3 / 4,
+        "the guest cached {cached_read} KiB"
+    );
+    assert!(
+        filled >= before + FILE_MIB * 1024 / 2,
+        "reading made {} KiB of private copies ({before} -> {filled})",
+        filled.saturating_sub(before)
+    );
+    let (free_before, free_after) = reclaimed.expect("reclaim");
+    assert!(
+        free_after >= free_before + FILE_MIB * 1024 / 2,
+        "the guest freed {} KiB ({free_before} -> {free_after})",
+        free_after.saturating_sub(free_before)
+    );
+    assert!(
+        cached_after + FILE_MIB * 1024 / 2 <= cached_read,
+        "{cached_after} KiB still cached (was {cached_read})"
+    );
+    assert!(
+        after + back <= filled,
+        "{} KiB of the {FILE_MIB} MiB came back ({before} -> {filled} -> {after} KiB)",
+        filled.saturating_sub(after)
+    );
+    assert_eq!(text(&again.stdout).trim(), "5a 5a", "{again:?}");
+}
+
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
 }

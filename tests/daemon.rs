@@ -3490,6 +3490,67 @@ fn the_tcp_api_wants_the_bearer_token() {
     assert!(right.call::<Value>("GET", "/v1/info", None).is_ok());
 }
 
+/// The `husk_idle_reclaims` counter at /metrics.
+fn idle_reclaims() -> u64 {
+    let mut text = String::new();
+    api()
+        .send("GET", "/metrics", Payload::None)
+        .expect("metrics")
+        .read_to_string(&mut text)
+        .expect("text");
+    text.lines()
+        .find_map(|l| l.strip_prefix("husk_idle_reclaims_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no husk_idle_reclaims_total in {text}"))
+}
+
+#[test]
+fn an_idle_sandbox_is_asked_for_memory_back_once_per_idle_period() {
+    let d = daemon();
+    let _exclusive = DAEMON_LOCK.write().unwrap_or_else(|e| e.into_inner());
+    d.kill();
+    d.start(&["--reclaim-idle-s", "2"]);
+    let s = create("base").sandbox;
+    // The daemon's log says which sandbox gave memory back (other tests'
+    // sandboxes, idle meanwhile, are asked too).
+    let log = d.state_dir.with_extension("log");
+    let logged_before = std::fs::read_to_string(&log).unwrap_or_default().len();
+    let reclaims = || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.get(logged_before..)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("idle: memory reclaimed") && l.contains(&s.id))
+            .count()
+    };
+    let counted = |at_least: usize| {
+        let deadline = Instant::now() + patience();
+        while reclaims() < at_least && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        reclaims()
+    };
+    // Idle for 2 s: asked once, however long it stays idle.
+    let first = counted(1);
+    std::thread::sleep(Duration::from_secs(6));
+    let still = reclaims();
+    // Used again: a new idle period, asked again; the guest is whole.
+    let ran = sh(&s.id, "echo after");
+    let second = counted(first + 1);
+    let counter = idle_reclaims();
+    let info = get(&s.id).expect("listed");
+    destroy(&s.id);
+    d.kill();
+    d.start(&[]);
+
+    assert_eq!(first, 1, "asked once");
+    assert_eq!(still, first, "asked again without a use between");
+    assert_eq!(ran.stdout, "after\n", "{ran:?}");
+    assert_eq!(second, first + 1, "asked after its next use");
+    assert!(counter >= 2, "husk_idle_reclaims_total {counter}");
+    assert_eq!(info.state, SandboxState::Running);
+}
+
 #[test]
 fn metrics_and_the_audit_log_record_the_work() {
     let (_d, _g) = shared();

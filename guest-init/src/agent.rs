@@ -401,7 +401,8 @@ fn dispatch(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
         | Body::DirUserAttrs { .. }
         | Body::Watch { .. }
         | Body::MountMedium { .. }
-        | Body::KillAll) => return spawn_long(id, body, conn),
+        | Body::KillAll
+        | Body::Reclaim) => return spawn_long(id, body, conn),
         other => {
             let msg = format!("the agent does not handle {}", name(&other));
             return Some(error(id, ErrorKind::Unsupported, msg));
@@ -428,6 +429,24 @@ fn kill_all(id: u64) -> Frame {
             };
             error(id, kind, format!("cannot kill the sandbox's programs: {e}"))
         }
+    }
+}
+
+/// `Reclaim`: the page cache dropped and free memory compacted.
+fn reclaim(id: u64) -> Frame {
+    match crate::sys::reclaim() {
+        Ok((free_before_kib, free_after_kib)) => Frame {
+            id,
+            body: Body::Reclaimed {
+                free_before_kib,
+                free_after_kib,
+            },
+        },
+        Err(e) => error(
+            id,
+            ErrorKind::Internal,
+            format!("cannot reclaim memory: {e}"),
+        ),
     }
 }
 
@@ -478,6 +497,7 @@ fn spawn_long(id: u64, body: Body, conn: &Arc<Conn>) -> Option<Frame> {
                 Body::List { path } => crate::files::list(id, &path, &conn),
                 Body::DirUserAttrs { path } => crate::files::dir_user_attrs(id, &path),
                 Body::KillAll => kill_all(id),
+                Body::Reclaim => reclaim(id),
                 Body::MountMedium { serial, size, root } => {
                     match crate::medium::mount(&serial, size, &root) {
                         Ok(()) => Frame {

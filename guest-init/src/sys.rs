@@ -155,6 +155,32 @@ pub fn health() -> io::Result<husk_protocol::Health> {
     })
 }
 
+/// `Reclaim`: drops the page cache's clean pages and compacts free memory,
+/// so that free page reporting finds whole blocks to hand to the host.
+/// Returns `MemFree` before and after, in KiB.
+pub fn reclaim() -> io::Result<(u64, u64)> {
+    let free = || -> io::Result<u64> {
+        std::fs::read_to_string("/proc/meminfo")?
+            .lines()
+            .find_map(|l| l.strip_prefix("MemFree:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidData, "no MemFree in /proc/meminfo")
+            })
+    };
+    let before = free()?;
+    // 1: the page cache only (dentries and inodes stay: a shell's next
+    // command would look them all up again).
+    std::fs::write("/proc/sys/vm/drop_caches", "1")?;
+    // Without it (no CONFIG_COMPACTION) the freed pages are reported
+    // where they already form whole blocks.
+    match std::fs::write("/proc/sys/vm/compact_memory", "1") {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    Ok((before, free()?))
+}
+
 /// Sets the wall clock (CLOCK_REALTIME) to `unix_ns` since the epoch.
 pub fn set_clock(unix_ns: i64) -> io::Result<()> {
     if unix_ns < 0 {

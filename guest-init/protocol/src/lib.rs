@@ -429,6 +429,17 @@ pub enum Body {
         pid: i32,
         from: u64,
     },
+    /// Gives the host back what an idle guest can spare: the page cache's
+    /// clean pages are dropped and free memory is compacted into the
+    /// blocks free page reporting hands to the host (its
+    /// `page_reporting_order`). Nothing a program holds is touched.
+    /// `Reclaimed`.
+    Reclaim,
+    /// What `Reclaim` freed: `MemFree` before and after, in KiB.
+    Reclaimed {
+        free_before_kib: u64,
+        free_after_kib: u64,
+    },
 }
 
 /// Programs the agent keeps at once, running or ended but not collected;

@@ -665,6 +665,19 @@ impl AgentClient {
         }
     }
 
+    /// Asks the guest to give memory back (`Body::Reclaim`): the page
+    /// cache dropped, free memory compacted for free page reporting.
+    /// Returns its free memory before and after, in KiB.
+    pub fn reclaim(&mut self) -> Result<(u64, u64), ClientError> {
+        match self.call(Body::Reclaim)? {
+            Body::Reclaimed {
+                free_before_kib,
+                free_after_kib,
+            } => Ok((free_before_kib, free_after_kib)),
+            other => Err(ClientError::Unexpected(Box::new(other))),
+        }
+    }
+
     /// Sets the guest's wall clock.
     pub fn set_clock(&mut self, time: SystemTime) -> Result<(), ClientError> {
         let unix_ns = unix_ns(time)?;

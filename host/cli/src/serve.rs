@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// refused with 429 and the sandbox left as it was.
     #[arg(long)]
     pub hibernated_disk_mib: Option<u64>,
+    /// After how many seconds unused a running sandbox's guest is asked,
+    /// once per idle period, to drop its page cache and compact its free
+    /// memory, which free page reporting then gives back to the host
+    /// (default 60; 0: never).
+    #[arg(long)]
+    pub reclaim_idle_s: Option<u64>,
     /// Guest memory all sandboxes together may have, in MiB (default:
     /// three quarters of the host's memory).
     #[arg(long)]
@@ -228,6 +234,9 @@ pub fn serve(args: ServeArgs) -> Result<u8, String> {
     cfg.max_hibernated = args.max_hibernated.unwrap_or(cfg.max_hibernated);
     if let Some(mib) = args.hibernated_disk_mib {
         cfg.max_hibernated_bytes = mib.saturating_mul(1 << 20);
+    }
+    if let Some(s) = args.reclaim_idle_s {
+        cfg.reclaim_idle = (s > 0).then(|| Duration::from_secs(s));
     }
     cfg.memory_mib = args.memory_mib.unwrap_or(cfg.memory_mib);
     cfg.restore_parallel = args.restore_parallel.unwrap_or(cfg.restore_parallel);

@@ -29,6 +29,10 @@ pub struct DaemonConfig {
     pub max_hibernated: u32,
     /// Disk all hibernated sandboxes together may take, in bytes.
     pub max_hibernated_bytes: u64,
+    /// After how long unused a running sandbox's guest is asked, once per
+    /// idle period, to drop its page cache and compact free memory for
+    /// free page reporting (None: never).
+    pub reclaim_idle: Option<Duration>,
     /// Guest memory all sandboxes together may have, in MiB.
     pub memory_mib: u64,
     /// Most restores at once (pool refills and creates together).
@@ -148,6 +152,7 @@ impl DaemonConfig {
             guest_init: None,
             max_sandboxes: 64,
             max_hibernated: 4096,
+            reclaim_idle: Some(Duration::from_secs(60)),
             memory_mib: host_memory_mib() * 3 / 4,
             restore_parallel: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
             restore_wait: Duration::from_secs(120),

@@ -35,6 +35,7 @@ mod media;
 mod podnet;
 mod ports;
 mod processes;
+mod reclaim;
 mod secrets;
 pub use processes::{ProcessInput, ProcessOutput, Reading};
 mod shares;
@@ -116,6 +117,9 @@ struct Live {
     ports: Arc<std::sync::atomic::AtomicUsize>,
     /// When it was last used, and (its other holders) what uses it now.
     activity: Arc<Activity>,
+    /// The last use after which its idle guest was asked to give memory
+    /// back (see [`Daemon::reclaim_idle`]): once per idle period.
+    reclaimed: Option<Instant>,
 }
 
 /// When a sandbox was last used; each [`InUse`] holding it is a request or
@@ -134,6 +138,11 @@ impl Activity {
 
     fn touch(&self) {
         *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// When its last use ended (or began, for one in flight).
+    fn last(&self) -> Instant {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// How long nothing has used it (zero while something does).
@@ -176,6 +185,7 @@ impl Live {
             readying: false,
             ports: Arc::default(),
             activity: Activity::new(),
+            reclaimed: None,
         }
     }
 }
@@ -276,6 +286,9 @@ pub struct Daemon {
     changing: Mutex<HashMap<String, Option<u64>>>,
     /// Signalled when a sandbox's change ends.
     changed: Condvar,
+    /// Set while idle sandboxes are being asked for memory back (one
+    /// worker at a time).
+    reclaiming: AtomicBool,
 }
 
 /// Writes the egress proxy's decisions to the audit log until the daemon
@@ -461,6 +474,7 @@ impl Daemon {
             threads: Mutex::new(Vec::new()),
             changing: Mutex::new(HashMap::new()),
             changed: Condvar::new(),
+            reclaiming: AtomicBool::new(false),
         });
         daemon.recover()?;
         // The audit thread holds no strong reference: the daemon is dropped
@@ -1876,6 +1890,7 @@ impl Daemon {
             self.make_ready();
             self.expire();
             self.idle();
+            self.reclaim_idle();
         }
     }
 

@@ -75,6 +75,7 @@ pub struct Metrics {
     pool_misses: Counter,
     vmm_failures: Counter,
     requests: Counter,
+    idle_reclaims: Counter,
     egress: Family<Decision, Counter>,
     sandboxes: Family<State, Gauge>,
     pool_target: Family<Template, Gauge>,
@@ -96,6 +97,7 @@ impl Default for Metrics {
             pool_misses: Counter::default(),
             vmm_failures: Counter::default(),
             requests: Counter::default(),
+            idle_reclaims: Counter::default(),
             egress: Family::default(),
             sandboxes: Family::default(),
             pool_target: Family::default(),
@@ -147,6 +149,12 @@ impl Default for Metrics {
             "husk_api_requests",
             "API requests served",
             m.requests.clone(),
+        );
+        r.register(
+            "husk_idle_reclaims",
+            "Idle sandboxes whose guests dropped their page cache and compacted free memory \
+             (--reclaim-idle-s)",
+            m.idle_reclaims.clone(),
         );
         r.register(
             "husk_egress_decisions",
@@ -226,6 +234,11 @@ impl Metrics {
     /// A VMM exited on its own.
     pub fn vmm_failed(&self) {
         self.vmm_failures.inc();
+    }
+
+    /// An idle sandbox's guest gave memory back.
+    pub fn idle_reclaim(&self) {
+        self.idle_reclaims.inc();
     }
 
     /// An API request was served.
