@@ -119,6 +119,14 @@ impl TestDaemon {
             )
             .arg("--token-file")
             .arg(self.state_dir.with_extension("token"))
+            // An emulated guest's reclaim (its page cache dropped, its
+            // memory compacted) takes about 40 s of a host core here:
+            // off, but where a test asks for it.
+            .args(if extra.contains(&"--reclaim-idle-s") {
+                &[][..]
+            } else {
+                &["--reclaim-idle-s", "0"][..]
+            })
             .args(extra)
             // The jail needs root; without it the tests that need the jail
             // say they are skipped.

@@ -192,6 +192,9 @@ impl Containerd {
         });
         let mut daemon = Command::new(super::husk_binary());
         daemon.arg("serve");
+        // An emulated guest's reclaim of an idle pod's memory takes about
+        // 40 s of a host core here (tests/daemon.rs tests it).
+        daemon.args(["--reclaim-idle-s", "0"]);
         if cri {
             // The pods' network namespaces, and their volumes (the test's
             // directories) as shares.
