@@ -116,9 +116,14 @@ fn exec_streams_output_and_reports_how_programs_end() {
 
 /// An ext4 image of `size_mib` MiB holding `/hello` with `text`.
 fn ext4_with_hello(path: &std::path::Path, size_mib: u64, text: &str) {
+    ext4_with(path, size_mib, "hello", format!("{text}\n").as_bytes());
+}
+
+/// An ext4 image of `size_mib` MiB holding file `/name` with `contents`.
+fn ext4_with(path: &std::path::Path, size_mib: u64, name: &str, contents: &[u8]) {
     let tree = path.with_extension("tree");
     std::fs::create_dir_all(&tree).expect("tree");
-    std::fs::write(tree.join("hello"), format!("{text}\n")).expect("hello");
+    std::fs::write(tree.join(name), contents).expect("file");
     std::fs::File::create(path)
         .and_then(|f| f.set_len(size_mib << 20))
         .expect("image");
@@ -1158,21 +1163,14 @@ fn memory_an_idle_guest_caches_goes_back_when_it_is_asked_to_reclaim() {
     // page cache holds it, in pages the device wrote (private copies on
     // the host).
     let dir = vmm_sys_util::tempdir::TempDir::new().expect("tempdir");
-    let tree = dir.as_path().join("tree");
-    std::fs::create_dir_all(&tree).expect("tree");
-    std::fs::write(tree.join("big"), vec![0x5a_u8; (FILE_MIB << 20) as usize]).expect("big");
     let image = dir.as_path().join("disk.ext4");
     const IMAGE_MIB: u64 = FILE_MIB + 8;
-    std::fs::File::create(&image)
-        .and_then(|f| f.set_len(IMAGE_MIB << 20))
-        .expect("image");
-    let made = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-d"])
-        .arg(&tree)
-        .arg(&image)
-        .status()
-        .expect("run mkfs.ext4");
-    assert!(made.success(), "mkfs.ext4 failed");
+    ext4_with(
+        &image,
+        IMAGE_MIB,
+        "big",
+        &vec![0x5a_u8; (FILE_MIB << 20) as usize],
+    );
     let put = control(
         &vm.api,
         &Request::Medium {

@@ -3498,14 +3498,20 @@ fn the_tcp_api_wants_the_bearer_token() {
     assert!(right.call::<Value>("GET", "/v1/info", None).is_ok());
 }
 
-/// The `husk_idle_reclaims` counter at /metrics.
-fn idle_reclaims() -> u64 {
+/// The daemon's /metrics text.
+fn metrics_text() -> String {
     let mut text = String::new();
     api()
         .send("GET", "/metrics", Payload::None)
         .expect("metrics")
         .read_to_string(&mut text)
         .expect("text");
+    text
+}
+
+/// The `husk_idle_reclaims` counter at /metrics.
+fn idle_reclaims() -> u64 {
+    let text = metrics_text();
     text.lines()
         .find_map(|l| l.strip_prefix("husk_idle_reclaims_total "))
         .and_then(|n| n.trim().parse().ok())
@@ -3571,12 +3577,7 @@ fn metrics_and_the_audit_log_record_the_work() {
         .expect("filtered list");
     destroy(&s.id);
 
-    let mut text = String::new();
-    api()
-        .send("GET", "/metrics", Payload::None)
-        .expect("metrics")
-        .read_to_string(&mut text)
-        .expect("text");
+    let text = metrics_text();
     let audit: Vec<AuditEntry> = api()
         .call("GET", &format!("/v1/audit?sandbox={}", s.id), None)
         .expect("audit");

@@ -175,6 +175,12 @@ impl Drop for InUse {
 }
 
 impl Live {
+    /// One of its idle agent connections, if any is still open (one the
+    /// guest closed, its agent restarted, is dropped).
+    fn kept_connection(&mut self) -> Option<AgentClient> {
+        std::iter::from_fn(|| self.idle.pop()).find(|c| !c.is_closed())
+    }
+
     fn new(rec: SandboxRecord, child: Option<Child>) -> Self {
         Live {
             rec,
@@ -1219,16 +1225,10 @@ impl Daemon {
                 .sandboxes
                 .get_mut(id)
                 .ok_or_else(|| DaemonError::NotFound(format!("no sandbox `{id}`")))?;
-            let mut kept = None;
-            if live.rec.state == SandboxState::Running {
-                // One the guest closed (its agent restarted) is dropped.
-                while let Some(c) = live.idle.pop() {
-                    if !c.is_closed() {
-                        kept = Some(c);
-                        break;
-                    }
-                }
-            }
+            let kept = match live.rec.state {
+                SandboxState::Running => live.kept_connection(),
+                _ => None,
+            };
             (
                 live.rec.clone(),
                 kept,

@@ -42,8 +42,7 @@ impl Daemon {
                         return None;
                     }
                     l.reclaimed = Some(last);
-                    let kept = std::iter::from_fn(|| l.idle.pop()).find(|c| !c.is_closed());
-                    Some((l.rec.id.clone(), l.rec.run_dir.clone(), kept))
+                    Some((l.rec.id.clone(), l.rec.run_dir.clone(), l.kept_connection()))
                 })
                 .collect()
         };
